@@ -1,0 +1,245 @@
+"""`boundedloss bench transport`: goodput of message transfers on loopback.
+
+Two worker processes (a sender and a receiver, so each has a core of its own) are driven
+over pipes. For each datagram size the raw-UDP ceiling is measured in the same run and
+interleaved with the protocol rows: the same datagram size sent as fast as Python can
+(``sendto`` in a loop, no protocol) into a receiver doing ``recv_into`` in a loop.
+Goodput is message bytes over the time from the sender's first send to the receiver's
+close (or, for the ceiling, to its last datagram), on the machine's monotonic clock,
+which both processes share.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import secrets
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..net.loss import Bernoulli
+from ..net.udp import DEFAULT_SOCKET_BUFFER, UdpEndpoint, _set_buffer
+from ..policy import FixedBoundPolicy, ReliablePolicy
+from ..protocol.types import TransportConfig
+from ..wire import HEADER_BYTES
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class TransportRow:
+    chunk_bytes: int
+    message_bytes: int
+    loss: float
+    policy: str
+    goodput_gbps: float
+    ceiling_gbps: float
+    ratio_to_ceiling: float
+    retransmit_rounds: float
+    retransmitted_fraction: float
+    delivered_fraction: float
+    repeats: int
+
+
+# ---------------------------------------------------------------- worker side
+def _policy(name: str):
+    return ReliablePolicy() if name == "reliable" else FixedBoundPolicy(float(name.split("=")[1]))
+
+
+def _worker(conn) -> None:
+    """Serve commands from the driver until told to quit."""
+    endpoint = None
+    future = None
+    raw = None
+    payload_cache: dict[int, np.ndarray] = {}
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "quit":
+            break
+        if cmd == "open":  # (session, chunk_bytes, loss, seed)
+            if endpoint is not None:
+                endpoint.close()
+            session, chunk_bytes, loss, seed = args
+            cfg = TransportConfig(chunk_bytes=chunk_bytes, peer_timeout=30.0, receive_deadline=60.0)
+            model = Bernoulli(loss, seed=seed) if loss else None
+            endpoint = UdpEndpoint(session=session, config=cfg, loss=model)
+            conn.send(endpoint.address)
+        elif cmd == "post":  # (peer, nbytes, policy, round)
+            peer, nbytes, policy, rnd = args
+            # A warm, reused destination, as a training job's gradient buckets are (a
+            # fresh one would time the kernel's page faults, not the transport).
+            out = payload_cache.get(-nbytes)
+            if out is None:
+                out = payload_cache[-nbytes] = np.ones(nbytes, dtype=np.uint8)
+            future = endpoint.receive(peer, message_id=1, round_id=rnd, policy=_policy(policy), out=out)
+            conn.send("posted")
+        elif cmd == "send":  # (peer, nbytes, round)
+            peer, nbytes, rnd = args
+            if nbytes not in payload_cache:
+                payload_cache[nbytes] = np.random.default_rng(nbytes).integers(
+                    0, 255, nbytes, dtype=np.uint8
+                )
+            t0 = time.monotonic()
+            res = endpoint.send(peer, payload_cache[nbytes], message_id=1, round_id=rnd).result()
+            conn.send((t0, res.status.value, res.stats.retransmit_rounds, res.stats.retransmitted))
+        elif cmd == "wait":
+            res = future.result()
+            t_end = time.monotonic()
+            conn.send((t_end, res.stats.delivered, res.stats.chunks, res.close_reason.name))
+        elif cmd == "raw_open":
+            raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            _set_buffer(raw, "RCV", DEFAULT_SOCKET_BUFFER)
+            _set_buffer(raw, "SND", DEFAULT_SOCKET_BUFFER)
+            raw.bind(("127.0.0.1", 0))
+            conn.send(raw.getsockname())
+        elif cmd == "raw_recv":  # (count, datagram_bytes): count what arrives
+            count, size = args
+            buf = bytearray(65536)
+            raw.settimeout(0.3)
+            got = 0
+            t_last = 0.0
+            conn.send("ready")
+            try:
+                while got < count:
+                    raw.recv_into(buf)
+                    got += 1
+                    t_last = time.monotonic()
+            except TimeoutError:
+                pass
+            conn.send((t_last, got))
+        elif cmd == "raw_send":  # (peer, count, datagram_bytes)
+            peer, count, size = args
+            data = bytes(size)
+            send = raw.sendto
+            t0 = time.monotonic()
+            for _ in range(count):
+                send(data, peer)
+            conn.send(t0)
+    if endpoint is not None:
+        endpoint.close()
+
+
+
+# ---------------------------------------------------------------- driver side
+class _Pair:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.tx_conn, tx_child = ctx.Pipe()
+        self.rx_conn, rx_child = ctx.Pipe()
+        self.procs = [
+            ctx.Process(target=_worker, args=(tx_child,), daemon=True),
+            ctx.Process(target=_worker, args=(rx_child,), daemon=True),
+        ]
+        for p in self.procs:
+            p.start()
+        self.session = secrets.randbits(64)
+
+    def call(self, conn, *msg):
+        conn.send(msg)
+        if not conn.poll(180):
+            raise TimeoutError(f"benchmark worker did not answer {msg[0]!r} within 180 s")
+        return conn.recv()
+
+    def close(self) -> None:
+        for conn in (self.tx_conn, self.rx_conn):
+            try:
+                conn.send(("quit",))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+    def ceiling(self, chunk_bytes: int, message_bytes: int) -> float:
+        size = chunk_bytes + HEADER_BYTES
+        count = -(-message_bytes // chunk_bytes)
+        rx_addr = self.call(self.rx_conn, "raw_open")
+        self.call(self.tx_conn, "raw_open")
+        assert self.call(self.rx_conn, "raw_recv", count, size) == "ready"
+        t0 = self.call(self.tx_conn, "raw_send", rx_addr, count, size)
+        if not self.rx_conn.poll(180):
+            raise TimeoutError("raw receiver did not report")
+        t_last, got = self.rx_conn.recv()
+        return got * chunk_bytes * 8 / max(t_last - t0, 1e-9) / 1e9
+
+    def transfer(self, chunk_bytes: int, message_bytes: int, loss: float, policy: str,
+                 rnd: int) -> dict:
+        tx_addr = self.call(self.tx_conn, "open", self.session, chunk_bytes, 0.0, 0)
+        rx_addr = self.call(self.rx_conn, "open", self.session, chunk_bytes, loss, rnd)
+        self.call(self.rx_conn, "post", tx_addr, message_bytes, policy, rnd)
+        t0, status, rounds, retx = self.call(self.tx_conn, "send", rx_addr, message_bytes, rnd)
+        t_end, delivered, chunks, reason = self.call(self.rx_conn, "wait")
+        if status != "stopped":
+            raise RuntimeError(f"send ended with {status}")
+        return {
+            "goodput_gbps": message_bytes * 8 / max(t_end - t0, 1e-9) / 1e9,
+            "retransmit_rounds": rounds,
+            "retransmitted_fraction": retx / chunks,
+            "delivered_fraction": delivered / chunks,
+        }
+
+
+def run_transport_bench(
+    *,
+    message_mb: tuple[int, ...] = (1, 16, 64),
+    chunk_sizes: tuple[int, ...] = (1400, 8192),
+    losses: tuple[float, ...] = (0.0, 0.01),
+    policies: tuple[str, ...] = ("reliable", "mlt=0.01"),
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[TransportRow]:
+    pair = _Pair()
+    rows: list[TransportRow] = []
+    try:
+        rnd = 0
+        for cb in chunk_sizes:
+            for mb in message_mb:
+                nbytes = mb * MB
+                ceilings: list[float] = []
+                samples: dict[tuple, list[dict]] = {}
+                for rep in range(repeats):
+                    # interleave: ceiling, then every protocol row, each repeat
+                    ceilings.append(pair.ceiling(cb, nbytes))
+                    for loss in losses:
+                        for pol in policies:
+                            rnd += 1
+                            samples.setdefault((loss, pol), []).append(
+                                pair.transfer(cb, nbytes, loss, pol, rnd)
+                            )
+                    if progress:
+                        progress(f"chunk {cb} B, message {mb} MB: repeat {rep + 1}/{repeats}")
+                ceiling = statistics.median(ceilings)
+                for (loss, pol), runs in samples.items():
+                    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    name = "reliable" if pol == "reliable" else f"mlt(p={pol.split('=')[1]})"
+                    rows.append(
+                        TransportRow(
+                            chunk_bytes=cb,
+                            message_bytes=nbytes,
+                            loss=loss,
+                            policy=name,
+                            goodput_gbps=round(med["goodput_gbps"], 3),
+                            ceiling_gbps=round(ceiling, 3),
+                            ratio_to_ceiling=round(med["goodput_gbps"] / ceiling, 3),
+                            retransmit_rounds=med["retransmit_rounds"],
+                            retransmitted_fraction=round(med["retransmitted_fraction"], 4),
+                            delivered_fraction=round(med["delivered_fraction"], 4),
+                            repeats=repeats,
+                        )
+                    )
+    finally:
+        pair.close()
+    return rows
+
+
+def write_json(rows: list[TransportRow], path: str) -> None:
+    """The issue's format: a JSON list of rows."""
+    with open(path, "w") as f:
+        json.dump([asdict(r) for r in rows], f, indent=2)
+

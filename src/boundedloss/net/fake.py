@@ -1,0 +1,204 @@
+"""FakeNetwork: an in-memory network with a virtual clock that drives TransferMux cores.
+
+Deterministic from a seed: tests drop, delay, duplicate and reorder datagrams and a
+lossy transfer of many megabytes takes milliseconds of real time. Each node has
+
+- an uplink of ``up_bps`` (None: infinite) that serialises what its core sends - a
+  core is polled again only once its uplink is free, which is the backpressure a real
+  socket gives;
+- a downlink of ``down_bps`` with a drop-tail queue of ``queue_datagrams`` (incast:
+  many senders into one shallow queue lose datagrams here);
+- a loss model applied to every datagram it receives (``net/loss.py``).
+
+Every path between two nodes has a one-way ``delay``, uniform ``jitter`` (which
+reorders), a ``duplicate`` probability and its own optional loss model.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..protocol.mux import TransferMux
+from ..wire import peek_round
+from .loss import LossModel
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    up_bps: float | None = None
+    down_bps: float | None = None
+    queue_datagrams: int | None = None  # downlink queue limit (None: unbounded)
+    loss: LossModel | None = None
+
+
+@dataclass(frozen=True)
+class PathProfile:
+    delay: float = 50e-6
+    jitter: float = 0.0
+    duplicate: float = 0.0
+    loss: LossModel | None = None
+
+
+_ARRIVE, _DELIVER, _WAKE = 0, 1, 2
+
+
+class _Node:
+    def __init__(self, address, mux: TransferMux, profile: NodeProfile):
+        self.address = address
+        self.mux = mux
+        self.profile = profile
+        self.up_free = 0.0
+        self.down_free = 0.0
+        self.queue: deque[float] = deque()  # delivery times of datagrams in the downlink
+        self.timer_at = math.inf
+        self.poll_at = math.inf
+
+
+class FakeNetwork:
+    """Nodes are TransferMux cores addressed by any hashable; time is virtual seconds."""
+
+    POLL_BATCH = 64
+
+    def __init__(self, seed: int = 0, path: PathProfile | None = None):
+        self.now = 0.0
+        self._rng = np.random.default_rng(seed)
+        self._nodes: dict = {}
+        self._paths: dict = {}
+        self._default_path = path or PathProfile()
+        self._events: list = []
+        self._seq = 0
+        self.counts: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None) -> TransferMux:
+        if address in self._nodes:
+            raise ValueError(f"address {address!r} is taken")
+        self._nodes[address] = _Node(address, mux, profile or NodeProfile())
+        return mux
+
+    def set_path(self, src, dst, profile: PathProfile) -> None:
+        self._paths[(src, dst)] = profile
+
+    def mux(self, address) -> TransferMux:
+        return self._nodes[address].mux
+
+    # ------------------------------------------------------------------ running
+    def run(
+        self,
+        until: float | None = None,
+        stop_when: Callable[[], bool] | None = None,
+        max_events: int = 50_000_000,
+    ) -> float:
+        """Process events in time order until ``until``, ``stop_when()`` or silence."""
+        for node in self._nodes.values():
+            self._service(node)
+        events = self._events
+        n = 0
+        while events:
+            if stop_when is not None and stop_when():
+                break
+            t = events[0][0]
+            if until is not None and t > until:
+                self.now = until
+                break
+            t, _, kind, node, src, data = heapq.heappop(events)
+            self.now = t
+            if kind == _ARRIVE:
+                self._arrive(node, src, data)
+            elif kind == _DELIVER:
+                node.mux.datagram_received(data, src, t)
+                self._service(node)
+            else:  # _WAKE
+                if t >= node.timer_at:
+                    node.timer_at = math.inf
+                if t >= node.poll_at:
+                    node.poll_at = math.inf
+                d = node.mux.next_deadline()
+                if d is not None and d <= t:
+                    node.mux.timer_fired(t)
+                self._service(node)
+            n += 1
+            if n >= max_events:
+                raise RuntimeError(f"FakeNetwork: {max_events} events without finishing")
+        return self.now
+
+    def run_until_done(self, transfers, timeout: float = 600.0) -> float:
+        """Run until every sender/receiver in ``transfers`` has a result."""
+        items = list(transfers)
+        end = self.now + timeout
+        self.run(until=end, stop_when=lambda: all(t.result is not None for t in items))
+        if not all(t.result is not None for t in items):
+            raise TimeoutError(f"transfers not done after {timeout} virtual seconds")
+        return self.now
+
+    # ----------------------------------------------------------------- internals
+    def _push(self, t: float, kind: int, node: _Node, src=None, data=None) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, node, src, data))
+
+    def _service(self, node: _Node) -> None:
+        """Send what the node's core has (as its uplink allows) and arm its timer."""
+        now = self.now
+        mux = node.mux
+        if node.up_free <= now:
+            up = node.profile.up_bps
+            t = max(node.up_free, now)
+            for parts, peer in mux.poll(now, self.POLL_BATCH):
+                data = b"".join(parts)
+                if up is not None:
+                    t += len(data) * 8 / up
+                self._transmit(node, peer, data, t)
+            node.up_free = t
+        if mux.has_output():
+            wake = max(node.up_free, now)
+            if wake < node.poll_at:
+                node.poll_at = wake
+                self._push(wake, _WAKE, node)
+        d = mux.next_deadline()
+        if d is not None and d < node.timer_at:
+            node.timer_at = d
+            self._push(max(d, now), _WAKE, node)
+
+    def _transmit(self, src: _Node, peer, data: bytes, depart: float) -> None:
+        dst = self._nodes.get(peer)
+        self.counts["sent"] += 1
+        if dst is None:
+            self.counts["no_route"] += 1
+            return
+        path = self._paths.get((src.address, peer), self._default_path)
+        if path.loss is not None and path.loss.drop(depart, peek_round(data)):
+            self.counts["path_loss"] += 1
+            return
+        copies = 2 if path.duplicate and self._rng.random() < path.duplicate else 1
+        self.counts["duplicated"] += copies - 1
+        for _ in range(copies):
+            delay = path.delay
+            if path.jitter:
+                delay += self._rng.random() * path.jitter
+            self._push(depart + delay, _ARRIVE, dst, src.address, data)
+
+    def _arrive(self, node: _Node, src, data: bytes) -> None:
+        now = self.now
+        prof = node.profile
+        queue = node.queue
+        while queue and queue[0] <= now:
+            queue.popleft()
+        if prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams:
+            self.counts["queue_drop"] += 1
+            return
+        if prof.loss is not None and prof.loss.drop(now, peek_round(data)):
+            self.counts["node_loss"] += 1
+            return
+        t = max(now, node.down_free)
+        if prof.down_bps is not None:
+            t += len(data) * 8 / prof.down_bps
+        node.down_free = t
+        queue.append(t)
+        self.counts["delivered"] += 1
+        self._push(t, _DELIVER, node, src, data)

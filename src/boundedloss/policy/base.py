@@ -1,0 +1,91 @@
+"""What a loss-tolerance policy is, seen from the receiver.
+
+A policy decides *when a message is done enough* - nothing else. When a receive opens,
+the receiver asks the policy for a :class:`ClosePlan` (how many chunks must arrive, and
+an optional acceptance deadline); the receiver then checks the plan with two integer
+comparisons per datagram. When the receive closes, the policy is shown the outcome
+(``observe``) so that adaptive policies (LTP's Early Close) can learn from the network
+and phase-aware ones (DBLP) can change the bound for the *next* message.
+
+Chunks marked critical (a mask given when the receive is posted, known to both ends)
+must always arrive: the bound applies to the normal chunks only.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MessageInfo:
+    """What a policy may know about a message when its receive opens."""
+
+    round_id: int
+    message_id: int
+    chunk_count: int
+    message_bytes: int
+    chunk_bytes: int
+    critical_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ClosePlan:
+    """The receiver closes as soon as ``min_delivered`` chunks (every critical one among
+    them) have arrived, or - with whatever has arrived, if every critical chunk has -
+    once ``accept_after`` seconds have passed since the receive opened. ``bound`` is the
+    missing fraction the plan allows, kept for logs."""
+
+    min_delivered: int
+    bound: float
+    accept_after: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_delivered < 0:
+            raise ValueError("min_delivered must be >= 0")
+        if self.accept_after is not None and self.accept_after < 0:
+            raise ValueError("accept_after must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the policy is told when a receive closes."""
+
+    info: MessageInfo
+    delivered: int
+    elapsed: float
+    close_reason: str
+    retransmit_rounds: int
+    rtt: float | None  # smoothed probe round-trip seen by the receiver, if any
+
+
+def min_delivered_for_bound(info: MessageInfo, bound: float) -> int:
+    """Chunks needed so that at most ``bound`` of the message is missing.
+
+    Critical chunks always count as delivered when the receive closes, so the bound
+    is met whenever this many chunks arrived and every critical one is among them.
+    """
+    return max(info.critical_count, math.ceil((1.0 - bound) * info.chunk_count - 1e-9))
+
+
+class Policy(abc.ABC):
+    """Decides when a receive is done. Subclasses implement :meth:`plan`."""
+
+    name: str = "policy"
+
+    @abc.abstractmethod
+    def plan(self, info: MessageInfo) -> ClosePlan:
+        """The close rule for one message, fixed when its receive opens."""
+
+    def observe(self, outcome: Outcome) -> None:  # noqa: B027 - optional hook
+        """Called once per closed receive; the default learns nothing."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+def check_bound(p: float, what: str = "bound") -> float:
+    if not (0.0 <= p < 1.0) or math.isnan(p):
+        raise ValueError(f"{what} must be a fraction in [0, 1), got {p!r}")
+    return float(p)

@@ -1,0 +1,257 @@
+"""MessageReceiver: the receiving half of one message, sans-I/O.
+
+Chunks land out of order straight into the destination buffer at ``index *
+chunk_bytes``; a per-chunk delivered flag and a running count decide, with two integer
+comparisons per datagram, whether the policy's plan is met. A PROBE is answered with
+the BITMAP segments that still hold missing chunks. When the plan is met (or its
+acceptance deadline, or the hard deadline, passes) the receiver closes and sends STOP;
+the owner remembers closed messages so that a late PROBE gets the STOP again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import wire
+from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy
+from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
+from .sender import as_bytes_view, stop_datagram
+from .types import CloseReason, ReceiveResult, TransferStats, TransportConfig
+
+
+class MessageReceiver:
+    def __init__(
+        self,
+        *,
+        peer,
+        session: int,
+        round_id: int,
+        message_id: int,
+        policy: Policy,
+        config: TransportConfig,
+        now: float,
+        out: np.ndarray | None = None,
+        nbytes: int | None = None,
+        critical: np.ndarray | None = None,
+    ):
+        self.peer = peer
+        self.session = session
+        self.round_id = round_id
+        self.message_id = message_id
+        self.policy = policy
+        self.config = config
+        self.opened = now
+        self.hard_deadline = now + config.receive_deadline
+        self.chunk_bytes = config.chunk_bytes
+        self._critical_arg = critical
+        self._out = out
+        if out is not None:
+            if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out must be a writeable C-contiguous numpy array")
+            if nbytes is not None and nbytes != out.nbytes:
+                raise ValueError(f"nbytes {nbytes} != out.nbytes {out.nbytes}")
+            nbytes = out.nbytes
+        elif critical is not None and nbytes is None:
+            raise ValueError("a critical mask needs the message size (nbytes or out)")
+        self.nbytes: int | None = nbytes
+        self.count = 0
+        self.plan: ClosePlan | None = None
+        self.result: ReceiveResult | None = None
+        self.datagrams = 0
+        self.payload_bytes = 0
+        self.duplicates = 0
+        self.delivered_count = 0
+        self.retransmit_rounds = 0
+        self.probes = 0
+        self._answered_seq = -1
+        self._max_tseq = -1
+        self._unacked = 0
+        self._ack_every = config.ack_every
+        self._accepting = False
+        self.accept_deadline: float | None = None
+        self.stop: bytes | None = None
+        if nbytes is not None:
+            self._open(nbytes)
+
+    # ---------------------------------------------------------------- geometry
+    def _open(self, nbytes: int) -> None:
+        """Fix the geometry, allocate the destination if needed, ask the policy."""
+        cb = self.chunk_bytes
+        self.nbytes = nbytes
+        self.count = count = wire.chunk_count(nbytes, cb)
+        if self._out is None:
+            self._out = np.empty(nbytes, dtype=np.uint8)
+        self._dest = as_bytes_view(self._out)
+        self._delivered = bytearray(count)
+        crit = self._critical_arg
+        if crit is not None:
+            crit = np.asarray(crit, dtype=bool)
+            if crit.shape != (count,):
+                raise ValueError(f"critical mask must have one entry per chunk ({count})")
+            self._critical: bytearray | None = bytearray(crit.astype(np.uint8).tobytes())
+            self._critical_missing = int(crit.sum())
+        else:
+            self._critical = None
+            self._critical_missing = 0
+        self.info = MessageInfo(
+            self.round_id, self.message_id, count, nbytes, cb, self._critical_missing
+        )
+        self.plan = plan = self.policy.plan(self.info)
+        self._need = min(plan.min_delivered, count)
+        self.accept_deadline = (
+            None if plan.accept_after is None else self.opened + plan.accept_after
+        )
+        self._header = wire.Header(
+            Kind.BITMAP, self.session, self.round_id, self.message_id, 0, count, nbytes, cb
+        )
+
+    def geometry_matches(self, mbytes: int, cbytes: int, now: float, out: list) -> bool:
+        """Check (or, for a receive posted without a size, adopt) a datagram's geometry."""
+        if self.nbytes is None:
+            if cbytes != self.chunk_bytes or mbytes > self.config.max_message_bytes:
+                return False
+            self._open(mbytes)
+            self._check_done(now, out)  # a zero-chunk plan is met at once
+            return True
+        return mbytes == self.nbytes and cbytes == self.chunk_bytes
+
+    # ---------------------------------------------------------------- incoming
+    def data_received(self, index: int, plen: int, tseq: int, data, now: float,
+                      out: list) -> None:
+        """One validated DATA datagram (``data`` is the whole datagram)."""
+        self.datagrams += 1
+        self.payload_bytes += plen
+        if tseq > self._max_tseq:
+            self._max_tseq = tseq
+        self._unacked += 1
+        if self._unacked >= self._ack_every:
+            self._unacked = 0
+            ack = _with(self._header, 0, Flag.NONE, Kind.ACK, self._max_tseq)
+            out.append(((wire.encode(ack, STOP_PAYLOAD.pack(self.delivered_count)),), self.peer))
+        delivered = self._delivered
+        if delivered[index]:
+            self.duplicates += 1
+            return
+        off = index * self.chunk_bytes
+        # Bounds are exact: wire.parse checked plen against index and geometry, and
+        # geometry_matches checked the geometry against this buffer.
+        self._dest[off : off + plen] = data[HEADER_BYTES : HEADER_BYTES + plen]
+        delivered[index] = 1
+        self.delivered_count += 1
+        crit = self._critical
+        if crit is not None and crit[index]:
+            self._critical_missing -= 1
+        if self.delivered_count >= self._need and not self._critical_missing:
+            self._close(self._reason_when_met(), now, out)
+
+    def probe_received(self, seq: int, now: float, out: list) -> None:
+        """Answer with the BITMAP segments that still hold missing chunks."""
+        self.probes += 1
+        flags = np.frombuffer(self._delivered, dtype=np.uint8)
+        packed = np.packbits(flags, bitorder="little")
+        if self.count & 7:  # bits past the last chunk read as delivered
+            packed[-1] |= np.uint8((0xFF << (self.count & 7)) & 0xFF)
+        seg = max(8, self.chunk_bytes - BITMAP_PREFIX.size)
+        n_seg = -(-packed.size // seg)
+        padded = np.full(n_seg * seg, 0xFF, dtype=np.uint8)
+        padded[: packed.size] = packed
+        has_missing = np.flatnonzero((padded.reshape(n_seg, seg) != 0xFF).any(axis=1))
+        if seq != self._answered_seq and has_missing.size:
+            self.retransmit_rounds += 1
+        self._answered_seq = seq
+        prefix = BITMAP_PREFIX.pack(seq, self.delivered_count)
+        last = int(has_missing[-1]) if has_missing.size else -1
+        for s in has_missing.tolist():
+            lo = s * seg
+            hi = min(lo + seg, packed.size)
+            header = _with(self._header, s * seg * 8, Flag.FINAL if s == last else Flag.NONE)
+            out.append(((wire.encode(header, prefix + packed[lo:hi].tobytes()),), self.peer))
+
+    # ------------------------------------------------------------------ timers
+    def next_deadline(self) -> float | None:
+        if self.result is not None:
+            return None
+        t = self.hard_deadline
+        if self.accept_deadline is not None and self.accept_deadline < t:
+            t = self.accept_deadline
+        return t
+
+    def timer_fired(self, now: float, out: list) -> None:
+        if self.result is not None:
+            return
+        if now >= self.hard_deadline:
+            self._close(CloseReason.DEADLINE, now, out)
+        elif self.accept_deadline is not None and now >= self.accept_deadline:
+            # Accept what has arrived - once every critical chunk is among it.
+            self.accept_deadline = None
+            self._accepting = True
+            self._need = 0
+            self._check_done(now, out)
+
+    def cancel(self, now: float, out: list) -> None:
+        if self.result is None:
+            self._close(CloseReason.CANCELLED, now, out)
+
+    # ------------------------------------------------------------------- close
+    def _reason_when_met(self) -> CloseReason:
+        if self.delivered_count == self.count:
+            return CloseReason.COMPLETE
+        return CloseReason.ACCEPT_DEADLINE if self._accepting else CloseReason.BOUND_MET
+
+    def _check_done(self, now: float, out: list) -> None:
+        if self.nbytes is None:  # posted without a size: no plan until the first datagram
+            return
+        if self.result is None and self.delivered_count >= self._need and not self._critical_missing:
+            self._close(self._reason_when_met(), now, out)
+
+    def _close(self, reason: CloseReason, now: float, out: list) -> None:
+        count = self.count
+        if self.nbytes is not None:
+            delivered = np.frombuffer(bytes(self._delivered), dtype=np.uint8).astype(bool)
+        else:  # posted without a size and never heard from the sender
+            delivered = np.zeros(0, dtype=bool)
+        if reason == CloseReason.BOUND_MET and self.delivered_count == count:
+            reason = CloseReason.COMPLETE
+        stats = TransferStats(
+            datagrams=self.datagrams,
+            payload_bytes=self.payload_bytes,
+            chunks=count,
+            delivered=self.delivered_count,
+            retransmit_rounds=self.retransmit_rounds,
+            retransmitted=self.duplicates,
+            probes=self.probes,
+            elapsed=now - self.opened,
+        )
+        data = self._out if self._out is not None else np.empty(0, dtype=np.uint8)
+        self.result = ReceiveResult(
+            peer=self.peer,
+            round_id=self.round_id,
+            message_id=self.message_id,
+            data=data,
+            delivered=delivered,
+            chunk_bytes=self.chunk_bytes,
+            close_reason=reason,
+            bound=self.plan.bound if self.plan is not None else 0.0,
+            stats=stats,
+        )
+        if self.nbytes is not None:
+            self.stop = stop_datagram(self._header, reason, self.delivered_count)
+            out.append(((self.stop,), self.peer))
+            self.policy.observe(
+                Outcome(
+                    info=self.info,
+                    delivered=self.delivered_count,
+                    elapsed=now - self.opened,
+                    close_reason=reason.name.lower(),
+                    retransmit_rounds=self.retransmit_rounds,
+                    rtt=None,
+                )
+            )
+
+
+def _with(h: wire.Header, index: int, flags: Flag, kind: Kind = Kind.BITMAP,
+          tseq: int = 0) -> wire.Header:
+    return wire.Header(
+        kind, h.session, h.round_id, h.message_id, index, h.count,
+        h.message_bytes, h.chunk_bytes, flags, 0, tseq,
+    )

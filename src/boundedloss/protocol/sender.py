@@ -1,0 +1,345 @@
+"""MessageSender: the sending half of one message, sans-I/O.
+
+It never touches a socket or a clock: the owner feeds it ``now`` and the datagrams that
+concern it, asks it for datagrams to send (``poll``) and for its next deadline.
+
+Life of a send:
+1. every chunk goes out once (critical chunks first);
+2. with nothing new to send, the sender PROBEs and waits for the receiver's BITMAP;
+3. chunks the BITMAP reports missing are queued again and sent; go to 2;
+4. a STOP from the receiver ends the send - whenever it arrives, even mid-burst.
+A PROBE that gets no answer is re-sent with exponential backoff from an RTO learned
+from probe round trips; a receiver silent for ``peer_timeout`` fails the send.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import wire
+from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, TSEQ, TSEQ_OFFSET, Flag, Kind
+from .types import CloseReason, SendResult, SendStatus, TransferStats, TransportConfig
+
+
+def as_bytes_view(array) -> memoryview:
+    """A flat byte view of a C-contiguous buffer (numpy array, bytes, bytearray...)."""
+    if isinstance(array, bytes):  # np.asarray(b"") is one NUL byte of dtype S1
+        array = np.frombuffer(array, dtype=np.uint8)
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:
+        raise ValueError("message buffers must be C-contiguous")
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+class MessageSender:
+    def __init__(
+        self,
+        *,
+        peer,
+        session: int,
+        round_id: int,
+        message_id: int,
+        payload,
+        config: TransportConfig,
+        now: float,
+        critical: np.ndarray | None = None,
+    ):
+        self.peer = peer
+        self.round_id = round_id
+        self.message_id = message_id
+        self.config = config
+        self._payload = as_bytes_view(payload)
+        self.nbytes = nbytes = self._payload.nbytes
+        if nbytes > wire.MAX_MESSAGE_BYTES:
+            raise ValueError(f"message of {nbytes} bytes exceeds {wire.MAX_MESSAGE_BYTES}")
+        self.chunk_bytes = cb = config.chunk_bytes
+        self.count = count = wire.chunk_count(nbytes, cb)
+        if critical is not None:
+            critical = np.asarray(critical, dtype=bool)
+            if critical.shape != (count,):
+                raise ValueError(f"critical mask must have one entry per chunk ({count})")
+        headers = wire.build_data_headers(
+            session=session,
+            round_id=round_id,
+            message_id=message_id,
+            message_bytes=nbytes,
+            chunk_bytes=cb,
+            critical=critical,
+        )
+        self._headers_array = headers
+        self._headers = memoryview(headers.reshape(-1))
+        self._control = wire.Header(
+            Kind.PROBE, session, round_id, message_id, 0, count, nbytes, cb
+        )
+
+        # Send queue: a list of chunk indices and a read position. ``_queued`` marks
+        # chunks waiting in it, so that repeated BITMAPs do not queue a chunk twice.
+        if critical is not None and critical.any():
+            order = np.concatenate([np.flatnonzero(critical), np.flatnonzero(~critical)])
+        else:
+            order = np.arange(count)
+        self._pending: list[int] = order.tolist()
+        self._pos = 0
+        self._queued = np.ones(count, dtype=bool)
+        self._first_pass = True
+
+        self.started = now
+        self._last_heard = now
+        self._rto = config.initial_rto
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+        self._probe_seq = 0
+        self._probe_sent_at = 0.0
+        self._awaiting_reply = False
+        self._probe_due = False
+        self._probe_deadline: float | None = None
+        self._reply_missing = 0
+
+        self._tokens = 0.0
+        self._tokens_at = now
+
+        # Flow control: every DATA datagram gets the next transmission sequence; the
+        # receiver's ACKs (and probe answers) say how far it has seen, so at most
+        # ``window`` datagrams are ever in flight. A window that stays shut for an RTO
+        # (ACKs lost) triggers a PROBE, whose answer reopens it.
+        self._tseq = 0
+        self._acked_tseq = 0
+        self._probe_tseq = 0
+        self._window = config.window_datagrams
+        self._blocked_since: float | None = None
+
+        self.datagrams = 0
+        self.payload_bytes = 0
+        self.retransmitted = 0
+        self.retransmit_rounds = 0
+        self.probes = 0
+        self.reported_delivered = 0
+        self.result: SendResult | None = None
+
+    # ----------------------------------------------------------------- outgoing
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def has_data(self) -> bool:
+        if self.result is not None:
+            return False
+        return self._probe_due or (
+            self._pos < len(self._pending) and self._tseq - self._acked_tseq < self._window
+        )
+
+    def poll(self, now: float, limit: int, out: list) -> int:
+        """Append up to ``limit`` datagrams ``(parts, peer)`` to ``out``; return how many."""
+        if self.result is not None:
+            return 0
+        sent = 0
+        if self._probe_due:
+            self._send_probe(now, out)
+            sent = 1
+        pending = self._pending
+        pos = self._pos
+        avail = len(pending) - pos
+        if avail > 0 and sent < limit:
+            k = min(avail, limit - sent, self._window - (self._tseq - self._acked_tseq))
+            if k > 0 and self.config.rate_bps is not None:
+                k = self._paced(now, k)
+            if k <= 0:
+                if self._blocked_since is None:
+                    self._blocked_since = now
+            else:
+                batch = pending[pos : pos + k]
+                self._pos = pos + k
+                self._queued[batch] = False
+                hdr = self._headers
+                pay = self._payload
+                cb = self.chunk_bytes
+                peer = self.peer
+                nbytes = self.nbytes
+                tseq = self._tseq
+                pack_tseq = TSEQ.pack_into
+                for i in batch:
+                    h = i * HEADER_BYTES
+                    o = i * cb
+                    pack_tseq(hdr, h + TSEQ_OFFSET, tseq)
+                    tseq += 1
+                    out.append(((hdr[h : h + HEADER_BYTES], pay[o : min(o + cb, nbytes)]), peer))
+                self._tseq = tseq
+                self.datagrams += k
+                self.payload_bytes += k * cb
+                if self.count - 1 in batch:  # the last chunk is short
+                    self.payload_bytes -= self.count * cb - nbytes
+                if not self._first_pass:
+                    self.retransmitted += k
+                sent += k
+        if self._pos >= len(self._pending):
+            self._pending = []
+            self._pos = 0
+            self._first_pass = False
+            if not self._awaiting_reply:  # nothing new to send: ask what is missing
+                if sent < limit:
+                    self._send_probe(now, out)
+                    sent += 1
+                else:
+                    self._probe_due = True
+        return sent
+
+    def _paced(self, now: float, k: int) -> int:
+        burst = max(self.chunk_bytes + HEADER_BYTES, 64 * 1024)
+        rate = self.config.rate_bps / 8.0
+        self._tokens = min(burst, self._tokens + (now - self._tokens_at) * rate)
+        self._tokens_at = now
+        size = self.chunk_bytes + HEADER_BYTES
+        k = min(k, int(self._tokens // size))
+        self._tokens -= k * size
+        return k
+
+    def _send_probe(self, now: float, out: list) -> None:
+        self._probe_seq += 1
+        self.probes += 1
+        self._probe_sent_at = now
+        self._probe_tseq = self._tseq
+        self._awaiting_reply = True
+        self._probe_due = False
+        self._probe_deadline = now + self._rto
+        self._reply_missing = 0
+        datagram = wire.encode(_replace_index(self._control, Kind.PROBE, self._probe_seq))
+        out.append(((datagram,), self.peer))
+
+    # ----------------------------------------------------------------- incoming
+    def bitmap_received(self, flags: int, start: int, payload, now: float) -> None:
+        if self.result is not None:
+            return
+        self._last_heard = now
+        echo, delivered = BITMAP_PREFIX.unpack_from(payload)
+        self.reported_delivered = max(self.reported_delivered, delivered)
+        n_bits = min((len(payload) - BITMAP_PREFIX.size) * 8, self.count - start)
+        bits = np.unpackbits(
+            np.frombuffer(payload, dtype=np.uint8, offset=BITMAP_PREFIX.size),
+            bitorder="little",
+        )[:n_bits]
+        missing = np.flatnonzero(bits == 0)
+        if missing.size:
+            missing += start
+            fresh = missing[~self._queued[missing]]
+            if fresh.size:
+                self._queued[fresh] = True
+                self._pending.extend(fresh.tolist())
+        if echo == self._probe_seq and self._awaiting_reply:
+            self._reply_missing += int(missing.size)
+            if flags & Flag.FINAL:
+                self._on_reply(now)
+
+    def ack_received(self, tseq_seen: int, delivered: int, now: float) -> None:
+        if self.result is not None:
+            return
+        self._last_heard = now
+        self.reported_delivered = max(self.reported_delivered, delivered)
+        if tseq_seen + 1 > self._acked_tseq:
+            self._acked_tseq = min(tseq_seen + 1, self._tseq)
+            self._blocked_since = None
+
+    def _on_reply(self, now: float) -> None:
+        # Everything sent before the PROBE has arrived or is lost by now (the answer
+        # came back behind it), so none of it is in flight any more.
+        if self._probe_tseq > self._acked_tseq:
+            self._acked_tseq = self._probe_tseq
+            self._blocked_since = None
+        sample = now - self._probe_sent_at
+        if self._srtt is None:
+            self._srtt, self._rttvar = sample, sample / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - sample)
+            self._srtt = 0.875 * self._srtt + 0.125 * sample
+        cfg = self.config
+        self._rto = min(cfg.max_rto, max(cfg.min_rto, self._srtt + 4 * self._rttvar))
+        self._awaiting_reply = False
+        self._probe_deadline = None
+        if self._reply_missing:
+            self.retransmit_rounds += 1
+        if self._pos >= len(self._pending):
+            self._probe_due = True  # the answer asked for nothing we have not queued
+
+    def stop_received(self, reason: int, delivered: int, now: float) -> None:
+        if self.result is not None:
+            return
+        self.reported_delivered = delivered
+        try:
+            close_reason = CloseReason(reason)
+        except ValueError:
+            close_reason = None
+        self._finish(SendStatus.STOPPED, close_reason, now)
+
+    # ------------------------------------------------------------------- timers
+    def next_deadline(self) -> float | None:
+        if self.result is not None:
+            return None
+        t = self._last_heard + self.config.peer_timeout
+        if self._probe_deadline is not None and self._probe_deadline < t:
+            t = self._probe_deadline
+        if self._blocked_since is not None and not self._awaiting_reply:
+            t = min(t, self._blocked_since + self._rto)
+        if self.config.rate_bps is not None and self._pos < len(self._pending):
+            size = self.chunk_bytes + HEADER_BYTES
+            wait = max(0.0, size - self._tokens) * 8.0 / self.config.rate_bps
+            t = min(t, self._tokens_at + wait)
+        return t
+
+    def timer_fired(self, now: float) -> None:
+        if self.result is not None:
+            return
+        if now >= self._last_heard + self.config.peer_timeout:
+            self._finish(SendStatus.PEER_SILENT, None, now)
+            return
+        if (
+            self._blocked_since is not None
+            and not self._awaiting_reply
+            and now >= self._blocked_since + self._rto
+        ):
+            # The window stayed shut: the ACKs were lost. A probe answer reopens it.
+            self._blocked_since = None
+            self._probe_due = True
+        if self._probe_deadline is not None and now >= self._probe_deadline:
+            # The PROBE or its answer was lost: ask again, backing off.
+            self._rto = min(self.config.max_rto, self._rto * 2)
+            self._probe_deadline = None
+            self._awaiting_reply = False
+            self._probe_due = True
+
+    def cancel(self, now: float) -> None:
+        if self.result is None:
+            self._finish(SendStatus.CANCELLED, None, now)
+
+    def _finish(self, status: SendStatus, reason: CloseReason | None, now: float) -> None:
+        self._pending = []
+        self._pos = 0
+        self._probe_due = False
+        self.result = SendResult(
+            peer=self.peer,
+            round_id=self.round_id,
+            message_id=self.message_id,
+            status=status,
+            close_reason=reason,
+            stats=TransferStats(
+                datagrams=self.datagrams,
+                payload_bytes=self.payload_bytes,
+                chunks=self.count,
+                delivered=self.reported_delivered,
+                retransmit_rounds=self.retransmit_rounds,
+                retransmitted=self.retransmitted,
+                probes=self.probes,
+                elapsed=now - self.started,
+                rtt=self._srtt,
+            ),
+        )
+
+
+def _replace_index(h: wire.Header, kind: Kind, index: int) -> wire.Header:
+    return wire.Header(
+        kind, h.session, h.round_id, h.message_id, index, h.count, h.message_bytes, h.chunk_bytes
+    )
+
+
+def stop_datagram(header: wire.Header, reason: CloseReason, delivered: int) -> bytes:
+    return wire.encode(
+        _replace_index(header, Kind.STOP, int(reason)), STOP_PAYLOAD.pack(delivered)
+    )

@@ -1,0 +1,146 @@
+"""Small typed values shared by the protocol state machines and their adapters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..wire import DEFAULT_CHUNK_BYTES, HEADER_BYTES, MAX_MESSAGE_BYTES, check_chunk_bytes
+
+
+class CloseReason(enum.IntEnum):
+    """Why a receive closed (also carried in the STOP datagram)."""
+
+    COMPLETE = 1  # every chunk arrived
+    BOUND_MET = 2  # the policy's bound was met with chunks still missing
+    ACCEPT_DEADLINE = 3  # the policy's acceptance deadline passed
+    DEADLINE = 4  # the hard deadline passed: closed with whatever had arrived
+    CANCELLED = 5  # the application cancelled it
+
+
+class SendStatus(enum.Enum):
+    STOPPED = "stopped"  # the receiver said STOP
+    PEER_SILENT = "peer_silent"  # the receiver never answered within peer_timeout
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """Tunables of one endpoint. Times are seconds on whatever clock drives the core."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: retransmission timeout before any round trip was measured, and its clamp
+    initial_rto: float = 0.05
+    min_rto: float = 0.002
+    max_rto: float = 0.5
+    #: a sender that hears nothing from its receiver for this long gives up
+    peer_timeout: float = 10.0
+    #: a receive closes with whatever it has this long after it was posted
+    receive_deadline: float = 30.0
+    #: at most this many receives open at once (each holds a destination buffer)
+    max_open_receives: int = 256
+    #: closed receives remembered, so that a late PROBE is answered with STOP again
+    closed_memory: int = 4096
+    #: largest message a receive posted without a size may allocate
+    max_message_bytes: int = 1 << 32
+    #: flow control: DATA bytes a sender may have in flight beyond the receiver's last
+    #: ACK (keep it under the receiver's socket buffer, or the kernel drops the rest)
+    window_bytes: int = 2 << 20
+    #: pacing of DATA per sender in bits/s (None: as fast as the window allows)
+    rate_bps: float | None = None
+    #: datagrams one sender hands out per poll before the next sender's turn
+    send_batch: int = 64
+
+    def __post_init__(self) -> None:
+        check_chunk_bytes(self.chunk_bytes)
+        if not 0 < self.min_rto <= self.initial_rto <= self.max_rto:
+            raise ValueError("need 0 < min_rto <= initial_rto <= max_rto")
+        if self.peer_timeout <= 0 or self.receive_deadline <= 0:
+            raise ValueError("peer_timeout and receive_deadline must be > 0")
+        if self.max_open_receives < 1 or self.closed_memory < 0 or self.send_batch < 1:
+            raise ValueError("max_open_receives and send_batch must be >= 1")
+        if not 0 < self.max_message_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_message_bytes must be 1..{MAX_MESSAGE_BYTES}")
+        if self.window_bytes < self.chunk_bytes:
+            raise ValueError("window_bytes must hold at least one chunk")
+        if self.rate_bps is not None and self.rate_bps <= 0:
+            raise ValueError("rate_bps must be > 0 (or None for unpaced)")
+
+
+    @property
+    def window_datagrams(self) -> int:
+        return max(1, self.window_bytes // (self.chunk_bytes + HEADER_BYTES))
+
+    @property
+    def ack_every(self) -> int:
+        """A receiver ACKs every this many DATA datagrams: 8 ACKs per window."""
+        return max(1, self.window_datagrams // 8)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    datagrams: int  # DATA datagrams sent (sender) or received (receiver), duplicates included
+    payload_bytes: int  # DATA payload bytes in those datagrams
+    chunks: int  # chunks in the message
+    delivered: int  # chunks that arrived (receiver) / that the receiver reported (sender)
+    retransmit_rounds: int  # probe answers that asked for missing chunks
+    retransmitted: int  # DATA datagrams sent again (sender) / duplicates received (receiver)
+    probes: int
+    elapsed: float
+    rtt: float | None = None
+
+    @property
+    def delivered_fraction(self) -> float:
+        return self.delivered / self.chunks if self.chunks else 1.0
+
+    @property
+    def retransmitted_fraction(self) -> float:
+        return self.retransmitted / self.chunks if self.chunks else 0.0
+
+
+@dataclass(frozen=True)
+class ReceiveResult:
+    """A closed receive: the buffer, which chunks arrived, and why it closed."""
+
+    peer: object
+    round_id: int
+    message_id: int
+    data: np.ndarray  # the destination (the caller's array, or a fresh uint8 array)
+    delivered: np.ndarray = field(repr=False)  # bool per chunk
+    chunk_bytes: int
+    close_reason: CloseReason
+    bound: float
+    stats: TransferStats
+
+    @property
+    def complete(self) -> bool:
+        return self.close_reason == CloseReason.COMPLETE
+
+    def delivered_bytes_mask(self) -> np.ndarray:
+        """Bool per byte of the message: True where the byte arrived."""
+        n = self.data.nbytes
+        return np.repeat(self.delivered, self.chunk_bytes)[:n]
+
+
+@dataclass(frozen=True)
+class SendResult:
+    peer: object
+    round_id: int
+    message_id: int
+    status: SendStatus
+    close_reason: CloseReason | None  # from the receiver's STOP
+    stats: TransferStats
+
+    @property
+    def ok(self) -> bool:
+        return self.status == SendStatus.STOPPED
+
+
+class TransportError(RuntimeError):
+    """A transfer could not finish (dead peer, cancelled, misuse)."""
+
+
+class TooManyReceives(TransportError):
+    pass

@@ -1,0 +1,261 @@
+"""Datagram header: pack, unpack, validate.
+
+Every datagram starts with one fixed 48-byte little-endian header::
+
+    magic     u16   0x4C42 ("BL")
+    version   u8
+    kind      u8    Kind
+    flags     u16   Flag
+    plen      u16   payload length (must equal datagram length - 48)
+    session   u64   random per job, from rendezvous
+    round     u32   training round / iteration
+    message   u32   message id within the round (e.g. a DDP bucket)
+    index     u32   DATA: chunk index; PROBE: probe sequence; BITMAP: first chunk covered
+    count     u32   number of chunks in the message
+    mbytes    u64   message length in bytes
+    cbytes    u32   nominal chunk payload size (chunk i starts at i * cbytes)
+    tseq      u32   DATA: transmission sequence (counts every DATA datagram of the
+                    message, retransmissions included); ACK: highest tseq seen
+
+Geometry (``count``, ``mbytes``, ``cbytes``) travels in every datagram so that every
+datagram can be checked on its own: a datagram whose geometry is impossible, or whose
+payload length does not match what its kind and index require, is rejected here before
+anything is written anywhere.
+
+Payloads per kind:
+
+- DATA:   the chunk's bytes (``cbytes`` for every chunk but the last).
+- PROBE:  empty. The sender asks "what is missing?".
+- BITMAP: ``<II`` (echoed probe sequence, chunks delivered so far), then a bitmap of the
+  chunks ``index ..`` (bit set = delivered, little bit order, ``index`` a multiple of 8).
+- STOP:   ``<I`` chunks delivered; ``index`` holds the CloseReason.
+- ACK:    ``<I`` chunks delivered; ``tseq`` the highest transmission sequence seen.
+  Sent every few DATA datagrams, it is the sender's flow-control window feedback.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = 0x4C42
+VERSION = 1
+
+HEADER = struct.Struct("<HBBHHQIIIIQII")
+HEADER_BYTES = HEADER.size
+assert HEADER_BYTES == 48
+
+#: numpy twin of HEADER, used to build every DATA header of a message at once.
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "<u2"),
+        ("version", "u1"),
+        ("kind", "u1"),
+        ("flags", "<u2"),
+        ("plen", "<u2"),
+        ("session", "<u8"),
+        ("round", "<u4"),
+        ("message", "<u4"),
+        ("index", "<u4"),
+        ("count", "<u4"),
+        ("mbytes", "<u8"),
+        ("cbytes", "<u4"),
+        ("tseq", "<u4"),
+    ]
+)
+assert HEADER_DTYPE.itemsize == HEADER_BYTES
+
+DEFAULT_CHUNK_BYTES = 1400  # fits a 1,500-byte MTU with IP/UDP headers and ours
+MAX_CHUNK_BYTES = 65_000  # a single UDP datagram on loopback (65,507 minus our header)
+MAX_MESSAGE_BYTES = 1 << 40
+MAX_CHUNKS = (1 << 32) - 1
+
+BITMAP_PREFIX = struct.Struct("<II")
+TSEQ_OFFSET = HEADER_BYTES - 4
+TSEQ = struct.Struct("<I")
+STOP_PAYLOAD = struct.Struct("<I")
+
+
+class Kind(enum.IntEnum):
+    DATA = 1
+    PROBE = 2
+    BITMAP = 3
+    STOP = 4
+    ACK = 5
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    CRITICAL = 1  # DATA: the chunk must be delivered whatever the bound
+    FINAL = 4  # BITMAP: the last segment of one answer to a PROBE
+
+
+class DropReason(enum.Enum):
+    """Why an incoming datagram was counted and dropped."""
+
+    SHORT = "short"  # shorter than the header
+    BAD_MAGIC = "bad_magic"
+    BAD_VERSION = "bad_version"
+    BAD_KIND = "bad_kind"
+    BAD_LENGTH = "bad_length"  # plen disagrees with the datagram or with the geometry
+    BAD_GEOMETRY = "bad_geometry"  # impossible count / mbytes / cbytes / index
+    FOREIGN_SESSION = "foreign_session"
+    UNKNOWN_MESSAGE = "unknown_message"  # nobody posted a send/receive for it
+    GEOMETRY_MISMATCH = "geometry_mismatch"  # disagrees with the posted buffer
+    STALE = "stale"  # for a message that has already closed
+    DUPLICATE = "duplicate"  # a chunk that was already delivered
+    INJECTED_LOSS = "injected_loss"  # dropped on purpose by a loss model
+
+
+class MalformedDatagram(ValueError):
+    def __init__(self, reason: DropReason, detail: str = ""):
+        super().__init__(f"{reason.value}: {detail}" if detail else reason.value)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: Kind
+    session: int
+    round_id: int
+    message_id: int
+    index: int
+    count: int
+    message_bytes: int
+    chunk_bytes: int
+    flags: Flag = Flag.NONE
+    payload_len: int = 0
+    tseq: int = 0
+
+
+def chunk_count(message_bytes: int, chunk_bytes: int) -> int:
+    """Chunks in a message; an empty message is one empty chunk."""
+    return max(1, -(-message_bytes // chunk_bytes))
+
+
+def chunk_len(index: int, count: int, message_bytes: int, chunk_bytes: int) -> int:
+    return chunk_bytes if index < count - 1 else message_bytes - chunk_bytes * (count - 1)
+
+
+def parse(data) -> tuple:
+    """Validate one datagram and return its raw header fields.
+
+    Returns ``(kind, flags, plen, session, round, message, index, count, mbytes,
+    cbytes, tseq)``. Raises MalformedDatagram for anything a well-behaved peer cannot send.
+    This is the per-packet path: plain integer checks, no allocation beyond the tuple.
+    """
+    n = len(data)
+    if n < HEADER_BYTES:
+        raise MalformedDatagram(DropReason.SHORT, f"{n} bytes")
+    magic, version, kind, flags, plen, session, rnd, msg, idx, cnt, mbytes, cbytes, tseq = (
+        HEADER.unpack_from(data)
+    )
+    if magic != MAGIC:
+        raise MalformedDatagram(DropReason.BAD_MAGIC)
+    if version != VERSION:
+        raise MalformedDatagram(DropReason.BAD_VERSION, str(version))
+    if plen != n - HEADER_BYTES:
+        raise MalformedDatagram(DropReason.BAD_LENGTH, f"plen {plen} in {n} bytes")
+    if (
+        not 0 < cbytes <= MAX_CHUNK_BYTES
+        or mbytes > MAX_MESSAGE_BYTES
+        or cnt != (-(-mbytes // cbytes) or 1)
+    ):
+        raise MalformedDatagram(DropReason.BAD_GEOMETRY, f"count {cnt} mbytes {mbytes} cbytes {cbytes}")
+    if kind == 1:  # DATA
+        if idx >= cnt:
+            raise MalformedDatagram(DropReason.BAD_GEOMETRY, f"index {idx} of {cnt}")
+        if plen != (cbytes if idx < cnt - 1 else mbytes - cbytes * (cnt - 1)):
+            raise MalformedDatagram(DropReason.BAD_LENGTH, f"chunk {idx} with {plen} bytes")
+    elif kind == 2:  # PROBE
+        if plen:
+            raise MalformedDatagram(DropReason.BAD_LENGTH, "probe with payload")
+    elif kind == 3:  # BITMAP
+        if idx >= cnt or idx & 7:
+            raise MalformedDatagram(DropReason.BAD_GEOMETRY, f"bitmap from {idx} of {cnt}")
+        if plen < 8 or plen - 8 > ((cnt - idx + 7) >> 3):
+            raise MalformedDatagram(DropReason.BAD_LENGTH, f"bitmap of {plen} bytes")
+    elif kind == 4 or kind == 5:  # STOP / ACK
+        if plen != 4:
+            raise MalformedDatagram(DropReason.BAD_LENGTH, "stop/ack payload")
+    else:
+        raise MalformedDatagram(DropReason.BAD_KIND, str(kind))
+    return kind, flags, plen, session, rnd, msg, idx, cnt, mbytes, cbytes, tseq
+
+
+def peek_round(data) -> int:
+    """Round id of a datagram long enough to hold a header, else -1 (for loss models)."""
+    if len(data) < HEADER_BYTES:
+        return -1
+    return int.from_bytes(data[16:20], "little")
+
+
+def encode(header: Header, payload=b"") -> bytes:
+    """One whole datagram (control messages and tests; DATA uses build_data_headers)."""
+    plen = len(payload)
+    head = HEADER.pack(
+        MAGIC,
+        VERSION,
+        int(header.kind),
+        int(header.flags),
+        plen,
+        header.session,
+        header.round_id,
+        header.message_id,
+        header.index,
+        header.count,
+        header.message_bytes,
+        header.chunk_bytes,
+        header.tseq,
+    )
+    return head + bytes(payload)
+
+
+def decode(data) -> tuple[Header, memoryview]:
+    """Validated Header and payload view (tests, tools; the hot path uses parse)."""
+    kind, flags, plen, session, rnd, msg, idx, cnt, mbytes, cbytes, tseq = parse(data)
+    header = Header(
+        Kind(kind), session, rnd, msg, idx, cnt, mbytes, cbytes, Flag(flags), plen, tseq
+    )
+    return header, memoryview(data)[HEADER_BYTES:]
+
+
+def build_data_headers(
+    *,
+    session: int,
+    round_id: int,
+    message_id: int,
+    message_bytes: int,
+    chunk_bytes: int,
+    critical: np.ndarray | None = None,
+) -> np.ndarray:
+    """Every DATA header of one message, built at once: a (count, 48) uint8 array.
+
+    The sender writes each datagram's ``tseq`` (offset TSEQ_OFFSET) just before it goes.
+    """
+    count = chunk_count(message_bytes, chunk_bytes)
+    h = np.zeros(count, dtype=HEADER_DTYPE)
+    h["magic"] = MAGIC
+    h["version"] = VERSION
+    h["kind"] = Kind.DATA
+    h["plen"] = chunk_bytes
+    h["plen"][-1] = chunk_len(count - 1, count, message_bytes, chunk_bytes)
+    h["session"] = session
+    h["round"] = round_id
+    h["message"] = message_id
+    h["index"] = np.arange(count, dtype=np.uint32)
+    h["count"] = count
+    h["mbytes"] = message_bytes
+    h["cbytes"] = chunk_bytes
+    if critical is not None:
+        h["flags"][np.asarray(critical, dtype=bool)] = Flag.CRITICAL
+    return h.view(np.uint8).reshape(count, HEADER_BYTES)
+
+
+def check_chunk_bytes(chunk_bytes: int) -> int:
+    if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk size must be 1..{MAX_CHUNK_BYTES} bytes, got {chunk_bytes}")
+    return chunk_bytes
