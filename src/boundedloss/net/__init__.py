@@ -1,0 +1,20 @@
+"""I/O adapters for the sans-I/O core: real UDP sockets, a fake network with a virtual
+clock, and the loss models both can apply."""
+
+from .fake import FakeNetwork, NodeProfile, PathProfile
+from .loss import Bernoulli, Combined, GilbertElliott, LossModel, Microburst, NoLoss, parse_loss_spec
+from .udp import UdpEndpoint
+
+__all__ = [
+    "Bernoulli",
+    "Combined",
+    "FakeNetwork",
+    "GilbertElliott",
+    "LossModel",
+    "Microburst",
+    "NoLoss",
+    "NodeProfile",
+    "PathProfile",
+    "UdpEndpoint",
+    "parse_loss_spec",
+]

@@ -1,0 +1,1 @@
+"""Benchmarks behind `boundedloss bench ...`: each prints a table and writes JSON."""

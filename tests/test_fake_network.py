@@ -1,0 +1,345 @@
+"""End-to-end transfers through FakeNetwork (virtual clock, seeded loss, jitter,
+duplication, shallow queues): the properties the issue asks of the transport."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from conftest import PROPERTY, SENTINEL, SESSION, chunks_equal, source_bytes
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from boundedloss import wire
+from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
+from boundedloss.net.loss import Bernoulli, Combined, GilbertElliott, Microburst
+from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
+from boundedloss.protocol import CloseReason, SendStatus, TransferMux, TransportConfig
+
+PATIENT = dict(peer_timeout=1e4, receive_deadline=1e4)  # "a loss pattern that eventually delivers"
+
+
+def setup(cfg: TransportConfig, seed: int = 0, path: PathProfile | None = None,
+          reverse: PathProfile | None = None, tx_profile: NodeProfile | None = None,
+          rx_profile: NodeProfile | None = None):
+    net = FakeNetwork(seed=seed, path=path)
+    a = net.attach("a", TransferMux(SESSION, cfg), tx_profile)
+    b = net.attach("b", TransferMux(SESSION, cfg), rx_profile)
+    if reverse is not None:
+        net.set_path("b", "a", reverse)
+    return net, a, b
+
+
+def loss_model(kind: str, p: float, seed: int):
+    if kind == "bernoulli":
+        return Bernoulli(p, seed=seed)
+    if kind == "ge":  # bursts of 4 datagrams on average
+        return GilbertElliott.from_rate(p, 4.0, seed=seed)
+    # a burst window early in the transfer on top of background loss
+    return Combined([Bernoulli(p / 2, seed=seed),
+                     Microburst(0.9, windows=[(0.0, 2e-4)], seed=seed + 1)])
+
+
+CHUNK_COUNTS = st.one_of(st.integers(0, 4), st.integers(5, 60), st.integers(61, 400))
+
+
+def message_bytes(draw, chunk_bytes: int) -> int:
+    """A size spread over few / some / many chunks, often not a multiple of the chunk
+    (0 chunks: an empty message; 1 chunk less chunk_bytes - 1: a 1-byte one)."""
+    count = draw(CHUNK_COUNTS)
+    if count == 0:
+        return draw(st.sampled_from([0, 1]))
+    return count * chunk_bytes - draw(st.integers(0, chunk_bytes - 1))
+
+
+@st.composite
+def messages(draw, chunk_bytes: int) -> np.ndarray:
+    dtype = np.dtype(draw(st.sampled_from([np.float32, np.int8, np.float64])))
+    n = message_bytes(draw, chunk_bytes) // dtype.itemsize
+    return source_bytes(n * dtype.itemsize, seed=draw(st.integers(0, 2**16))).view(dtype)
+
+
+# ------------------------------------------------------- reliable: bit-exact
+
+
+@settings(PROPERTY, max_examples=200)
+@given(
+    data=st.data(),
+    chunk_bytes=st.sampled_from([8, 16, 61, 256, 1400]),
+    model=st.sampled_from(["bernoulli", "ge", "burst"]),
+    p=st.sampled_from([0.0, 0.05, 0.2, 0.35, 0.5]),
+    control_only=st.booleans(),
+    duplicate=st.sampled_from([0.0, 0.05, 0.3]),
+    jitter=st.sampled_from([0.0, 2e-5, 5e-4]),
+    seed=st.integers(0, 2**16),
+)
+def test_reliable_is_bit_exact_under_loss_duplication_and_reorder(
+    data, chunk_bytes, model, p, control_only, duplicate, jitter, seed
+) -> None:
+    msg = data.draw(messages(chunk_bytes))
+    cfg = TransportConfig(chunk_bytes=chunk_bytes, **PATIENT)
+    lossy = PathProfile(delay=50e-6, jitter=jitter, duplicate=duplicate,
+                        loss=loss_model(model, p, seed) if p else None)
+    if control_only:  # DATA goes through cleanly; every answer (BITMAP/STOP/ACK) is lossy
+        path = PathProfile(delay=50e-6, jitter=jitter, duplicate=duplicate)
+        net, a, b = setup(cfg, seed, path=path, reverse=lossy)
+    else:  # DATA and control alike, both ways
+        net, a, b = setup(cfg, seed, path=lossy, tx_profile=NodeProfile(up_bps=1e9))
+    out = np.zeros_like(msg)
+    out.view(np.uint8)[:] = SENTINEL
+    rx = b.start_receive("a", 1, 2, net.now, policy=ReliablePolicy(), out=out)
+    tx = a.start_send("b", 1, 2, msg, net.now)
+    net.run_until_done([rx, tx], timeout=5e3)
+    r = rx.result
+    event(f"bytes {'0' if not msg.nbytes else '1' if msg.nbytes == 1 else '>1'}")
+    event(f"chunks {'<=8' if r.stats.chunks <= 8 else '<=64' if r.stats.chunks <= 64 else '>64'}")
+    event(f"retransmit rounds {'0' if not tx.result.stats.retransmit_rounds else '>0'}")
+    assert r.close_reason == CloseReason.COMPLETE
+    assert out.view(np.uint8).tobytes() == msg.view(np.uint8).tobytes()
+    assert r.delivered.all() and r.stats.delivered == wire.chunk_count(msg.nbytes, chunk_bytes)
+    assert tx.result.status == SendStatus.STOPPED
+    assert tx.result.close_reason == CloseReason.COMPLETE
+
+
+def test_reliable_under_heavy_loss_needs_retransmission_rounds() -> None:
+    """The property above is not vacuous: with 50% loss the first pass misses chunks."""
+    cfg = TransportConfig(chunk_bytes=16, **PATIENT)
+    net, a, b = setup(cfg, 3, path=PathProfile(jitter=1e-4, duplicate=0.1,
+                                                loss=Bernoulli(0.5, seed=3)))
+    msg = source_bytes(4000, 3)
+    rx = b.start_receive("a", 1, 2, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 1, 2, msg, 0.0)
+    net.run_until_done([rx, tx], timeout=5e3)
+    assert rx.result.complete and rx.result.data.tobytes() == msg.tobytes()
+    assert tx.result.stats.retransmit_rounds >= 3
+    assert tx.result.stats.retransmitted >= 250
+    assert net.counts["path_loss"] > 0.4 * net.counts["sent"]
+    assert net.counts["duplicated"] > 0
+
+
+# -------------------------------------------------------------- bounded loss
+
+
+@settings(PROPERTY, max_examples=200)
+@given(
+    data=st.data(),
+    chunk_bytes=st.sampled_from([8, 16, 100, 1400]),
+    p=st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.3, 0.5, 0.9]),
+    q=st.sampled_from([0.0, 0.05, 0.2, 0.5]),
+    with_critical=st.booleans(),
+    jitter=st.sampled_from([0.0, 1e-4]),
+    seed=st.integers(0, 2**16),
+)
+def test_bounded_delivers_the_bound_and_the_mask_is_exact(
+    data, chunk_bytes, p, q, with_critical, jitter, seed
+) -> None:
+    nbytes = max(1, message_bytes(data.draw, chunk_bytes))
+    cfg = TransportConfig(chunk_bytes=chunk_bytes, peer_timeout=1e4, receive_deadline=3.0)
+    path = PathProfile(jitter=jitter, duplicate=0.05, loss=Bernoulli(q, seed=seed) if q else None)
+    net, a, b = setup(cfg, seed, path=path)
+    src = source_bytes(nbytes, seed)
+    count = wire.chunk_count(nbytes, chunk_bytes)
+    critical = None
+    if with_critical:
+        critical = np.random.default_rng(seed).random(count) < 0.15
+    out = np.full(nbytes, SENTINEL, np.uint8)
+    rx = b.start_receive("a", 4, 0, 0.0, policy=FixedBoundPolicy(p), out=out, critical=critical)
+    tx = a.start_send("b", 4, 0, src, 0.0, critical=critical)
+    net.run_until_done([rx], timeout=10.0)
+    r = rx.result
+    event(f"closed {r.close_reason.name}")
+    event(f"missing {'none' if r.delivered.all() else 'some'}")
+    # whatever the reason it closed: the mask says exactly which chunks hold the source
+    assert r.delivered.shape == (count,)
+    assert (chunks_equal(src, out, chunk_bytes) == r.delivered).all()
+    assert (out[~r.delivered_bytes_mask()] == SENTINEL).all(), "wrote an undelivered chunk"
+    assert r.stats.delivered == int(r.delivered.sum())
+    if r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE):
+        need = math.ceil((1 - Fraction(str(p))) * count)
+        assert r.delivered.sum() >= need
+        if critical is not None:
+            assert r.delivered[critical].all()
+        assert (r.close_reason == CloseReason.COMPLETE) == bool(r.delivered.all())
+    else:
+        assert r.close_reason == CloseReason.DEADLINE
+    net.run_until_done([tx], timeout=100.0)
+    assert tx.result.status == SendStatus.STOPPED
+    assert tx.result.close_reason == r.close_reason
+
+
+def test_bounded_transfer_really_stops_short() -> None:
+    """FixedBoundPolicy closes with chunks missing (no retransmission to completion)."""
+    cfg = TransportConfig(chunk_bytes=100, **PATIENT)
+    net, a, b = setup(cfg, 5, path=PathProfile(loss=Bernoulli(0.05, seed=5)))
+    src = source_bytes(100_000, 5)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=FixedBoundPolicy(0.1))
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=100.0)
+    assert rx.result.close_reason == CloseReason.BOUND_MET
+    assert 900 <= rx.result.stats.delivered < 1000
+    assert tx.result.stats.retransmitted == 0  # the first pass was enough
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_critical_chunks_always_arrive_under_heavy_loss(seed: int) -> None:
+    cfg = TransportConfig(chunk_bytes=64, **PATIENT)
+    src = source_bytes(64 * 200, seed)
+    critical = np.random.default_rng(seed).random(200) < 0.1
+
+    def run(crit):
+        net, a, b = setup(cfg, seed, path=PathProfile(loss=Bernoulli(0.4, seed=seed)))
+        out = np.full(src.nbytes, SENTINEL, np.uint8)
+        rx = b.start_receive("a", 0, 0, 0.0, policy=FixedBoundPolicy(0.8), out=out,
+                             critical=crit)
+        tx = a.start_send("b", 0, 0, src, 0.0, critical=crit)
+        net.run_until_done([rx, tx], timeout=1e3)
+        assert (chunks_equal(src, out, 64) == rx.result.delivered).all()
+        return rx.result
+
+    r = run(critical)
+    assert r.close_reason == CloseReason.BOUND_MET
+    assert r.delivered[critical].all()
+    # without the mask, the same losses leave some of those chunks missing
+    plain = run(None)
+    assert not plain.delivered[critical].all()
+
+
+def test_stop_mid_burst_stops_a_slow_sender() -> None:
+    cfg = TransportConfig(chunk_bytes=1400, **PATIENT)
+    net, a, b = setup(cfg, tx_profile=NodeProfile(up_bps=1e8))
+    src = source_bytes(1400 * 1000, 6)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=FixedBoundPolicy(0.5))
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=10.0)
+    assert rx.result.close_reason == CloseReason.BOUND_MET
+    assert tx.result.status == SendStatus.STOPPED
+    # the whole message takes ~0.116 s on this uplink; the STOP cut it at about half
+    assert tx.result.stats.datagrams < 600
+    assert net.counts["sent"] < 620
+    assert tx.result.stats.elapsed < 0.07
+
+
+# ------------------------------------------------------------------- incast
+
+
+def test_incast_into_a_shallow_queue_completes_bit_exact() -> None:
+    cfg = TransportConfig(chunk_bytes=1400, **PATIENT)
+    net = FakeNetwork(seed=7, path=PathProfile(delay=20e-6, jitter=5e-6))
+    sink = net.attach("sink", TransferMux(SESSION, cfg),
+                      NodeProfile(down_bps=1e9, queue_datagrams=16))
+    msgs, rxs, txs = {}, [], []
+    for i in range(8):
+        name = f"w{i}"
+        mux = net.attach(name, TransferMux(SESSION, cfg), NodeProfile(up_bps=1e9))
+        msgs[name] = source_bytes(100_000 + 37 * i, seed=100 + i).view(np.uint8)
+        rxs.append(sink.start_receive(name, 0, 0, 0.0, policy=ReliablePolicy()))
+        txs.append(mux.start_send("sink", 0, 0, msgs[name], 0.0))
+    t = net.run_until_done(rxs + txs, timeout=60.0)
+    assert net.counts["queue_drop"] > 0, "the incast must overflow the queue"
+    for rx in rxs:
+        assert rx.result.complete
+        assert rx.result.data.tobytes() == msgs[rx.peer].tobytes()
+    assert all(tx.result.status == SendStatus.STOPPED for tx in txs)
+    # 8 x ~100 kB through a 1 Gb/s downlink is ~7 ms; recovery must not take ages
+    assert t < 2.0, t
+
+
+# --------------------------------------------------------------- dead peers
+
+
+def test_dead_link_both_ends_give_up_on_time() -> None:
+    cfg = TransportConfig(chunk_bytes=512, peer_timeout=3.0, receive_deadline=7.0)
+    net, a, b = setup(cfg, rx_profile=NodeProfile(loss=Bernoulli(1.0)))
+    src = source_bytes(5000, 1)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([tx], timeout=100.0)
+    assert tx.result.status == SendStatus.PEER_SILENT
+    assert tx.result.stats.elapsed == pytest.approx(3.0, abs=1e-9)
+    net.run_until_done([rx], timeout=100.0)
+    assert rx.result.close_reason == CloseReason.DEADLINE
+    assert rx.result.stats.elapsed == pytest.approx(7.0, abs=1e-9)
+    assert net.counts["node_loss"] == net.counts["sent"]
+
+
+def test_sender_to_an_address_nobody_holds() -> None:
+    cfg = TransportConfig(chunk_bytes=512, peer_timeout=2.0)
+    net, a, _ = setup(cfg)
+    tx = a.start_send("nowhere", 0, 0, source_bytes(3000, 1), 0.0)
+    net.run_until_done([tx], timeout=100.0)
+    assert tx.result.status == SendStatus.PEER_SILENT
+    assert tx.result.stats.elapsed == pytest.approx(2.0, abs=1e-9)
+    assert net.counts["no_route"] == net.counts["sent"] > 0
+
+
+def test_receive_posted_late_through_the_network() -> None:
+    cfg = TransportConfig(chunk_bytes=256, **PATIENT)
+    net, a, b = setup(cfg, 2, path=PathProfile(loss=Bernoulli(0.1, seed=2)))
+    src = source_bytes(20_000, 2)
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run(until=0.5)
+    assert tx.result is None and b.drops
+    rx = b.start_receive("a", 0, 0, net.now, policy=ReliablePolicy())  # and without a size
+    net.run_until_done([rx, tx], timeout=100.0)
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+
+
+# ---------------------------------------------------------- the fake itself
+
+
+def _scenario(seed: int):
+    cfg = TransportConfig(chunk_bytes=100, **PATIENT)
+    net, a, b = setup(cfg, seed, path=PathProfile(jitter=1e-4, duplicate=0.1,
+                                                   loss=Bernoulli(0.2, seed=seed)))
+    src = source_bytes(20_000, 0)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    t = net.run_until_done([rx, tx], timeout=100.0)
+    return t, dict(net.counts), rx.result.stats, tx.result.stats, dict(b.drops)
+
+
+def test_same_seed_same_run() -> None:
+    assert _scenario(11) == _scenario(11)
+    assert _scenario(11)[1] != _scenario(12)[1]
+
+
+def test_uplink_serialises_datagrams() -> None:
+    cfg = TransportConfig(chunk_bytes=1000, **PATIENT)
+    net, a, b = setup(cfg, path=PathProfile(delay=1e-4), tx_profile=NodeProfile(up_bps=1e8))
+    src = source_bytes(1_000_000, 0)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    t = net.run_until_done([rx, tx], timeout=10.0)
+    wire_time = 1000 * (1000 + wire.HEADER_BYTES) * 8 / 1e8  # ~84 ms
+    assert wire_time <= rx.result.stats.elapsed <= wire_time * 1.1 + 1e-3
+    assert t <= wire_time * 1.1 + 2e-3
+
+
+def test_downlink_queue_drops_are_counted() -> None:
+    cfg = TransportConfig(chunk_bytes=1000, **PATIENT)
+    net, a, b = setup(cfg, tx_profile=NodeProfile(up_bps=1e10),
+                      rx_profile=NodeProfile(down_bps=1e9, queue_datagrams=4))
+    src = source_bytes(200_000, 0)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=10.0)
+    assert net.counts["queue_drop"] > 0
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+    net.run()  # let what is still in flight land
+    assert net.counts["sent"] + net.counts["duplicated"] == (
+        net.counts["delivered"] + net.counts["queue_drop"] + net.counts["path_loss"]
+        + net.counts["node_loss"] + net.counts["no_route"])
+
+
+def test_run_until_done_times_out_and_attach_rejects_duplicates() -> None:
+    cfg = TransportConfig(chunk_bytes=100, peer_timeout=50.0, receive_deadline=50.0)
+    net, a, b = setup(cfg, rx_profile=NodeProfile(loss=Bernoulli(1.0)))
+    tx = a.start_send("b", 0, 0, source_bytes(1000, 0), 0.0)
+    with pytest.raises(TimeoutError):
+        net.run_until_done([tx], timeout=5.0)
+    assert net.now == pytest.approx(5.0) and tx.result is None
+    with pytest.raises(ValueError):
+        net.attach("a", TransferMux(SESSION, cfg))
+    assert net.mux("b") is b

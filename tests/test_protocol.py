@@ -1,0 +1,941 @@
+"""The sans-I/O core (TransferMux, MessageSender, MessageReceiver) driven by hand.
+
+No FakeNetwork here: datagrams are built with ``wire`` or moved by ``HandNet`` (fixed
+delay, a drop filter that sees each datagram's kind), so every test controls exactly
+which datagram is lost, when a timer fires, and what the destination buffer holds.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import struct
+import tracemalloc
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from conftest import PROPERTY, SENTINEL, SESSION, HandNet, chunk_slices, chunks_equal, source_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from boundedloss import wire
+from boundedloss.policy import ClosePlan, FixedBoundPolicy, MessageInfo, Policy, ReliablePolicy
+from boundedloss.protocol import (
+    CloseReason,
+    SendStatus,
+    TooManyReceives,
+    TransferMux,
+    TransportConfig,
+    TransportError,
+)
+from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Header, Kind, MalformedDatagram
+
+ACK = getattr(Kind, "ACK", None)
+CONTROL_KINDS = [Kind.PROBE, Kind.BITMAP, Kind.STOP] + ([ACK] if ACK is not None else [])
+
+CB = 64
+CFG = TransportConfig(chunk_bytes=CB, peer_timeout=5.0, receive_deadline=20.0)
+ROUND, MSG = 3, 5
+
+
+def pair(cfg: TransportConfig = CFG, drop=None, delay: float = 1e-4):
+    net = HandNet(delay=delay, drop=drop)
+    a = net.add("a", TransferMux(SESSION, cfg))
+    b = net.add("b", TransferMux(SESSION, cfg))
+    return net, a, b
+
+
+def data_datagrams(src, cb: int = CB, round_id: int = ROUND, message_id: int = MSG,
+                   session: int = SESSION, critical=None) -> list[bytes]:
+    """Every DATA datagram of a message, as a well-behaved sender would build it."""
+    b = np.asarray(src).reshape(-1).view(np.uint8)
+    hdrs = wire.build_data_headers(session=session, round_id=round_id, message_id=message_id,
+                                   message_bytes=b.nbytes, chunk_bytes=cb, critical=critical)
+    return [hdrs[i].tobytes() + b[sl].tobytes()
+            for i, sl in enumerate(chunk_slices(b.nbytes, cb))]
+
+
+def control(kind: Kind, nbytes: int, cb: int = CB, index: int = 0, payload: bytes = b"",
+            round_id: int = ROUND, message_id: int = MSG, session: int = SESSION,
+            flags: Flag = Flag.NONE) -> bytes:
+    count = wire.chunk_count(nbytes, cb)
+    return wire.encode(Header(kind, session, round_id, message_id, index, count, nbytes, cb,
+                              flags), payload)
+
+
+def drain(mux: TransferMux, now: float) -> list[tuple[Header, bytes, object]]:
+    out = []
+    while True:
+        batch = mux.poll(now, 4096)
+        if not batch:
+            return out
+        for parts, peer in batch:
+            data = b"".join(bytes(p) for p in parts)
+            out.append((wire.decode(data)[0], data, peer))
+
+
+def rto_budget(cfg: TransportConfig, losses: int) -> float:
+    """Upper bound on the time ``losses`` consecutive lost probe exchanges can cost:
+    each waits one RTO, doubling from the initial value up to max_rto."""
+    return sum(min(cfg.max_rto, cfg.initial_rto * 2**k) for k in range(losses))
+
+
+class PlanPolicy(Policy):
+    """A policy with a fixed close rule, for testing the receiver's plan handling."""
+
+    name = "plan"
+
+    def __init__(self, min_delivered=None, accept_after=None):
+        self.min_delivered = min_delivered
+        self.accept_after = accept_after
+        self.outcomes = []
+
+    def plan(self, info: MessageInfo) -> ClosePlan:
+        need = info.chunk_count if self.min_delivered is None else self.min_delivered
+        return ClosePlan(min_delivered=need, bound=0.0, accept_after=self.accept_after)
+
+    def observe(self, outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+# ------------------------------------------------------------ basic transfers
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, CB - 1, CB, CB + 1, 10 * CB, 10 * CB + 7])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.float32, np.float64])
+def test_lossless_transfer_is_exact(nbytes: int, dtype) -> None:
+    n = nbytes // np.dtype(dtype).itemsize
+    src = source_bytes(n * np.dtype(dtype).itemsize, seed=n).view(dtype)
+    out = np.full_like(src, 0)
+    out.view(np.uint8)[:] = SENTINEL
+    net, a, b = pair()
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy(), out=out)
+    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    net.run([tx, rx], until=1.0)
+    r = rx.result
+    assert r is not None and r.close_reason == CloseReason.COMPLETE and r.complete
+    assert r.data is out and out.view(np.uint8).tobytes() == src.view(np.uint8).tobytes()
+    count = wire.chunk_count(src.nbytes, CB)
+    assert r.delivered.shape == (count,) and r.delivered.all()
+    assert r.stats.chunks == count and r.stats.delivered == count
+    assert r.delivered_bytes_mask().all() and r.delivered_bytes_mask().shape == (src.nbytes,)
+    assert tx.result.status == SendStatus.STOPPED and tx.result.ok
+    assert tx.result.close_reason == CloseReason.COMPLETE
+    assert tx.result.stats.delivered == count
+    assert a.open_sends == 0 and b.open_receives == 0
+    # the only drops: the PROBE sent behind the data, and the second STOP it draws
+    assert set(a.drops) <= {DropReason.STALE} and set(b.drops) <= {DropReason.STALE}
+    assert set(a.pop_finished()) == {tx} and set(b.pop_finished()) == {rx}
+    assert a.pop_finished() == []
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"x", b"hello world" * 20, bytearray(b"abc" * 50), bytearray(),
+     memoryview(b"0123456789" * 13), np.arange(37, dtype=np.int16).reshape(37, 1)],
+    ids=["bytes0", "bytes1", "bytes220", "bytearray150", "bytearray0", "memoryview130",
+         "int16_2d"],
+)
+def test_payload_buffer_types(payload) -> None:
+    """bytes, bytearray, memoryview and n-d arrays send exactly their bytes."""
+    expect = bytes(memoryview(payload).cast("B")) if not isinstance(payload, np.ndarray) \
+        else payload.tobytes()
+    net, a, b = pair()
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, payload, net.now)
+    assert tx.nbytes == len(expect)
+    net.run([tx, rx], until=1.0)
+    assert rx.result.complete
+    assert rx.result.data.tobytes() == expect
+
+
+def test_posting_misuse_raises() -> None:
+    mux = TransferMux(SESSION, CFG)
+    mux.start_receive("a", 1, 1, 0.0, policy=ReliablePolicy(), nbytes=10)
+    with pytest.raises(TransportError):
+        mux.start_receive("a", 1, 1, 0.0, policy=ReliablePolicy(), nbytes=10)
+    mux.start_send("a", 1, 1, b"x" * 10, 0.0)  # a send of the same key is separate
+    with pytest.raises(TransportError):
+        mux.start_send("a", 1, 1, b"x" * 10, 0.0)
+    with pytest.raises(ValueError):
+        mux.start_receive("a", 1, 2, 0.0, policy=ReliablePolicy(), nbytes=10,
+                          out=np.zeros(11, np.uint8))
+    with pytest.raises(ValueError):  # critical mask without a size
+        mux.start_receive("a", 1, 3, 0.0, policy=ReliablePolicy(), critical=np.ones(1, bool))
+    with pytest.raises(ValueError):  # wrong critical length
+        mux.start_receive("a", 1, 4, 0.0, policy=ReliablePolicy(), nbytes=200,
+                          critical=np.ones(3, bool))
+    with pytest.raises(ValueError):
+        mux.start_send("b", 1, 4, b"x" * 200, 0.0, critical=np.ones(3, bool))
+    with pytest.raises(ValueError):  # non-contiguous destination
+        mux.start_receive("a", 1, 5, 0.0, policy=ReliablePolicy(),
+                          out=np.zeros(20, np.uint8)[::2])
+    with pytest.raises(ValueError):
+        mux.start_receive("a", 1, 6, 0.0, policy=ReliablePolicy(),
+                          nbytes=CFG.max_message_bytes + 1)
+    with pytest.raises(ValueError):
+        TransferMux(1 << 64)
+    # nothing half-registered by the failures
+    assert mux.open_receives == 1 and mux.open_sends == 1
+
+
+# ------------------------------------------------------- lost control datagrams
+
+
+def drop_first(kind: Kind, n: int, also_data=(1, 4)):
+    """Lose the first ``n`` datagrams of ``kind`` and, so that BITMAPs matter, the
+    first-pass DATA datagrams numbered ``also_data``."""
+
+    def drop(src, dst, header, data, nth):
+        if header.kind == kind:
+            return nth <= n
+        return header.kind == Kind.DATA and nth in also_data
+
+    return drop
+
+
+@pytest.mark.parametrize("n", [1, 3, 6])
+@pytest.mark.parametrize("kind", CONTROL_KINDS, ids=lambda k: k.name)
+def test_lost_control_datagrams_do_not_hang(kind: Kind, n: int) -> None:
+    cfg = CFG
+    if kind == ACK:  # a window of 4 datagrams with an ACK after every one
+        cfg = TransportConfig(chunk_bytes=CB, peer_timeout=5.0, receive_deadline=20.0,
+                              window_bytes=4 * (CB + HEADER_BYTES))
+    src = source_bytes(20 * CB + 5, seed=n)
+    net, a, b = pair(cfg, drop=drop_first(kind, n))
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    t = net.run([tx, rx], until=60.0)
+    assert net.lost[kind] == n, "the scenario must really lose those datagrams"
+    assert rx.result is not None and rx.result.complete
+    assert rx.result.data.tobytes() == src.tobytes()
+    assert tx.result is not None and tx.result.status == SendStatus.STOPPED
+    # every lost exchange costs at most one (backed-off) RTO, plus a few round trips
+    assert t <= rto_budget(cfg, n) + 0.01, t
+
+
+def test_all_control_lost_for_a_while_then_recovers() -> None:
+    """Every control datagram either way is lost for the first 0.4 s."""
+    holder = {}
+
+    def drop(src, dst, header, data, nth):
+        if header.kind == Kind.DATA:
+            return nth % 3 == 0 and nth < 40  # some first-pass DATA too
+        return holder["net"].now < 0.4
+
+    src = source_bytes(30 * CB, seed=9)
+    net, a, b = pair(drop=drop)
+    holder["net"] = net
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    t = net.run([tx, rx], until=60.0)
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+    assert tx.result.ok
+    # the first probe after the outage goes at most one (backed-off) RTO later
+    assert 0.4 <= t <= 0.4 + CFG.max_rto + 0.01
+
+
+# --------------------------------------------------------------- dead peers
+
+
+def test_sender_to_silent_receiver_fails_after_peer_timeout() -> None:
+    """Nobody posted the receive: the peer drops everything and never answers."""
+    net, a, b = pair()
+    tx = a.start_send("b", ROUND, MSG, source_bytes(500, 1), net.now)
+    net.run([tx], until=100.0)
+    r = tx.result
+    assert r.status == SendStatus.PEER_SILENT and not r.ok and r.close_reason is None
+    assert r.stats.elapsed == pytest.approx(CFG.peer_timeout, abs=1e-9)
+    assert net.now == pytest.approx(CFG.peer_timeout, abs=1e-9)
+    # it re-probed with backoff, not in a tight loop
+    assert 2 <= r.stats.probes <= math.log2(CFG.max_rto / CFG.initial_rto) + 2 + \
+        CFG.peer_timeout / CFG.max_rto
+    assert b.drops[DropReason.UNKNOWN_MESSAGE] == sum(
+        n for (src, _), n in net.sent.items() if src == "a")
+    assert a.open_sends == 0
+
+
+def test_sender_whose_receiver_dies_fails_peer_timeout_after_last_word() -> None:
+    heard = []
+
+    def drop(src, dst, header, data, nth):
+        if src == "b":
+            if heard:  # the receiver dies after its first answer
+                return True
+            heard.append(holder["net"].now)
+            return False
+        return header.kind == Kind.DATA and nth == 3  # so that a BITMAP is needed
+
+    holder = {}
+    net, a, b = pair(drop=drop)
+    holder["net"] = net
+    b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, source_bytes(10 * CB, 2), net.now)
+    net.run([tx], until=100.0)
+    assert tx.result.status == SendStatus.PEER_SILENT
+    last_heard = heard[0] + net.delay
+    assert tx.result.stats.elapsed == pytest.approx(last_heard + CFG.peer_timeout, abs=1e-9)
+
+
+@pytest.mark.parametrize("policy", [ReliablePolicy(), FixedBoundPolicy(0.1)],
+                         ids=["reliable", "mlt0.1"])
+def test_receiver_whose_sender_dies_closes_at_deadline_with_what_it_has(policy) -> None:
+    k = 4  # the sender dies after its 4th DATA datagram
+
+    def drop(src, dst, header, data, nth):
+        return src == "a" and (header.kind != Kind.DATA or nth > k)
+
+    src = source_bytes(10 * CB + 3, seed=3)
+    out = np.full(src.nbytes, SENTINEL, np.uint8)
+    net, a, b = pair(drop=drop)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=policy, out=out)
+    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    net.run([rx], until=100.0)
+    r = rx.result
+    assert r.close_reason == CloseReason.DEADLINE and not r.complete
+    assert r.stats.elapsed == pytest.approx(CFG.receive_deadline, abs=1e-9)
+    expect = np.zeros(wire.chunk_count(src.nbytes, CB), bool)
+    expect[:k] = True
+    assert (r.delivered == expect).all()
+    assert (chunks_equal(src, out, CB) == expect).all()
+    assert (out[k * CB:] == SENTINEL).all()
+    assert r.stats.delivered == k
+
+
+def test_receive_without_size_that_never_hears_closes_empty_at_deadline() -> None:
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("a", ROUND, MSG, 1.0, policy=ReliablePolicy())
+    assert mux.next_deadline() == pytest.approx(1.0 + CFG.receive_deadline)
+    mux.timer_fired(1.0 + CFG.receive_deadline - 1e-6)
+    assert rx.result is None
+    mux.timer_fired(1.0 + CFG.receive_deadline)
+    r = rx.result
+    assert r.close_reason == CloseReason.DEADLINE
+    assert r.data.nbytes == 0 and r.delivered.size == 0 and r.stats.delivered == 0
+    assert mux.poll(100.0) == []  # no geometry, nothing to say
+    assert mux.open_receives == 0 and mux.next_deadline() is None
+
+
+# ------------------------------------------------------------------- memory
+
+
+def test_max_open_receives_is_enforced() -> None:
+    cfg = TransportConfig(chunk_bytes=CB, max_open_receives=4)
+    mux = TransferMux(SESSION, cfg)
+    rxs = [mux.start_receive("a", 0, m, 0.0, policy=ReliablePolicy(), nbytes=100)
+           for m in range(4)]
+    with pytest.raises(TooManyReceives):
+        mux.start_receive("a", 0, 4, 0.0, policy=ReliablePolicy(), nbytes=100)
+    with pytest.raises(TransportError):  # TooManyReceives is a TransportError
+        mux.start_receive("b", 9, 9, 0.0, policy=ReliablePolicy())
+    assert mux.open_receives == 4
+    mux.cancel(rxs[0], 0.1)
+    assert rxs[0].result.close_reason == CloseReason.CANCELLED
+    assert mux.open_receives == 3
+    mux.start_receive("a", 0, 4, 0.1, policy=ReliablePolicy(), nbytes=100)
+    with pytest.raises(TooManyReceives):
+        mux.start_receive("a", 0, 5, 0.1, policy=ReliablePolicy(), nbytes=100)
+    # a receive that closes on its own frees its slot too
+    for dg in data_datagrams(source_bytes(100, 0), round_id=0, message_id=1):
+        mux.datagram_received(dg, "a", 0.2)
+    assert rxs[1].result.complete and mux.open_receives == 3
+    mux.start_receive("a", 0, 5, 0.2, policy=ReliablePolicy(), nbytes=100)
+
+
+def test_flood_of_unknown_datagrams_allocates_nothing_lasting() -> None:
+    n = 100_000
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("peer", ROUND, MSG, 0.0, policy=ReliablePolicy(), nbytes=1000)
+    tx = mux.start_send("peer", ROUND, MSG + 1, source_bytes(1000, 0), 0.0)
+    drain(mux, 0.0)
+    chunk = bytes(CB)
+    datagrams = []
+    peers = [("10.0.0.%d" % (i % 250), 1000 + i) for i in range(1000)]
+    for i in range(n):
+        peer = peers[i % len(peers)]
+        j = i % 4
+        if j == 0:  # foreign session, otherwise exactly our open receive
+            dg = wire.encode(Header(Kind.DATA, SESSION ^ (i + 1), ROUND, MSG, 0, 16, 1000, CB),
+                             chunk)
+            peer = "peer"
+        elif j == 1:  # our session, a message nobody posted
+            dg = wire.encode(Header(Kind.DATA, SESSION, 1000 + i, i, 0, 2, 2 * CB, CB), chunk)
+        elif j == 2:  # a probe for a message nobody posted
+            dg = wire.encode(Header(Kind.PROBE, SESSION, 7, i, i, 1, 10, CB))
+        else:  # answers for sends we never made
+            dg = wire.encode(Header(Kind.STOP, SESSION, 7, i, 1, 1, 10, CB), b"\0\0\0\0")
+        datagrams.append((dg, peer))
+    feed = mux.datagram_received
+    # warm up: first-time allocations (counter keys, caches) are not a leak
+    for dg, peer in datagrams[:8]:
+        feed(dg, peer, 0.0)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for dg, peer in datagrams[8:]:
+            feed(dg, peer, 0.5)
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - before < 50_000, f"{after - before} bytes kept after {n} datagrams"
+    assert mux.drops[DropReason.FOREIGN_SESSION] == n // 4
+    assert mux.drops[DropReason.UNKNOWN_MESSAGE] == n // 2
+    assert mux.drops[DropReason.STALE] == n // 4
+    assert sum(mux.drops.values()) == n == mux.datagrams_in
+    assert mux.open_receives == 1 and mux.open_sends == 1
+    assert rx.result is None and rx.delivered_count == 0 and tx.result is None
+    assert mux.poll(0.5) == []  # and the flood was answered with nothing
+
+
+def test_closed_receives_are_remembered_up_to_closed_memory() -> None:
+    cfg = TransportConfig(chunk_bytes=CB, closed_memory=3)
+    mux = TransferMux(SESSION, cfg)
+    for m in range(5):
+        rx = mux.start_receive("a", 0, m, 0.0, policy=ReliablePolicy(), nbytes=10)
+        mux.datagram_received(data_datagrams(b"0123456789", message_id=m, round_id=0)[0],
+                              "a", 0.0)
+        assert rx.result.complete
+    drain(mux, 0.0)
+    # the 3 newest answer a late PROBE with STOP again; the 2 oldest are forgotten
+    for m in range(5):
+        mux.datagram_received(control(Kind.PROBE, 10, round_id=0, message_id=m, index=1),
+                              "a", 1.0)
+    assert mux.drops[DropReason.STALE] == 3
+    assert mux.drops[DropReason.UNKNOWN_MESSAGE] == 2
+    stops = drain(mux, 1.0)
+    assert sorted(h.message_id for h, _, _ in stops) == [2, 3, 4]
+    assert all(h.kind == Kind.STOP and h.index == CloseReason.COMPLETE for h, _, _ in stops)
+
+
+# -------------------------------------------------------------- fuzzing
+
+
+G = 4096  # guard bytes on each side of the destination
+NB = 1000  # 16 chunks of 64, the last one 40 bytes
+
+
+class Guarded:
+    """A mux with one open receive whose destination sits between two guard regions,
+    and one open send, both for peer "a"; ``expect(data)`` predicts the drop reason."""
+
+    def __init__(self, nbytes: int | None = NB, cfg: TransportConfig = CFG):
+        self.mux = TransferMux(SESSION, cfg)
+        self.big = np.full(G + NB + G, SENTINEL, np.uint8)
+        self.dest = self.big[G : G + NB]
+        self.rx = self.mux.start_receive(
+            "a", ROUND, MSG, 0.0, policy=ReliablePolicy(),
+            out=self.dest if nbytes is not None else None,
+        )
+        self.src = source_bytes(NB, seed=1)
+        self.tx = self.mux.start_send("a", ROUND, MSG + 1, self.src, 0.0)
+        drain(self.mux, 0.0)  # the send's first burst
+
+    def expect(self, data) -> DropReason | None:
+        """The reason the mux must count ``data`` under, or None if it must accept it."""
+        try:
+            h, _ = wire.decode(data)
+        except MalformedDatagram as e:
+            return e.reason
+        if h.session != SESSION:
+            return DropReason.FOREIGN_SESSION
+        if h.kind in (Kind.DATA, Kind.PROBE):
+            if (h.round_id, h.message_id) != (ROUND, MSG):
+                return DropReason.UNKNOWN_MESSAGE
+            if self.rx.result is not None:
+                return DropReason.STALE
+            if self.rx.nbytes is None:
+                ok = h.chunk_bytes == CB and h.message_bytes <= self.mux.config.max_message_bytes
+            else:
+                ok = (h.message_bytes, h.chunk_bytes) == (self.rx.nbytes, CB)
+            return None if ok else DropReason.GEOMETRY_MISMATCH
+        if (h.round_id, h.message_id) != (ROUND, MSG + 1) or self.tx.result is not None:
+            return DropReason.STALE
+        if (h.message_bytes, h.chunk_bytes) != (NB, CB):
+            return DropReason.GEOMETRY_MISMATCH
+        return None
+
+    def feed(self, data, now: float = 0.001) -> None:
+        """Feed one datagram; check it was counted (or accepted) as predicted."""
+        expected = self.expect(data)
+        before = self.mux.drops.copy()
+        self.mux.datagram_received(data, "a", now)  # must never raise
+        delta = self.mux.drops - before
+        if expected is None:
+            assert not delta, f"a valid datagram was dropped: {dict(delta)}"
+        else:
+            assert delta == {expected: 1}, f"expected {expected}, counted {dict(delta)}"
+        self.check_guards()
+
+    def check_guards(self) -> None:
+        assert (self.big[:G] == SENTINEL).all(), "wrote before the destination"
+        assert (self.big[G + NB :] == SENTINEL).all(), "wrote past the destination"
+
+
+def field_patch(data: bytes, **fields) -> bytes:
+    buf = bytearray(data)
+    for name, value in fields.items():
+        off = wire.HEADER_DTYPE.fields[name][1]
+        size = wire.HEADER_DTYPE.fields[name][0].itemsize
+        buf[off : off + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
+    return bytes(buf)
+
+
+def good_datagrams(g: Guarded) -> dict[str, bytes]:
+    datas = data_datagrams(g.src)
+    out = {
+        "data0": datas[0],
+        "data_last": datas[-1],
+        "probe": control(Kind.PROBE, NB, index=7),
+        "bitmap": control(Kind.BITMAP, NB, message_id=MSG + 1,
+                          payload=struct.pack("<II", 1, 0) + b"\x0f\x00", flags=Flag.FINAL),
+        "stop": control(Kind.STOP, NB, message_id=MSG + 1, index=2, payload=b"\x05\0\0\0"),
+    }
+    if ACK is not None:
+        out["ack"] = control(ACK, NB, message_id=MSG + 1, payload=b"\x05\0\0\0")
+    return out
+
+
+COUNT = wire.chunk_count(NB, CB)
+MUTATIONS = [
+    # (label, base datagram, mutation, expected reason)
+    ("index_eq_count", "data_last", lambda d: field_patch(d, index=COUNT),
+     DropReason.BAD_GEOMETRY),
+    ("index_huge", "data0", lambda d: field_patch(d, index=2**32 - 1), DropReason.BAD_GEOMETRY),
+    ("plen_field_wrong", "data0", lambda d: field_patch(d, plen=CB - 1), DropReason.BAD_LENGTH),
+    ("datagram_truncated", "data0", lambda d: d[:-1], DropReason.BAD_LENGTH),
+    ("datagram_extended", "data0", lambda d: d + b"\0", DropReason.BAD_LENGTH),
+    ("truncated_and_plen", "data0",
+     lambda d: field_patch(d[:-1], plen=CB - 1), DropReason.BAD_LENGTH),
+    ("short", "data0", lambda d: d[: HEADER_BYTES - 1], DropReason.SHORT),
+    ("count_wrong", "data0", lambda d: field_patch(d, count=COUNT + 1), DropReason.BAD_GEOMETRY),
+    ("cbytes_zero", "data0", lambda d: field_patch(d, cbytes=0), DropReason.BAD_GEOMETRY),
+    # consistent geometry that is not the posted buffer's: a write there would overflow
+    ("bigger_message", "data0",
+     lambda d: field_patch(d, mbytes=NB + 100 * CB, count=COUNT + 100,
+                           index=COUNT + 50), DropReason.GEOMETRY_MISMATCH),
+    ("bigger_message_chunk0", "data0",
+     lambda d: field_patch(d, mbytes=2 * NB, count=wire.chunk_count(2 * NB, CB)),
+     DropReason.GEOMETRY_MISMATCH),
+    ("other_chunk_size", "data0",
+     lambda d: field_patch(d[: HEADER_BYTES + 50], plen=50, cbytes=50,
+                           count=wire.chunk_count(NB, 50)), DropReason.GEOMETRY_MISMATCH),
+    ("probe_other_geometry", "probe", lambda d: field_patch(d, mbytes=NB + 1),
+     DropReason.GEOMETRY_MISMATCH),
+    ("bitmap_other_geometry", "bitmap",
+     lambda d: field_patch(d, mbytes=NB + CB, count=COUNT + 1), DropReason.GEOMETRY_MISMATCH),
+    ("stop_other_geometry", "stop", lambda d: field_patch(d, cbytes=CB * 2,
+                                                          count=wire.chunk_count(NB, 2 * CB)),
+     DropReason.GEOMETRY_MISMATCH),
+    ("bitmap_index_4", "bitmap", lambda d: field_patch(d, index=4), DropReason.BAD_GEOMETRY),
+    ("bitmap_beyond", "bitmap", lambda d: field_patch(d, index=COUNT + 7 & ~7),
+     DropReason.BAD_GEOMETRY),
+    ("bitmap_too_long", "bitmap", lambda d: field_patch(d + b"\0", plen=len(d) + 1 - HEADER_BYTES),
+     DropReason.BAD_LENGTH),
+    ("stop_payload_short", "stop", lambda d: field_patch(d[:-1], plen=3), DropReason.BAD_LENGTH),
+    ("probe_with_payload", "probe", lambda d: field_patch(d + b"x", plen=1),
+     DropReason.BAD_LENGTH),
+    ("kind_0", "data0", lambda d: field_patch(d, kind=0), DropReason.BAD_KIND),
+    ("kind_unknown", "probe", lambda d: field_patch(d, kind=max(Kind) + 1), DropReason.BAD_KIND),
+    ("kind_255", "stop", lambda d: field_patch(d, kind=255), DropReason.BAD_KIND),
+    ("magic", "data0", lambda d: field_patch(d, magic=0x4C43), DropReason.BAD_MAGIC),
+    ("version", "data0", lambda d: field_patch(d, version=wire.VERSION + 1),
+     DropReason.BAD_VERSION),
+    ("session", "data0", lambda d: field_patch(d, session=SESSION + 1),
+     DropReason.FOREIGN_SESSION),
+    ("session_on_stop", "stop", lambda d: field_patch(d, session=0), DropReason.FOREIGN_SESSION),
+    ("round", "data0", lambda d: field_patch(d, round=ROUND + 1), DropReason.UNKNOWN_MESSAGE),
+    ("message", "probe", lambda d: field_patch(d, message=MSG + 7), DropReason.UNKNOWN_MESSAGE),
+    ("stop_for_unknown_send", "stop", lambda d: field_patch(d, message=MSG + 9),
+     DropReason.STALE),
+    ("data_as_stop_for_receive", "data0", lambda d: field_patch(
+        d[: HEADER_BYTES + 4], kind=Kind.STOP, plen=4), DropReason.STALE),
+]
+
+
+@pytest.mark.parametrize("label,base,mutate,reason", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_mutated_datagram_is_counted_and_dropped(label, base, mutate, reason) -> None:
+    g = Guarded()
+    data = mutate(good_datagrams(g)[base])
+    assert g.expect(data) == reason, "the mutation must produce the case it names"
+    g.feed(data)
+    assert g.rx.result is None and g.tx.result is None
+    assert g.rx.delivered_count == 0
+
+
+def test_unmutated_datagrams_are_accepted() -> None:
+    """The oracle's other half: the bases of the mutations above are all accepted."""
+    g = Guarded()
+    good = good_datagrams(g)
+    for name in ["data0", "data_last", "probe", "bitmap"] + (["ack"] if ACK else []) + ["stop"]:
+        g.feed(good[name])
+    assert g.rx.delivered_count == 2
+    assert (g.dest[:CB] == g.src[:CB]).all() and (g.dest[-(NB % CB):] == g.src[-(NB % CB):]).all()
+    assert g.tx.result.status == SendStatus.STOPPED
+    # once closed: further answers are stale, and a late DATA for a closed receive too
+    g.feed(good["stop"])
+    g.mux.cancel(g.rx, 0.002)
+    assert g.rx.result.close_reason == CloseReason.CANCELLED
+    g.feed(good["data0"])
+    assert g.mux.drops[DropReason.STALE] == 2
+
+
+@settings(PROPERTY, max_examples=300)
+@given(st.binary(max_size=HEADER_BYTES + 3 * CB))
+def test_fuzz_random_bytes(data: bytes) -> None:
+    g = Guarded()
+    g.feed(data)
+
+
+@settings(PROPERTY, max_examples=300)
+@given(st.data())
+def test_fuzz_random_bytes_with_valid_prefix(data) -> None:
+    """Random bytes behind a real header prefix reach the deeper checks."""
+    g = Guarded()
+    good = good_datagrams(g)
+    base = good[data.draw(st.sampled_from(sorted(good)))]
+    keep = data.draw(st.integers(0, HEADER_BYTES))
+    tail = data.draw(st.binary(max_size=HEADER_BYTES + 2 * CB))
+    g.feed(base[:keep] + tail)
+
+
+@settings(PROPERTY, max_examples=250)
+@given(st.data())
+def test_fuzz_mutated_valid_datagrams(data) -> None:
+    """A sequence of valid datagrams, each possibly with a header field overwritten,
+    bytes flipped, or its length changed: never raises, never writes outside the
+    destination, and every datagram is counted exactly as predicted."""
+    sized = data.draw(st.booleans())
+    cfg = CFG if sized else TransportConfig(chunk_bytes=CB, max_message_bytes=1 << 16)
+    g = Guarded(nbytes=NB if sized else None, cfg=cfg)
+    good = good_datagrams(g)
+    datas = data_datagrams(g.src)
+    names = sorted(good)
+    for step in range(data.draw(st.integers(1, 12))):
+        if data.draw(st.booleans()):
+            d = datas[data.draw(st.integers(0, len(datas) - 1))]
+        else:
+            d = good[data.draw(st.sampled_from(names))]
+        how = data.draw(st.sampled_from(["none", "field", "flip", "length"]))
+        if how == "field":
+            field = data.draw(st.sampled_from(wire.HEADER_DTYPE.names))
+            value = data.draw(st.one_of(
+                st.integers(0, 2**64 - 1), st.integers(0, 70_000),
+                st.sampled_from([0, 1, 7, 8, COUNT - 1, COUNT, NB, NB + 1, CB, CB + 1])))
+            d = field_patch(d, **{field: value})
+        elif how == "flip":
+            buf = bytearray(d)
+            for _ in range(data.draw(st.integers(1, 4))):
+                pos = data.draw(st.integers(0, len(buf) - 1))
+                buf[pos] ^= data.draw(st.integers(1, 255))
+            d = bytes(buf)
+        elif how == "length":
+            n = data.draw(st.integers(0, len(d) + 70))
+            d = (d + bytes(70))[:n]
+        g.feed(d, now=0.001 * (step + 1))
+    g.mux.timer_fired(1e9)  # whatever is left open closes without raising
+    g.check_guards()
+    if g.rx.result is not None and g.rx.nbytes is not None:
+        assert g.rx.result.delivered.sum() == g.rx.result.stats.delivered
+
+
+def test_receive_without_size_refuses_oversized_geometry() -> None:
+    cfg = TransportConfig(chunk_bytes=CB, max_message_bytes=4096)
+    mux = TransferMux(SESSION, cfg)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy())
+    big = control(Kind.PROBE, 1 << 30)
+    mux.datagram_received(big, "a", 0.0)
+    other_cb = wire.encode(Header(Kind.PROBE, SESSION, ROUND, MSG, 0, 1, 10, CB + 1))
+    mux.datagram_received(other_cb, "a", 0.0)
+    assert mux.drops == {DropReason.GEOMETRY_MISMATCH: 2}
+    assert rx.nbytes is None and rx.result is None
+    # the first acceptable datagram fixes the size, and later ones must agree
+    mux.datagram_received(control(Kind.PROBE, 4096), "a", 0.0)
+    assert rx.nbytes == 4096
+    mux.datagram_received(control(Kind.PROBE, 4000), "a", 0.0)
+    assert mux.drops[DropReason.GEOMETRY_MISMATCH] == 3
+
+
+# ---------------------------------------------------------- policy behaviour
+
+
+def test_stop_mid_burst_ends_the_sender() -> None:
+    src = source_bytes(200 * CB, seed=4)
+    a = TransferMux(SESSION, CFG)
+    b = TransferMux(SESSION, CFG)
+    rx = b.start_receive("a", ROUND, MSG, 0.0, policy=FixedBoundPolicy(0.5))
+    tx = a.start_send("b", ROUND, MSG, src, 0.0)
+    now = 0.0
+    while tx.result is None:
+        now += 1e-5
+        for parts, _ in a.poll(now, 4):  # a slow link: 4 datagrams per step
+            b.datagram_received(b"".join(bytes(p) for p in parts), "a", now)
+        for parts, _ in b.poll(now):
+            a.datagram_received(b"".join(bytes(p) for p in parts), "b", now)
+        assert now < 1.0
+    assert rx.result.close_reason == CloseReason.BOUND_MET
+    assert rx.result.stats.delivered == 100
+    assert tx.result.status == SendStatus.STOPPED
+    assert tx.result.close_reason == CloseReason.BOUND_MET
+    assert tx.result.stats.delivered == 100
+    assert tx.result.stats.datagrams <= 104  # it stopped right there, mid-message
+    assert a.poll(now + 1) == [] and not a.has_output() and a.open_sends == 0
+    assert a.next_deadline() is None
+
+
+def test_stop_after_one_datagram() -> None:
+    """A STOP that arrives before the sender finished its first burst."""
+    a = TransferMux(SESSION, CFG)
+    tx = a.start_send("b", ROUND, MSG, source_bytes(50 * CB, 0), 0.0)
+    assert len(a.poll(0.0, 1)) == 1
+    stop = control(Kind.STOP, 50 * CB, index=CloseReason.BOUND_MET, payload=b"\x01\0\0\0")
+    a.datagram_received(stop, "b", 0.001)
+    assert tx.result.status == SendStatus.STOPPED and tx.result.stats.datagrams == 1
+    assert tx.result.close_reason == CloseReason.BOUND_MET
+    assert a.poll(0.002) == []
+    # an unknown close reason in a STOP still stops the send
+    tx2 = a.start_send("b", ROUND, MSG + 1, source_bytes(50 * CB, 0), 0.0)
+    a.datagram_received(control(Kind.STOP, 50 * CB, index=99, message_id=MSG + 1,
+                                payload=b"\0\0\0\0"), "b", 0.003)
+    assert tx2.result.status == SendStatus.STOPPED and tx2.result.close_reason is None
+
+
+@settings(PROPERTY, max_examples=60)
+@given(
+    nchunks=st.integers(1, 40),
+    missing=st.integers(0, 39),
+    seed=st.integers(0, 2**16),
+    times=st.lists(st.floats(0.0, CFG.receive_deadline * 0.999), max_size=6),
+)
+def test_reliable_never_closes_with_a_missing_chunk(nchunks, missing, seed, times) -> None:
+    missing %= nchunks
+    src = source_bytes(nchunks * CB - seed % CB, seed)
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy(), nbytes=src.nbytes)
+    dgs = data_datagrams(src)
+    rng = np.random.default_rng(seed)
+    order = [i for i in rng.permutation(len(dgs)) if i != missing]
+    order += list(rng.choice(order, size=min(len(order), 5))) if order else []  # duplicates
+    events = [(float(t), "timer", None) for t in times]
+    events += [(float(t), "data", i) for t, i in zip(np.sort(rng.random(len(order))), order)]
+    events.append((0.5, "probe", None))
+    for t, what, i in sorted(events, key=lambda e: e[0]):
+        if what == "timer":
+            mux.timer_fired(t)
+        elif what == "data":
+            mux.datagram_received(dgs[i], "a", t)
+        else:
+            mux.datagram_received(control(Kind.PROBE, src.nbytes, index=1), "a", t)
+        assert rx.result is None, "closed with a chunk missing"
+    answer = [h for h, _, _ in drain(mux, 1.0) if h.kind == Kind.BITMAP]
+    assert answer and answer[-1].flags & Flag.FINAL
+    mux.datagram_received(dgs[missing], "a", 1.0)
+    assert rx.result.close_reason == CloseReason.COMPLETE
+    assert rx.result.data.tobytes() == src.tobytes()
+
+
+def test_accept_after_closes_with_what_arrived() -> None:
+    policy = PlanPolicy(accept_after=0.2)
+    src = source_bytes(10 * CB, 5)
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("a", ROUND, MSG, 1.0, policy=policy, nbytes=src.nbytes)
+    assert mux.next_deadline() == pytest.approx(1.2)
+    dgs = data_datagrams(src)
+    for i in (0, 2, 4, 6, 8):
+        mux.datagram_received(dgs[i], "a", 1.05)
+    mux.timer_fired(1.1999)
+    assert rx.result is None
+    mux.timer_fired(1.2)
+    r = rx.result
+    assert r.close_reason == CloseReason.ACCEPT_DEADLINE
+    assert r.stats.elapsed == pytest.approx(0.2)
+    assert r.delivered.tolist() == [True, False] * 5
+    stops = [h for h, _, _ in drain(mux, 1.2) if h.kind == Kind.STOP]
+    assert [h.index for h in stops] == [CloseReason.ACCEPT_DEADLINE]
+    assert len(policy.outcomes) == 1 and policy.outcomes[0].delivered == 5
+    assert policy.outcomes[0].close_reason == "accept_deadline"
+
+
+def test_accept_after_waits_for_critical_chunks() -> None:
+    policy = PlanPolicy(accept_after=0.2)
+    src = source_bytes(10 * CB, 6)
+    critical = np.zeros(10, bool)
+    critical[[3, 7]] = True
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=policy, nbytes=src.nbytes,
+                           critical=critical)
+    dgs = data_datagrams(src, critical=critical)
+    for i in (0, 1, 3):
+        mux.datagram_received(dgs[i], "a", 0.1)
+    mux.timer_fired(0.2)
+    assert rx.result is None, "accepted with a critical chunk missing"
+    assert mux.next_deadline() == pytest.approx(CFG.receive_deadline)
+    mux.datagram_received(dgs[5], "a", 0.25)
+    assert rx.result is None
+    mux.datagram_received(dgs[7], "a", 0.3)  # the last critical chunk: accept now
+    r = rx.result
+    assert r.close_reason == CloseReason.ACCEPT_DEADLINE
+    assert r.stats.elapsed == pytest.approx(0.3)
+    assert np.flatnonzero(r.delivered).tolist() == [0, 1, 3, 5, 7]
+
+
+def test_accept_after_with_everything_delivered_is_complete() -> None:
+    src = source_bytes(3 * CB, 7)
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=PlanPolicy(accept_after=0.2),
+                           nbytes=src.nbytes)
+    for d in data_datagrams(src):
+        mux.datagram_received(d, "a", 0.1)
+    assert rx.result.close_reason == CloseReason.COMPLETE
+
+
+def test_plan_that_needs_nothing_is_met_at_once() -> None:
+    mux = TransferMux(SESSION, CFG)
+    policy = PlanPolicy(min_delivered=0)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=policy, nbytes=5 * CB)
+    assert rx.result is not None and rx.result.close_reason == CloseReason.BOUND_MET
+    assert mux.open_receives == 0
+    [(h, _, peer)] = drain(mux, 0.0)
+    assert h.kind == Kind.STOP and peer == "a" and h.index == CloseReason.BOUND_MET
+    # posted without a size: met as soon as the size is known
+    rx = mux.start_receive("a", ROUND, MSG + 1, 0.0, policy=policy)
+    assert rx.result is None
+    mux.datagram_received(control(Kind.PROBE, 5 * CB, message_id=MSG + 1), "a", 0.1)
+    assert rx.result.close_reason == CloseReason.BOUND_MET
+
+
+@pytest.mark.parametrize("p", [0.0, 0.01, 0.1, 0.25, 0.5, 0.9])
+@pytest.mark.parametrize("nchunks", [1, 2, 7, 10, 33, 100])
+def test_fixed_bound_closes_exactly_at_the_bound(p: float, nchunks: int) -> None:
+    need = math.ceil((1 - Fraction(str(p))) * nchunks)
+    src = source_bytes(nchunks * CB, nchunks)
+    mux = TransferMux(SESSION, CFG)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=FixedBoundPolicy(p), nbytes=src.nbytes)
+    dgs = data_datagrams(src)
+    for k, i in enumerate(np.random.default_rng(nchunks).permutation(nchunks)):
+        if k == need:
+            break
+        assert rx.result is None, f"closed with {k} < {need} chunks"
+        mux.datagram_received(dgs[i], "a", 0.001)
+    assert rx.result.stats.delivered == need
+    assert rx.result.close_reason == (
+        CloseReason.COMPLETE if need == nchunks else CloseReason.BOUND_MET)
+
+
+def test_critical_chunks_go_first_and_are_flagged() -> None:
+    critical = np.zeros(12, bool)
+    critical[[5, 9, 11]] = True
+    mux = TransferMux(SESSION, CFG)
+    mux.start_send("b", ROUND, MSG, source_bytes(12 * CB - 3, 0), 0.0, critical=critical)
+    sent = [h for h, _, _ in drain(mux, 0.0) if h.kind == Kind.DATA]
+    assert [h.index for h in sent[:3]] == [5, 9, 11]
+    assert sorted(h.index for h in sent) == list(range(12))
+    assert all(bool(h.flags & Flag.CRITICAL) == critical[h.index] for h in sent)
+
+
+def test_critical_chunk_lost_repeatedly_is_still_delivered() -> None:
+    """FixedBoundPolicy(0.9) would close after 2 of 12 chunks, but chunk 7 is critical
+    and its first 4 transmissions are lost."""
+    critical = np.zeros(12, bool)
+    critical[7] = True
+    losses = {"n": 0}
+
+    def drop(src, dst, header, data, nth):
+        if header.kind == Kind.DATA and header.index == 7 and losses["n"] < 4:
+            losses["n"] += 1
+            return True
+        return False
+
+    src = source_bytes(12 * CB, 8)
+    out = np.full(src.nbytes, SENTINEL, np.uint8)
+    net, a, b = pair(drop=drop)
+    rx = b.start_receive("a", ROUND, MSG, 0.0, policy=FixedBoundPolicy(0.9), out=out,
+                         critical=critical)
+    tx = a.start_send("b", ROUND, MSG, src, 0.0, critical=critical)
+    net.run([rx, tx], until=30.0)
+    assert losses["n"] == 4
+    r = rx.result
+    assert r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)
+    assert r.delivered[7]
+    assert (chunks_equal(src, out, CB) == r.delivered).all()
+
+
+@pytest.mark.parametrize(
+    "missing,segments",
+    [([3], [0]), ([70], [64]), ([129], [128]), ([3, 129], [0, 128]), ([0, 64, 128], [0, 64, 128]),
+     ([63, 64], [0, 64])],
+)
+def test_probe_answer_lists_exactly_the_missing_chunks(missing, segments) -> None:
+    """chunk_bytes 8: one BITMAP segment covers 64 chunks; 130 chunks need 3 segments.
+    Only segments holding a missing chunk are sent, the last one flagged FINAL, and the
+    bits past the last chunk read as delivered."""
+    cfg = TransportConfig(chunk_bytes=8, peer_timeout=CFG.peer_timeout,
+                          receive_deadline=CFG.receive_deadline)
+    src = source_bytes(130 * 8 - 3, 13)
+    mux = TransferMux(SESSION, cfg)
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy(), nbytes=src.nbytes)
+    for i, d in enumerate(data_datagrams(src, cb=8)):
+        if i not in missing:
+            mux.datagram_received(d, "a", 0.0)
+    drain(mux, 0.0)  # ACKs, if any
+    mux.datagram_received(control(Kind.PROBE, src.nbytes, cb=8, index=42), "a", 0.1)
+    answer = [(h, data) for h, data, _ in drain(mux, 0.1)]
+    assert all(h.kind == Kind.BITMAP for h, _ in answer)
+    assert [h.index for h, _ in answer] == segments
+    assert [bool(h.flags & Flag.FINAL) for h, _ in answer] == [
+        i == len(segments) - 1 for i in range(len(segments))]
+    reported = []
+    for h, data in answer:
+        echo, delivered = struct.unpack_from("<II", data, HEADER_BYTES)
+        assert echo == 42 and delivered == 130 - len(missing)
+        bits = np.unpackbits(np.frombuffer(data[HEADER_BYTES + 8 :], np.uint8), bitorder="little")
+        assert bits.size <= 64
+        reported += [h.index + int(j) for j in np.flatnonzero(bits == 0)]
+    assert reported == missing
+    assert rx.result is None
+
+
+# ------------------------------------------------- receive posted late / no size
+
+
+def test_receive_without_size_learns_it_from_the_first_datagram() -> None:
+    src = source_bytes(7 * CB + 11, 10)
+    net, a, b = pair(drop=lambda s, d, h, data, nth: h.kind == Kind.DATA and nth == 2)
+    rx = b.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy())
+    assert rx.nbytes is None
+    tx = a.start_send("b", ROUND, MSG, src, 0.0)
+    net.run([rx, tx], until=10.0)
+    r = rx.result
+    assert rx.nbytes == src.nbytes
+    assert r.complete and r.data.dtype == np.uint8 and r.data.tobytes() == src.tobytes()
+    assert r.delivered.shape == (8,)
+
+
+def test_receive_posted_after_the_sender_started_completes() -> None:
+    src = source_bytes(30 * CB, 11)
+    out = np.full(src.nbytes, SENTINEL, np.uint8)
+    net, a, b = pair()
+    tx = a.start_send("b", ROUND, MSG, src, 0.0)
+    net.run(until=0.3)
+    assert tx.result is None
+    assert b.drops[DropReason.UNKNOWN_MESSAGE] >= 31  # the first burst and a probe
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy(), out=out)
+    t = net.run([rx, tx], until=10.0)
+    assert rx.result.complete and out.tobytes() == src.tobytes()
+    assert tx.result.ok
+    assert t <= 0.3 + 2 * CFG.max_rto  # the sender's next probe finds the receive
+
+
+def test_receive_without_size_posted_late_completes() -> None:
+    src = source_bytes(5 * CB, 12)
+    net, a, b = pair()
+    tx = a.start_send("b", ROUND, MSG, src, 0.0)
+    net.run(until=0.2)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.2))
+    net.run([rx, tx], until=10.0)
+    r = rx.result
+    assert r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)
+    assert r.stats.delivered >= 4
+    assert (chunks_equal(src, r.data, CB)[r.delivered]).all()

@@ -1,0 +1,159 @@
+"""UdpEndpoint over real sockets on loopback: behaviour, not speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from boundedloss.net.loss import Bernoulli
+from boundedloss.net.udp import UdpEndpoint
+from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
+from boundedloss.protocol import CloseReason, SendStatus, TransportConfig, TransportError
+
+SESSION = 0x5EED_0000_0000_0001
+
+
+def _cfg(**kw) -> TransportConfig:
+    base = dict(chunk_bytes=1400, peer_timeout=5.0, receive_deadline=10.0)
+    base.update(kw)
+    return TransportConfig(**base)
+
+
+def test_two_process_transfer_is_bit_exact():
+    """A sender in another OS process; the message arrives bit-exact."""
+    nbytes = 3_000_001
+    with UdpEndpoint(session=SESSION, config=_cfg()) as rx:
+        script = textwrap.dedent(
+            f"""
+            import json, sys, numpy as np
+            from boundedloss.net.udp import UdpEndpoint
+            from boundedloss.protocol import TransportConfig
+            cfg = TransportConfig(chunk_bytes=1400, peer_timeout=5.0)
+            with UdpEndpoint(session={SESSION}, config=cfg) as ep:
+                print(json.dumps(ep.address), flush=True)
+                sys.stdin.readline()  # wait until the receive is posted
+                data = np.random.default_rng(7).integers(0, 256, {nbytes}, dtype=np.uint8)
+                res = ep.send(tuple({list(rx.address)}), data, message_id=3, round_id=1).result(30)
+                print(json.dumps([res.status.value, res.stats.datagrams]), flush=True)
+            """
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            peer = tuple(json.loads(proc.stdout.readline()))
+            fut = rx.receive(peer, message_id=3, round_id=1, nbytes=nbytes)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            res = fut.result(30)
+            status, datagrams = json.loads(proc.stdout.readline())
+        finally:
+            proc.stdin.close()
+            proc.wait(10)
+    expected = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+    assert status == "stopped" and proc.returncode == 0
+    assert res.close_reason == CloseReason.COMPLETE
+    assert np.array_equal(res.data, expected)
+    assert datagrams >= res.stats.chunks
+
+
+def test_reliable_under_injected_loss_and_bounded_meets_bound():
+    data = np.random.default_rng(1).standard_normal(400_000).astype(np.float32)
+    with (
+        UdpEndpoint(session=SESSION, config=_cfg()) as a,
+        UdpEndpoint(session=SESSION, config=_cfg(), loss=Bernoulli(0.05, seed=2)) as b,
+    ):
+        out = np.zeros_like(data)
+        f_rx = b.receive(a.address, message_id=1, out=out, policy=ReliablePolicy())
+        f_tx = a.send(b.address, data, message_id=1)
+        res = f_rx.result(30)
+        assert f_tx.result(30).ok
+        assert res.complete and np.array_equal(out, data)
+        assert b.counters()["injected_loss"] > 0
+
+        out2 = np.zeros_like(data)
+        f_rx = b.receive(a.address, message_id=2, out=out2, policy=FixedBoundPolicy(0.05))
+        a.send(b.address, data, message_id=2)
+        res = f_rx.result(30)
+        chunks = res.stats.chunks
+        assert res.delivered.sum() >= np.ceil(0.95 * chunks)
+        mask = res.delivered_bytes_mask()
+        assert np.array_equal(out2.view(np.uint8)[mask], data.view(np.uint8)[mask])
+
+
+def test_many_messages_many_peers_concurrently():
+    cfg = _cfg(chunk_bytes=4096)
+    rng = np.random.default_rng(3)
+    with (
+        UdpEndpoint(session=SESSION, config=cfg) as a,
+        UdpEndpoint(session=SESSION, config=cfg) as b,
+        UdpEndpoint(session=SESSION, config=cfg, loss=Bernoulli(0.02, seed=5)) as c,
+    ):
+        eps = [a, b, c]
+        sent, futs = {}, []
+        for i, src in enumerate(eps):
+            for j, dst in enumerate(eps):
+                if i == j:
+                    continue
+                for m in range(4):
+                    data = rng.integers(0, 256, int(rng.integers(1, 300_000)), dtype=np.uint8)
+                    sent[(i, j, m)] = data
+                    futs.append(((i, j, m), dst.receive(src.address, message_id=m, round_id=7,
+                                                        nbytes=data.nbytes)))
+        for (i, j, m), data in sent.items():
+            eps[i].send(eps[j].address, data, message_id=m, round_id=7)
+        for key, fut in futs:
+            res = fut.result(30)
+            assert res.complete and np.array_equal(res.data, sent[key]), key
+
+
+def test_dead_receiver_fails_the_send_within_peer_timeout():
+    dead = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    dead.bind(("127.0.0.1", 0))  # bound but never answers
+    with UdpEndpoint(session=SESSION, config=_cfg(peer_timeout=0.5)) as a:
+        res = a.send(dead.getsockname(), np.ones(100_000, np.uint8), message_id=1).result(5)
+    dead.close()
+    assert res.status == SendStatus.PEER_SILENT
+    assert 0.5 <= res.stats.elapsed < 3.0
+
+
+def test_dead_sender_closes_the_receive_at_its_deadline():
+    with UdpEndpoint(session=SESSION, config=_cfg(receive_deadline=0.4)) as b:
+        res = b.receive(("127.0.0.1", 9), message_id=1, nbytes=10_000).result(5)
+    assert res.close_reason == CloseReason.DEADLINE
+    assert res.delivered.sum() == 0
+
+
+def test_garbage_datagrams_are_counted_and_the_endpoint_keeps_working():
+    rng = np.random.default_rng(9)
+    data = rng.integers(0, 256, 200_000, dtype=np.uint8)
+    with UdpEndpoint(session=SESSION, config=_cfg()) as a, UdpEndpoint(session=SESSION, config=_cfg()) as b:
+        fut = b.receive(a.address, message_id=1, nbytes=data.nbytes)
+        junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for n in (0, 1, 47, 48, 49, 1500, 9000):
+            for _ in range(20):
+                junk.sendto(rng.integers(0, 256, n, dtype=np.uint8).tobytes(), b.address)
+        a.send(b.address, data, message_id=1)
+        res = fut.result(30)
+        junk.close()
+        counters = b.counters()
+    assert res.complete and np.array_equal(res.data, data)
+    assert sum(v for k, v in counters.items() if k != "datagrams_in") >= 140
+
+
+def test_close_fails_open_futures():
+    ep = UdpEndpoint(session=SESSION, config=_cfg())
+    fut = ep.receive(("127.0.0.1", 9), message_id=1, nbytes=10)
+    ep.close()
+    with pytest.raises(TransportError):
+        fut.result(1)
+    with pytest.raises(TransportError):
+        ep.send(("127.0.0.1", 9), b"x", message_id=2)
