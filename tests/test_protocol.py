@@ -755,7 +755,7 @@ def test_accept_after_closes_with_what_arrived() -> None:
     stops = [h for h, _, _ in drain(mux, 1.2) if h.kind == Kind.STOP]
     assert [h.index for h in stops] == [CloseReason.ACCEPT_DEADLINE]
     assert len(policy.outcomes) == 1 and policy.outcomes[0].delivered == 5
-    assert policy.outcomes[0].close_reason == "accept_deadline"
+    assert policy.outcomes[0].close_reason == CloseReason.ACCEPT_DEADLINE
 
 
 def test_accept_after_waits_for_critical_chunks() -> None:

@@ -93,6 +93,16 @@ class Flag(enum.IntFlag):
     FINAL = 4  # BITMAP: the last segment of one answer to a PROBE
 
 
+class CloseReason(enum.IntEnum):
+    """Why a receive closed (carried in the STOP datagram's index field)."""
+
+    COMPLETE = 1  # every chunk arrived
+    BOUND_MET = 2  # the policy's bound was met with chunks still missing
+    ACCEPT_DEADLINE = 3  # the policy's acceptance deadline passed
+    DEADLINE = 4  # the hard deadline passed: closed with whatever had arrived
+    CANCELLED = 5  # the application cancelled it
+
+
 class DropReason(enum.Enum):
     """Why an incoming datagram was counted and dropped."""
 

@@ -12,12 +12,13 @@ buffer (the receiver copies each payload once, into the destination), sends with
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import select
 import socket
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import Future
 
 import numpy as np
@@ -65,13 +66,21 @@ class UdpEndpoint:
         socket_buffer: int = DEFAULT_SOCKET_BUFFER,
         name: str = "boundedloss-udp",
     ):
-        self.config = config or TransportConfig()
-        self.mux = TransferMux(session, self.config)
+        config = config or TransportConfig()
         self.loss = loss
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         self.rcvbuf = _set_buffer(self.sock, "RCV", socket_buffer)
         self.sndbuf = _set_buffer(self.sock, "SND", socket_buffer)
+        # The flow-control window must fit the kernel's receive buffer, or the kernel
+        # drops what does not: getsockopt reports twice the usable bytes, and a queued
+        # datagram costs up to twice its size, hence a quarter. (Peers of one job run on
+        # alike hosts, so our own buffer stands in for the receiver's.)
+        fits = max(config.chunk_bytes, self.rcvbuf // 4)
+        if config.window_bytes > fits:
+            config = dataclasses.replace(config, window_bytes=fits)
+        self.config = config
+        self.mux = TransferMux(session, config)
         self.sock.bind((host, port))
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -175,7 +184,8 @@ class UdpEndpoint:
         loss = self.loss
         drops = mux.drops
         monotonic = time.monotonic
-        backlog: deque = deque()
+        batch: list = []  # datagrams polled from the mux, sent up to pos
+        pos = 0
         rlist = [sock, self._wake_r]
         while not self._closing:
             blocked = False
@@ -198,22 +208,24 @@ class UdpEndpoint:
                 if deadline is not None and deadline <= now:
                     mux.timer_fired(now)
                     deadline = mux.next_deadline()
-                if not backlog:
-                    backlog.extend(mux.poll(now, SEND_BURST))
-                while backlog:
-                    parts, peer = backlog[0]
+                if pos >= len(batch):
+                    batch = mux.poll(now, SEND_BURST)
+                    pos = 0
+                while pos < len(batch):
                     try:
-                        sendmsg(parts, (), 0, peer)
-                    except BlockingIOError:
+                        for parts, peer in batch[pos:] if pos else batch:
+                            sendmsg(parts, (), 0, peer)
+                            pos += 1
+                    except BlockingIOError:  # socket buffer full: wait until writable
                         blocked = True
                         break
-                    except OSError as e:  # unreachable peer, buffer: the datagram is lost
+                    except OSError as e:  # unreachable peer, ...: that datagram is lost
                         self.io_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
+                        pos += 1
                         if e.errno == errno.ENOBUFS:
                             blocked = True
                             break
-                    backlog.popleft()
-                more = bool(backlog) or mux.has_output()
+                more = pos < len(batch) or mux.has_output()
                 finished = mux.pop_finished()
                 if finished:
                     self._resolve(finished)

@@ -17,6 +17,8 @@ import abc
 import math
 from dataclasses import dataclass
 
+from ..wire import CloseReason
+
 
 @dataclass(frozen=True, slots=True)
 class MessageInfo:
@@ -55,9 +57,8 @@ class Outcome:
     info: MessageInfo
     delivered: int
     elapsed: float
-    close_reason: str
+    close_reason: CloseReason
     retransmit_rounds: int
-    rtt: float | None  # smoothed probe round-trip seen by the receiver, if any
 
 
 def min_delivered_for_bound(info: MessageInfo, bound: float) -> int:

@@ -109,7 +109,9 @@ class TransferMux:
             if rx is None:
                 self._answer_closed(key, kind, now)
                 return
-            if not rx.geometry_matches(mbytes, cbytes, now, self._outbox):
+            if (mbytes != rx.nbytes or cbytes != rx.chunk_bytes) and not rx.geometry_matches(
+                mbytes, cbytes, now, self._outbox
+            ):
                 self.drops[DropReason.GEOMETRY_MISMATCH] += 1
                 return
             if rx.result is None:

@@ -210,8 +210,6 @@ class MessageReceiver:
             delivered = np.frombuffer(bytes(self._delivered), dtype=np.uint8).astype(bool)
         else:  # posted without a size and never heard from the sender
             delivered = np.zeros(0, dtype=bool)
-        if reason == CloseReason.BOUND_MET and self.delivered_count == count:
-            reason = CloseReason.COMPLETE
         stats = TransferStats(
             datagrams=self.datagrams,
             payload_bytes=self.payload_bytes,
@@ -242,9 +240,8 @@ class MessageReceiver:
                     info=self.info,
                     delivered=self.delivered_count,
                     elapsed=now - self.opened,
-                    close_reason=reason.name.lower(),
+                    close_reason=reason,
                     retransmit_rounds=self.retransmit_rounds,
-                    rtt=None,
                 )
             )
 

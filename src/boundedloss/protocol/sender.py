@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, TSEQ, TSEQ_OFFSET, Flag, Kind
+from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
 from .types import CloseReason, SendResult, SendStatus, TransferStats, TransportConfig
 
 
@@ -67,6 +67,7 @@ class MessageSender:
             critical=critical,
         )
         self._headers_array = headers
+        self._tseq_field = headers.reshape(-1).view(wire.HEADER_DTYPE)["tseq"]
         self._headers = memoryview(headers.reshape(-1))
         self._control = wire.Header(
             Kind.PROBE, session, round_id, message_id, 0, count, nbytes, cb
@@ -150,24 +151,22 @@ class MessageSender:
                 batch = pending[pos : pos + k]
                 self._pos = pos + k
                 self._queued[batch] = False
+                tseq = self._tseq
+                self._tseq_field[batch] = np.arange(tseq, tseq + k, dtype=np.uint32)
+                self._tseq = tseq + k
                 hdr = self._headers
                 pay = self._payload
                 cb = self.chunk_bytes
                 peer = self.peer
-                nbytes = self.nbytes
-                tseq = self._tseq
-                pack_tseq = TSEQ.pack_into
-                for i in batch:
-                    h = i * HEADER_BYTES
-                    o = i * cb
-                    pack_tseq(hdr, h + TSEQ_OFFSET, tseq)
-                    tseq += 1
-                    out.append(((hdr[h : h + HEADER_BYTES], pay[o : min(o + cb, nbytes)]), peer))
-                self._tseq = tseq
+                # memoryview slices clamp at the end, so the short last chunk needs no min()
+                out.extend(
+                    ((hdr[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], pay[i * cb : (i + 1) * cb]), peer)
+                    for i in batch
+                )
                 self.datagrams += k
                 self.payload_bytes += k * cb
                 if self.count - 1 in batch:  # the last chunk is short
-                    self.payload_bytes -= self.count * cb - nbytes
+                    self.payload_bytes -= self.count * cb - self.nbytes
                 if not self._first_pass:
                     self.retransmitted += k
                 sent += k

@@ -7,17 +7,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..wire import DEFAULT_CHUNK_BYTES, HEADER_BYTES, MAX_MESSAGE_BYTES, check_chunk_bytes
-
-
-class CloseReason(enum.IntEnum):
-    """Why a receive closed (also carried in the STOP datagram)."""
-
-    COMPLETE = 1  # every chunk arrived
-    BOUND_MET = 2  # the policy's bound was met with chunks still missing
-    ACCEPT_DEADLINE = 3  # the policy's acceptance deadline passed
-    DEADLINE = 4  # the hard deadline passed: closed with whatever had arrived
-    CANCELLED = 5  # the application cancelled it
+from ..wire import (
+    DEFAULT_CHUNK_BYTES,
+    HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
+    CloseReason,
+    check_chunk_bytes,
+)
 
 
 class SendStatus(enum.Enum):
