@@ -434,3 +434,14 @@ def test_for_rank_keeps_base_of_other_ranks_burst() -> None:
     base = Bernoulli(0.2)
     m = Microburst(1.0, every=2, rank=1, base=base)
     assert m.for_rank(0) is base
+
+
+def test_needs_round_says_which_models_read_the_round():
+    from boundedloss.net.loss import Bernoulli, Combined, Microburst, parse_loss_spec
+
+    assert not Bernoulli(0.1).needs_round
+    assert Microburst(0.8, every=5).needs_round
+    assert Microburst(0.8, rounds=[3]).needs_round
+    assert not Microburst(0.8, windows=[(0.0, 1.0)]).needs_round
+    assert Combined([Bernoulli(0.1), Microburst(0.5, every=3)]).needs_round
+    assert not parse_loss_spec("bernoulli:0.1+ge:rate=0.02,burst=4").needs_round

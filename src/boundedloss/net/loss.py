@@ -90,6 +90,12 @@ class LossModel(abc.ABC):
     def describe(self) -> str:
         """Short human-readable text, e.g. ``bernoulli(p=0.05)``."""
 
+    @property
+    def needs_round(self) -> bool:
+        """Whether ``drop`` looks at ``round_id`` (else callers may pass -1 and skip
+        reading it from the header on the per-datagram path)."""
+        return False
+
     def to_spec(self) -> str:
         """A string that :func:`parse_loss_spec` turns back into an equal model."""
         raise NotImplementedError(f"{type(self).__name__} has no spec form")
@@ -377,6 +383,12 @@ class Microburst(LossModel):
                 return True
         return False
 
+    @property
+    def needs_round(self) -> bool:
+        return bool(self.rounds) or self.every is not None or (
+            self.base is not None and self.base.needs_round
+        )
+
     def drop(self, now: float, round_id: int) -> bool:
         base = self.base
         base_drop = base.drop(now, round_id) if base is not None else False
@@ -447,6 +459,10 @@ class Combined(LossModel):
         for m in self.models:
             if not isinstance(m, LossModel):
                 raise TypeError(f"Combined takes LossModels, got {type(m).__name__}")
+
+    @property
+    def needs_round(self) -> bool:
+        return any(m.needs_round for m in self.models)
 
     def drop(self, now: float, round_id: int) -> bool:
         dropped = False

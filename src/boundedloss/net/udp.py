@@ -182,6 +182,7 @@ class UdpEndpoint:
         mv = memoryview(buf)
         mux = self.mux
         loss = self.loss
+        loss_needs_round = loss is not None and loss.needs_round
         drops = mux.drops
         monotonic = time.monotonic
         batch: list = []  # datagrams polled from the mux, sent up to pos
@@ -199,7 +200,9 @@ class UdpEndpoint:
                     except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP
                         self.io_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
                         continue
-                    if loss is not None and loss.drop(now, peek_round(mv[:n])):
+                    if loss is not None and loss.drop(
+                        now, peek_round(mv[:n]) if loss_needs_round else -1
+                    ):
                         drops[DropReason.INJECTED_LOSS] += 1
                         continue
                     mux.datagram_received(mv[:n], addr, now)

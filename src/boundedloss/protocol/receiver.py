@@ -219,6 +219,7 @@ class MessageReceiver:
             retransmitted=self.duplicates,
             probes=self.probes,
             elapsed=now - self.opened,
+            started=self.opened,
         )
         data = self._out if self._out is not None else np.empty(0, dtype=np.uint8)
         self.result = ReceiveResult(

@@ -328,6 +328,7 @@ class MessageSender:
                 probes=self.probes,
                 elapsed=now - self.started,
                 rtt=self._srtt,
+                started=self.started,
             ),
         )
 

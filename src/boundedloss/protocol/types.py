@@ -86,6 +86,11 @@ class TransferStats:
     probes: int
     elapsed: float
     rtt: float | None = None
+    started: float = 0.0  # when the send/receive was posted, on the core's clock
+
+    @property
+    def finished(self) -> float:
+        return self.started + self.elapsed
 
     @property
     def delivered_fraction(self) -> float:
