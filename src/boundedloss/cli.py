@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+if not console.is_terminal:  # piped or logged: do not squeeze tables into 80 columns
+    console = Console(width=160)
 err_console = Console(stderr=True)
 
 
@@ -128,6 +130,40 @@ def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None
             repeats=repeats, progress=lambda msg: status.update(msg),
         )
     console.print(_transport_table(rows, f"transport goodput (median of {repeats})"))
+    write_json(rows, json_path)
+    console.print(f"rows written to {json_path}")
+
+
+@bench.command("aggregate")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              help="Write the rows here (a JSON list).")
+@click.option("--losses", default="0,0.01,0.1,0.3", show_default=True,
+              help="Chunk loss rates per worker.")
+@click.option("--workers", default=4, show_default=True, type=click.IntRange(2, 64))
+@click.option("--chunk-bytes", default=1400, show_default=True, type=click.IntRange(16, 65000))
+@click.option("--patterns", default=5, show_default=True, type=click.IntRange(1, 1000),
+              help="Seeded loss patterns averaged per row.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> None:
+    """Error and speed of each aggregator on a real gradient (MLP on sklearn digits)."""
+    from .bench.aggregate import run_aggregate_bench, write_json
+
+    losses_t = _parse_list(losses, float, "--losses")
+    if any(not 0 <= p < 1 for p in losses_t):
+        raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
+    with console.status("measuring...") as status:
+        rows = run_aggregate_bench(
+            losses=losses_t, workers=workers, chunk_bytes=chunk_bytes, patterns=patterns,
+            seed=seed, progress=lambda msg: status.update(msg),
+        )
+    t = Table(title=f"aggregators on a real gradient ({rows[0].elements:,} floats, "
+                    f"{workers} workers, {chunk_bytes} B chunks)")
+    for col in ("aggregator", "hadamard", "loss", "rel L2 err", "max err", "GB/s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r.aggregator, "yes" if r.hadamard else "no", f"{r.loss:.0%}",
+                  f"{r.rel_l2_error:.4f}", f"{r.max_abs_error:.4f}", f"{r.throughput_gbs:.2f}")
+    console.print(t)
     write_json(rows, json_path)
     console.print(f"rows written to {json_path}")
 

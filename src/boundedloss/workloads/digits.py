@@ -1,0 +1,88 @@
+"""scikit-learn's bundled handwritten digits (1,797 8x8 images) and models for them.
+
+Real data that ships with an installed package: no download at run time. The split is
+fixed by a seed so that every rank of a job, and every policy of a comparison, sees the
+same train and test sets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DigitsData:
+    x_train: torch.Tensor  # (n, 1, 8, 8) float32, scaled to [0, 1]
+    y_train: torch.Tensor  # (n,) int64
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def load_digits_split(seed: int = 0, test_fraction: float = 0.25) -> DigitsData:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = bunch.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_test = int(round(len(y) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return DigitsData(
+        torch.from_numpy(x[train]), torch.from_numpy(y[train]),
+        torch.from_numpy(x[test]), torch.from_numpy(y[test]),
+    )
+
+
+class DigitsMLP(nn.Module):
+    def __init__(self, hidden: int = 256, depth: int = 2):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = 64
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, 10))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class DigitsCNN(nn.Module):
+    def __init__(self, channels: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.BatchNorm2d(2 * channels),
+            nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(2 * channels * 16, 128), nn.ReLU(), nn.Linear(128, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def flat_gradient(model: nn.Module) -> np.ndarray:
+    """All parameter gradients laid back to back (the order DDP buckets use, reversed
+    aside), as one float32 numpy vector."""
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).numpy()
+
+
+def worker_gradients(
+    model: nn.Module, data: DigitsData, workers: int, batch: int, seed: int
+) -> list[np.ndarray]:
+    """One real minibatch gradient per worker: each draws its own batch of the train
+    set, as data-parallel workers do."""
+    rng = np.random.default_rng(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    grads = []
+    for _ in range(workers):
+        idx = torch.from_numpy(rng.choice(len(data.y_train), size=batch, replace=False))
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(data.x_train[idx]), data.y_train[idx]).backward()
+        grads.append(flat_gradient(model).copy())
+    return grads
