@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import select
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -36,9 +37,13 @@ SEND_BURST = 256
 DEFAULT_SOCKET_BUFFER = 64 << 20
 
 
+# Linux's SO_SNDBUFFORCE / SO_RCVBUFFORCE, which Python's socket module does not name.
+_FORCE = {"SND": 32, "RCV": 33} if sys.platform.startswith("linux") else {}
+
+
 def _set_buffer(sock: socket.socket, which: str, size: int) -> int:
-    """Ask for a big kernel buffer; as root, past net.core.[rw]mem_max."""
-    force = getattr(socket, f"SO_{which}BUFFORCE", None)
+    """Ask for a big kernel buffer; with CAP_NET_ADMIN, past net.core.[rw]mem_max."""
+    force = getattr(socket, f"SO_{which}BUFFORCE", _FORCE.get(which))
     plain = getattr(socket, f"SO_{which}BUF")
     try:
         if force is None:
