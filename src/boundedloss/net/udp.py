@@ -131,6 +131,15 @@ class UdpEndpoint:
         self._wake()
         return fut
 
+    def cancel(self, future: Future) -> None:
+        """Cancel a send or receive: it resolves with a CANCELLED result. A cancelled
+        receive sends no STOP, so a receive posted again for the message takes over."""
+        with self._lock:
+            for obj, fut in list(self._futures.values()):
+                if fut is future and obj.result is None:
+                    self.mux.cancel(obj, time.monotonic())
+            self._resolve(self.mux.pop_finished())
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             d = self.mux.counters()

@@ -233,7 +233,9 @@ class MessageReceiver:
             bound=self.plan.bound if self.plan is not None else 0.0,
             stats=stats,
         )
-        if self.nbytes is not None:
+        if self.nbytes is not None and reason != CloseReason.CANCELLED:
+            # (a cancelled receive says nothing: its sender is not done, a receive
+            # posted again for the same message will take over)
             self.stop = stop_datagram(self._header, reason, self.delivered_count)
             out.append(((self.stop,), self.peer))
             self.policy.observe(
