@@ -1,0 +1,172 @@
+"""What every collective shares: peers, message ids, pre-posted receives, round stats.
+
+A collective decides *who sends what to whom*; the policy (when a receive is done) and
+the aggregator (what a hole becomes) are handed to it. It runs on one UdpEndpoint per
+rank; ``peers[r]`` is rank r's UDP address (published at rendezvous).
+
+Receives are posted one round ahead: when a rank finishes bucket b of round t it posts
+the receives of bucket b for round t+1 (DDP buckets have the same size every round), so
+that a fast peer's first datagrams never find nobody listening. The hard receive
+deadline therefore covers the time between rounds too; it is the failure detector
+(a dead peer ends the round with PeerFailure within ``receive_deadline``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..aggregate import Aggregator, HadamardDispersion, element_mask, message_seed
+from ..net.udp import UdpEndpoint
+from ..policy.base import Policy
+from ..policy.reliable import ReliablePolicy
+from ..protocol.types import CloseReason, ReceiveResult, TransportError
+
+PUSH, PULL = 0, 1  # message phases: contributions in, results out
+
+
+class PeerFailure(TransportError):
+    """A peer stopped answering: the round cannot finish."""
+
+
+def message_id(bucket: int, phase: int) -> int:
+    return bucket * 2 + phase
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One collective call on one rank, for the per-round log."""
+
+    round_id: int
+    bucket: int
+    latency_s: float
+    delivered_fraction: float  # mean over the receives this rank made
+    min_delivered_fraction: float
+    retransmit_rounds: int  # max over the receives and sends of this rank
+    bound: float  # the loss bound in force for contributions this round
+    close_reasons: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A receive posted ahead for one (bucket, phase, peer) of the next round."""
+
+    round_id: int
+    nbytes: int
+    future: Future
+
+
+class Collective:
+    """Base class: posting ahead, waiting, failure detection, optional Hadamard."""
+
+    def __init__(
+        self,
+        endpoint: UdpEndpoint,
+        rank: int,
+        peers: Sequence[tuple[str, int]],
+        *,
+        policy: Policy,
+        aggregator: Aggregator,
+        stale_broadcast: bool = False,
+        hadamard: bool = False,
+        session: int = 0,
+    ):
+        if not 0 <= rank < len(peers) or len(peers) < 2:
+            raise ValueError(f"rank {rank} of a world of {len(peers)} (need >= 2)")
+        self.endpoint = endpoint
+        self.rank = rank
+        self.world_size = len(peers)
+        self.peers = [tuple(p) for p in peers]
+        self.policy = policy
+        self.aggregator = aggregator
+        self.stale_broadcast = stale_broadcast
+        self.hadamard = HadamardDispersion() if hadamard else None
+        self.session = session
+        self._pending: dict[tuple[int, int, int], _Pending] = {}  # (bucket, phase, peer)
+        self._previous: dict[tuple[int, str], np.ndarray] = {}  # per-bucket memory
+        self._timeout = endpoint.config.receive_deadline + endpoint.config.peer_timeout
+
+    # ------------------------------------------------------------- receiving
+    def _broadcast_policy(self) -> Policy:
+        return self.policy if self.stale_broadcast else ReliablePolicy()
+
+    def _post(self, peer_rank: int, bucket: int, phase: int, round_id: int, nbytes: int,
+              policy: Policy) -> Future:
+        return self.endpoint.receive(
+            self.peers[peer_rank], message_id=message_id(bucket, phase), round_id=round_id,
+            nbytes=nbytes, policy=policy,
+        )
+
+    def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int, nbytes: int,
+              policy: Policy) -> Future:
+        """The receive for this round: posted ahead last round, or posted now."""
+        pending = self._pending.pop((bucket, phase, peer_rank), None)
+        if pending is not None:
+            if pending.round_id == round_id and pending.nbytes == nbytes:
+                return pending.future
+            # Posted for another round or size (DDP rebuilds its buckets after the first
+            # iteration): cancel it - silently, the peer's probe finds the new one.
+            self.endpoint.cancel(pending.future)
+        return self._post(peer_rank, bucket, phase, round_id, nbytes, policy)
+
+    def _post_ahead(self, peer_rank: int, bucket: int, phase: int, round_id: int,
+                    nbytes: int, policy: Policy) -> None:
+        fut = self._post(peer_rank, bucket, phase, round_id, nbytes, policy)
+        self._pending[(bucket, phase, peer_rank)] = _Pending(round_id, nbytes, fut)
+
+    def _wait(self, fut: Future, what: str) -> ReceiveResult:
+        try:
+            res = fut.result(timeout=self._timeout)
+        except TimeoutError:
+            raise PeerFailure(f"{what}: no result within {self._timeout:.0f} s") from None
+        if res.close_reason == CloseReason.DEADLINE and not res.delivered.any():
+            raise PeerFailure(
+                f"{what}: nothing arrived within the {self.endpoint.config.receive_deadline:g} s "
+                "receive deadline - is the peer alive?"
+            )
+        return res
+
+    def _wait_sends(self, futures: list[tuple[int, Future]]) -> int:
+        rounds = 0
+        for peer_rank, fut in futures:
+            try:
+                res = fut.result(timeout=self._timeout)
+            except TimeoutError:
+                raise PeerFailure(f"send to rank {peer_rank} did not finish") from None
+            if not res.ok:
+                raise PeerFailure(
+                    f"rank {peer_rank} at {self.peers[peer_rank]} stopped answering "
+                    f"({res.status.value} after {res.stats.elapsed:.1f} s)"
+                )
+            rounds = max(rounds, res.stats.retransmit_rounds)
+        return rounds
+
+    # ----------------------------------------------------------------- masks
+    def _elements(self, res: ReceiveResult, n: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+        values = res.data.view(dtype)[:n]
+        mask = element_mask(res.delivered, res.chunk_bytes, n, np.dtype(dtype).itemsize)
+        return values, mask
+
+    # -------------------------------------------------------------- hadamard
+    def _encode(self, x: np.ndarray, round_id: int, bucket: int) -> np.ndarray:
+        if self.hadamard is None:
+            return x
+        return self.hadamard.encode(x, message_seed(self.session, round_id, bucket))
+
+    def _decode(self, y: np.ndarray, round_id: int, bucket: int, n: int) -> np.ndarray:
+        if self.hadamard is None:
+            return y
+        return self.hadamard.decode(y, message_seed(self.session, round_id, bucket), n)
+
+    def close(self) -> None:
+        for pending in self._pending.values():
+            self.endpoint.cancel(pending.future)
+        self._pending.clear()
+
+    @staticmethod
+    def _clock() -> float:
+        return time.perf_counter()

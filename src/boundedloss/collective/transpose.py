@@ -1,0 +1,101 @@
+"""TransposeAllreduce: reduce-scatter to shard owners, then all-gather (two rounds).
+
+The OptiReduce / 2507.07114 topology. The vector is cut into ``world_size`` contiguous
+shards; rank r owns shard r. Every rank sends shard j to rank j, each owner aggregates
+its shard from whatever arrived (the job's policy and aggregator), then sends the
+reduced shard to every other rank - reliably, or with ``stale_broadcast`` under the
+same bound, a missing value keeping its previous one (bounded drift).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..aggregate import apply_broadcast
+from .base import PULL, PUSH, Collective, RoundStats, message_id
+
+
+def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
+    """Nearly equal contiguous shards; the first ``n % world_size`` get one more."""
+    base, extra = divmod(n, world_size)
+    bounds, lo = [], 0
+    for r in range(world_size):
+        hi = lo + base + (1 if r < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class TransposeAllreduce(Collective):
+    def allreduce_mean(self, x: np.ndarray, round_id: int, bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+        t0 = self._clock()
+        n = x.size
+        coded = np.ascontiguousarray(self._encode(np.ascontiguousarray(x), round_id, bucket))
+        bounds = shard_bounds(coded.size, self.world_size)
+        me = self.rank
+        lo, hi = bounds[me]
+        itemsize = coded.itemsize
+        others = [r for r in range(self.world_size) if r != me]
+        bpolicy = self._broadcast_policy()
+
+        # Post (or take the pre-posted) receives for both phases before sending anything.
+        scatter_in = {r: self._take(r, bucket, PUSH, round_id, (hi - lo) * itemsize, self.policy)
+                      for r in others}
+        gather_in = {r: self._take(r, bucket, PULL, round_id,
+                                   (bounds[r][1] - bounds[r][0]) * itemsize, bpolicy)
+                     for r in others}
+        sends = [(r, self.endpoint.send(self.peers[r], coded[bounds[r][0]:bounds[r][1]],
+                                        message_id=message_id(bucket, PUSH), round_id=round_id))
+                 for r in others]
+
+        # Reduce my shard.
+        contributions = [coded[lo:hi]]
+        masks = [np.ones(hi - lo, dtype=bool)]
+        fractions, reasons, rounds, bound = [], [], 0, 0.0
+        for r in others:
+            res = self._wait(scatter_in[r], f"shard from rank {r} (round {round_id}, bucket {bucket})")
+            values, mask = self._elements(res, hi - lo, coded.dtype)
+            contributions.append(values)
+            masks.append(mask)
+            fractions.append(res.stats.delivered_fraction)
+            reasons.append(res.close_reason.name.lower())
+            rounds = max(rounds, res.stats.retransmit_rounds)
+            bound = max(bound, res.bound)
+            self._post_ahead(r, bucket, PUSH, round_id + 1, (hi - lo) * itemsize, self.policy)
+        key = (bucket, "shard")
+        mine = np.ascontiguousarray(
+            self.aggregator.aggregate(contributions, masks, previous=self._previous.get(key)),
+            dtype=coded.dtype,
+        )
+        self._previous[key] = mine
+
+        # All-gather the reduced shards.
+        sends += [(r, self.endpoint.send(self.peers[r], mine, message_id=message_id(bucket, PULL),
+                                         round_id=round_id))
+                  for r in others]
+        out = np.empty_like(coded)
+        out[lo:hi] = mine
+        for r in others:
+            rlo, rhi = bounds[r]
+            res = self._wait(gather_in[r], f"reduced shard from rank {r} (round {round_id}, bucket {bucket})")
+            values, mask = self._elements(res, rhi - rlo, coded.dtype)
+            gkey = (bucket, f"gather{r}")
+            if mask.all():
+                out[rlo:rhi] = values
+            else:
+                prev = self._previous.get(gkey)
+                out[rlo:rhi] = apply_broadcast(values, mask, prev if prev is not None
+                                               else np.zeros_like(values))
+            self._previous[gkey] = out[rlo:rhi].copy()
+            fractions.append(res.stats.delivered_fraction)
+            reasons.append(res.close_reason.name.lower())
+            rounds = max(rounds, res.stats.retransmit_rounds)
+            self._post_ahead(r, bucket, PULL, round_id + 1, (rhi - rlo) * itemsize, bpolicy)
+        rounds = max(rounds, self._wait_sends(sends))
+        stats = RoundStats(
+            round_id=round_id, bucket=bucket, latency_s=self._clock() - t0,
+            delivered_fraction=float(np.mean(fractions)),
+            min_delivered_fraction=float(np.min(fractions)),
+            retransmit_rounds=rounds, bound=bound, close_reasons=tuple(reasons),
+        )
+        return self._decode(out, round_id, bucket, n), stats

@@ -1,0 +1,1 @@
+"""What a user runs: training runs, comparisons."""

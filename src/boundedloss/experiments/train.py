@@ -1,0 +1,299 @@
+"""`boundedloss train`: data-parallel training with the bounded-loss DDP hook.
+
+Spawns ``workers`` local processes (torch.distributed over Gloo on 127.0.0.1), or, when
+started by ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR in the environment), runs as
+that one rank. Rank 0 writes, under ``out``:
+
+- ``rounds.jsonl``  one line per training round (iteration): step time, communication
+  latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
+- ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
+- ``summary.json``  the configuration, final metric and wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+POLICIES = ("gloo", "reliable", "mlt", "ltp", "dblp")
+MODELS = ("mlp", "cnn", "charlm")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    policy: str = "dblp"
+    topology: str = "ps"
+    workers: int = 3
+    model: str = "mlp"
+    epochs: int = 8
+    seed: int = 0
+    loss: str = "none"
+    out: str = "runs/train"
+    aggregator: str = "unbiased"
+    batch_size: int = 32
+    lr: float = 0.05
+    chunk_bytes: int = 1400
+    receive_deadline: float = 20.0
+    hadamard: bool = False
+    stale_broadcast: bool = False
+    steps_per_epoch: int | None = None  # default: one pass over this rank's share
+    die_at_round: int | None = None  # testing: rank 1 exits abruptly at this round
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
+        if self.model not in MODELS:
+            raise ValueError(f"--model must be one of {', '.join(MODELS)}")
+        if self.topology not in ("ps", "allreduce"):
+            raise ValueError("--topology must be ps or allreduce")
+        if self.workers < 2:
+            raise ValueError("--workers must be >= 2")
+        if self.epochs < 1:
+            raise ValueError("--epochs must be >= 1")
+
+
+# ------------------------------------------------------------------ one rank
+def _build(cfg: TrainConfig, rank: int, world: int):
+    import torch
+
+    from ..workloads import charlm, digits
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    if cfg.model == "charlm":
+        data = charlm.load_stdlib_text()
+        model = charlm.CharLM()
+        share = len(data.train) // world
+        steps = cfg.steps_per_epoch or 40
+        g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+
+        def batches(epoch: int):
+            for _ in range(steps):
+                yield charlm.batches(data.train, 64, cfg.batch_size, g)
+
+        def evaluate(m) -> float:
+            return charlm.perplexity(m, data.test)
+
+        return model, batches, evaluate, "perplexity", share
+    data = digits.load_digits_split(cfg.seed)
+    model = digits.DigitsMLP(hidden=256) if cfg.model == "mlp" else digits.DigitsCNN(16)
+    n = len(data.y_train)
+    per_rank = n // world
+    steps = cfg.steps_per_epoch or max(1, per_rank // cfg.batch_size)
+
+    def batches(epoch: int):
+        order = np.random.default_rng([cfg.seed, epoch]).permutation(n)
+        mine = order[rank * per_rank:(rank + 1) * per_rank]
+        for s in range(steps):
+            idx = torch.from_numpy(mine[(s * cfg.batch_size) % per_rank:][: cfg.batch_size])
+            yield data.x_train[idx], data.y_train[idx]
+
+    @torch.no_grad()
+    def evaluate(m) -> float:
+        m.eval()
+        acc = (m(data.x_test).argmax(1) == data.y_test).float().mean().item()
+        m.train()
+        return acc
+
+    return model, batches, evaluate, "accuracy", per_rank
+
+
+def _per_round(log: list[dict], round_id: int) -> dict:
+    entries = [e for e in log if e["round"] == round_id]
+    if not entries:
+        return {}
+    return {
+        "comm_ms": max(e["latency_ms"] for e in entries),
+        "delivered_fraction": min(e["min_delivered_fraction"] for e in entries),
+        "retransmit_rounds": max(e["retransmit_rounds"] for e in entries),
+        "bound": entries[0]["bound"],
+        "phase": entries[0]["phase"],
+        "closed": sorted({r for e in entries for r in e["close_reasons"]}),
+    }
+
+
+def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
+    """Run one rank to the end; rank 0 writes the logs and returns the summary."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from ..net.loss import parse_loss_spec
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=cfg.receive_deadline * 3 + 30))
+    model, batches, evaluate, metric_name, _ = _build(cfg, rank, world)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = None
+    if cfg.policy != "gloo":
+        from .. import torch as bl_torch
+
+        loss = parse_loss_spec(cfg.loss, seed=cfg.seed * 100 + rank).for_rank(rank)
+        state = bl_torch.register(
+            ddp, cfg.policy, aggregator=cfg.aggregator, topology=cfg.topology,
+            chunk_bytes=cfg.chunk_bytes, receive_deadline=cfg.receive_deadline,
+            hadamard=cfg.hadamard, stale_broadcast=cfg.stale_broadcast,
+            loss=None if loss.describe().startswith("none") else loss,
+        )
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
+    milestones = sorted({max(1, int(cfg.epochs * 0.5)), max(1, int(cfg.epochs * 0.75))})
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    out = Path(cfg.out)
+    writer = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        writer = (open(out / "rounds.jsonl", "w"), open(out / "epochs.jsonl", "w"))
+    progress = _Progress(rank == 0, cfg)
+    t_start = time.perf_counter()
+    round_id = 0
+    metric = float("nan")
+    try:
+        for epoch in range(cfg.epochs):
+            for x, y in batches(epoch):
+                if cfg.die_at_round is not None and rank == 1 and round_id == cfg.die_at_round:
+                    os._exit(17)  # an abrupt death: no goodbye to anyone
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                logits = ddp(x)
+                loss_v = loss_fn(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss_v.backward()
+                opt.step()
+                step_ms = (time.perf_counter() - t0) * 1e3
+                if writer is not None:
+                    rec = {"round": round_id, "epoch": epoch, "step_ms": round(step_ms, 3),
+                           "loss": round(loss_v.item(), 5),
+                           "wall_s": round(time.perf_counter() - t_start, 4)}
+                    if state is not None:
+                        rec.update(_per_round(state.round_log, round_id))
+                    writer[0].write(json.dumps(rec) + "\n")
+                round_id += 1
+                progress.step(epoch, loss_v.item())
+            decided = state.epoch_end(opt) if state is not None else {}
+            sched.step()
+            if rank == 0:
+                metric = evaluate(model)
+                rec = {"epoch": epoch, metric_name: metric, "lr": opt.param_groups[0]["lr"],
+                       "wall_s": round(time.perf_counter() - t_start, 4),
+                       "grad_norm": decided.get("grad_norm"), "phase": decided.get("phase"),
+                       "bound": decided.get("bound")}
+                writer[1].write(json.dumps(rec) + "\n")
+                writer[0].flush()
+                writer[1].flush()
+                progress.epoch(epoch, metric_name, metric)
+        wall = time.perf_counter() - t_start
+    except RuntimeError:
+        if state is not None and state.failure is not None:
+            raise state.failure from None  # DDP's re-worded copy hides the type
+        raise
+    finally:
+        progress.close()
+        if writer is not None:
+            for f in writer:
+                f.close()
+        if state is not None:
+            state.close()
+    summary = {"config": asdict(cfg), "metric_name": metric_name, "final_metric": metric,
+               "wall_s": wall, "rounds": round_id, "world_size": world}
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    dist.destroy_process_group()
+    return summary
+
+
+class _Progress:
+    """A rich progress bar on rank 0 (plain lines when not on a terminal)."""
+
+    def __init__(self, enabled: bool, cfg: TrainConfig):
+        self.bar = None
+        self.task = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                            transient=False)
+        self.bar.start()
+        self.task = self.bar.add_task(f"{cfg.policy}/{cfg.topology}", total=cfg.epochs, info="")
+
+    def step(self, epoch: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, info=f"epoch {epoch + 1} loss {loss:.3f}")
+
+    def epoch(self, epoch: int, name: str, value: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=f"epoch {epoch + 1} {name} {value:.4f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# ------------------------------------------------------------------ launch
+def _spawned(rank: int, world: int, cfg: TrainConfig, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        train_rank(cfg, rank, world)
+    except Exception as e:  # noqa: BLE001 - one clear line per failing rank
+        sys.stderr.write(f"boundedloss train: rank {rank}: {type(e).__name__}: {e}\n")
+        if os.environ.get("BOUNDEDLOSS_DEBUG"):
+            traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_training(cfg: TrainConfig) -> dict:
+    """Train under torchrun (one rank) or spawn ``cfg.workers`` local ranks."""
+    cfg.validate()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return train_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port), daemon=False)
+             for r in range(cfg.workers)]
+    for p in procs:
+        p.start()
+    from multiprocessing.connection import wait
+
+    # Once a rank fails, the others get two receive deadlines to notice and exit on
+    # their own (they should: a dead peer ends their round with PeerFailure); then they
+    # are stopped, so a failed run never hangs.
+    give_up_at = None
+    try:
+        while any(p.is_alive() for p in procs):
+            wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
+            if give_up_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                give_up_at = time.monotonic() + 2 * cfg.receive_deadline + 10
+            if give_up_at is not None and time.monotonic() > give_up_at:
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        raise
+    for p in procs:
+        p.join()
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        ranks = ", ".join(f"rank {r} (exit {c})" for r, c in failed)
+        raise RuntimeError(f"training failed: {ranks}")
+    return json.loads((Path(cfg.out) / "summary.json").read_text())

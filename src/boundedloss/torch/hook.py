@@ -1,0 +1,246 @@
+"""The DDP comm hook and its state object (as torch's PowerSGD hook: a pure hook
+function, every tunable and per-bucket memory in one documented, picklable state).
+
+    state = boundedloss.torch.register(ddp_model, policy="dblp")
+
+``register`` is collective: every rank calls it after ``init_process_group``. It binds a
+UDP endpoint on the address this rank uses to reach the others, publishes it on
+torch.distributed's store, agrees on a random 64-bit session token (carried in every
+datagram), builds the collective and registers :func:`comm_hook`. The Gloo process group
+stays the control plane (rendezvous, the end-of-epoch phase agreement) and the reliable
+baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..aggregate import Aggregator, make_aggregator
+from ..collective import TOPOLOGIES, Collective, RoundStats
+from ..net.loss import LossModel
+from ..net.udp import UdpEndpoint
+from ..policy import Policy, make_policy
+from ..protocol.types import TransportConfig
+
+_REGISTRATIONS = 0  # distinct store keys when a process registers more than once
+
+
+@dataclass
+class BoundedLossState:
+    """Everything the hook needs. Picklable for checkpoints: the process group, the
+    socket and the threads are not pickled; policy state (e.g. DBLP's phase history),
+    round counters and per-bucket memory (previous aggregates for stale fill) are."""
+
+    policy: Policy
+    aggregator: Aggregator
+    topology: str = "ps"
+    chunk_bytes: int = 8192
+    receive_deadline: float = 30.0
+    stale_broadcast: bool = False
+    hadamard: bool = False
+    rounds: dict[int, int] = field(default_factory=dict)  # bucket index -> next round id
+    round_log: list[dict] = field(default_factory=list)
+    epoch: int = 0
+    failure: BaseException | None = field(default=None, repr=False)
+    # runtime only
+    process_group: Any = field(default=None, repr=False)
+    endpoint: UdpEndpoint | None = field(default=None, repr=False)
+    collective: Collective | None = field(default=None, repr=False)
+    executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _epoch_norms: list[float] = field(default_factory=list, repr=False)
+    _round_sq: dict[int, float] = field(default_factory=dict, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+    _last_lrs: list[float] | None = field(default=None, repr=False)
+    _memory: dict = field(default_factory=dict, repr=False)
+
+    _RUNTIME = ("process_group", "endpoint", "collective", "executor", "_lock", "failure")
+
+    def __getstate__(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
+        if self.collective is not None:
+            d["_memory"] = dict(self.collective._previous)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        for k in self._RUNTIME:
+            self.__dict__[k] = None
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- logging
+    @property
+    def phase(self) -> str | None:
+        phase = getattr(self.policy, "phase", None)
+        return None if phase is None else getattr(phase, "name", str(phase)).lower()
+
+    @property
+    def bound(self) -> float | None:
+        bound = getattr(self.policy, "bound", None)
+        return bound if isinstance(bound, float) else None
+
+    def _record(self, stats: RoundStats, grad_sq: float) -> None:
+        entry = {
+            "round": stats.round_id,
+            "bucket": stats.bucket,
+            "epoch": self.epoch,
+            "latency_ms": round(stats.latency_s * 1e3, 3),
+            "delivered_fraction": round(stats.delivered_fraction, 6),
+            "min_delivered_fraction": round(stats.min_delivered_fraction, 6),
+            "retransmit_rounds": stats.retransmit_rounds,
+            "bound": self.bound if self.bound is not None else stats.bound,
+            "phase": self.phase,
+            "close_reasons": list(stats.close_reasons),
+        }
+        with self._lock:
+            self.round_log.append(entry)
+            self._round_sq[stats.round_id] = self._round_sq.get(stats.round_id, 0.0) + grad_sq
+
+    # ------------------------------------------------------------ epoch ends
+    def epoch_end(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """Call on every rank at the end of each epoch.
+
+        Feeds the policy (DBLP's critical-regime detector) the epoch's mean gradient L2
+        norm - rank 0's measurement, broadcast over the Gloo control plane so that every
+        rank switches phase at the same round - and tells it about learning-rate
+        changes. Returns what was decided, for the log."""
+        with self._lock:
+            norms = [v ** 0.5 for v in self._round_sq.values()]
+            self._round_sq.clear()
+        local = float(np.mean(norms)) if norms else 0.0
+        box = [local]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0, group=self.process_group)
+        norm = float(box[0])
+        lr_changed = False
+        if optimizer is not None:
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            lr_changed = self._last_lrs is not None and lrs != self._last_lrs
+            self._last_lrs = lrs
+        if lr_changed and hasattr(self.policy, "lr_changed"):
+            self.policy.lr_changed()
+        if hasattr(self.policy, "epoch_end"):
+            self.policy.epoch_end(norm)
+        self.epoch += 1
+        return {"epoch": self.epoch, "grad_norm": norm, "lr_changed": lr_changed,
+                "phase": self.phase, "bound": self.bound}
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.collective is not None:
+            self.collective.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
+
+
+def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are strings
+    """DDP comm hook ``(BoundedLossState, dist.GradBucket) -> Future[Tensor]``: the
+    bucket's mean over ranks, through the bounded-loss collective."""
+    tensor = bucket.buffer()
+    index = bucket.index()
+    round_id = state.rounds.get(index, 0)
+    state.rounds[index] = round_id + 1
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def work() -> None:
+        try:
+            flat = tensor.detach().reshape(-1)
+            x = flat.numpy() if flat.dtype == torch.float32 else flat.float().numpy()
+            mean, stats = state.collective.allreduce_mean(x, round_id, index)
+            flat.copy_(torch.from_numpy(np.ascontiguousarray(mean)).to(flat.dtype))
+            state._record(stats, float(np.dot(mean, mean)))
+            fut.set_result(tensor)
+        except BaseException as e:  # noqa: BLE001 - handed to DDP, which re-raises
+            state.failure = e  # DDP re-raises it re-worded; keep the original for callers
+            fut.set_exception(e)
+
+    state.executor.submit(work)
+    return fut
+
+
+def _local_ip() -> str:
+    """The address this host uses to reach the job's master (works in namespaces)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((socket.gethostbyname(master), 9))
+        return s.getsockname()[0]
+    finally:
+        s.close()
+
+
+def register(
+    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    policy: str | Policy = "dblp",
+    *,
+    aggregator: str | Aggregator = "unbiased",
+    topology: str = "ps",
+    chunk_bytes: int = 8192,
+    receive_deadline: float = 30.0,
+    stale_broadcast: bool = False,
+    hadamard: bool = False,
+    loss: LossModel | None = None,
+    process_group=None,
+    state: BoundedLossState | None = None,
+    **policy_kw,
+) -> BoundedLossState:
+    """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
+
+    Collective: call on every rank. ``state`` resumes from a checkpointed state (its
+    policy, aggregator, round counters and memory are kept; the rest is rebuilt)."""
+    global _REGISTRATIONS
+    if not dist.is_initialized():
+        raise RuntimeError("boundedloss.torch.register needs torch.distributed initialised first")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {sorted(TOPOLOGIES)}, got {topology!r}")
+    if state is None:
+        state = BoundedLossState(
+            policy=make_policy(policy, **policy_kw) if isinstance(policy, str) else policy,
+            aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
+            topology=topology, chunk_bytes=chunk_bytes, receive_deadline=receive_deadline,
+            stale_broadcast=stale_broadcast, hadamard=hadamard,
+        )
+    rank = dist.get_rank(process_group)
+    world = dist.get_world_size(process_group)
+    store = dist.distributed_c10d._get_default_store()
+    _REGISTRATIONS += 1
+    prefix = f"boundedloss/{_REGISTRATIONS}"
+
+    if rank == 0:
+        store.set(f"{prefix}/session", str(secrets.randbits(64)))
+    session = int(store.get(f"{prefix}/session").decode())
+    config = TransportConfig(chunk_bytes=state.chunk_bytes, receive_deadline=state.receive_deadline,
+                             peer_timeout=state.receive_deadline, max_open_receives=4096)
+    endpoint = UdpEndpoint(_local_ip(), 0, session=session, config=config, loss=loss,
+                           name=f"boundedloss-udp-r{rank}")
+    host, port = endpoint.address
+    store.set(f"{prefix}/endpoint/{rank}", f"{host}:{port}")
+    peers = []
+    for r in range(world):
+        h, p = store.get(f"{prefix}/endpoint/{r}").decode().rsplit(":", 1)
+        peers.append((h, int(p)))
+
+    collective = TOPOLOGIES[state.topology](
+        endpoint, rank, peers, policy=state.policy, aggregator=state.aggregator,
+        stale_broadcast=state.stale_broadcast, hadamard=state.hadamard, session=session,
+    )
+    collective._previous.update(state._memory)
+    state.process_group = process_group
+    state.endpoint = endpoint
+    state.collective = collective
+    state.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="boundedloss-hook")
+    ddp_model.register_comm_hook(state, comm_hook)
+    return state
+
+
+__all__ = ["BoundedLossState", "comm_hook", "register"]

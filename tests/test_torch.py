@@ -1,0 +1,87 @@
+"""PyTorch integration: the DDP hook against Gloo, and `boundedloss train` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("topology", ["ps", "allreduce"])
+def test_reliable_hook_equals_gloo_allreduce(topology):
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "dist_equality.py"), "3", str(_port()), topology],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok") == 3
+
+
+def _train(tmp_path, *args, timeout=240):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "boundedloss.cli", "train", "--out", str(out), *args],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    return proc, out
+
+
+@pytest.mark.parametrize(
+    "policy,topology",
+    [("gloo", "ps"), ("reliable", "ps"), ("mlt", "allreduce"), ("ltp", "ps"),
+     ("dblp", "ps"), ("dblp", "allreduce")],
+)
+def test_short_training_runs_for_every_policy(tmp_path, policy, topology):
+    args = ["--policy", policy, "--topology", topology, "--workers", "2", "--epochs", "2",
+            "--steps-per-epoch", "6", "--deadline", "10"]
+    if policy != "gloo":
+        args += ["--loss", "bernoulli:0.02"]
+    proc, out = _train(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"] == 12 and summary["metric_name"] == "accuracy"
+    rounds = [json.loads(line) for line in (out / "rounds.jsonl").read_text().splitlines()]
+    assert len(rounds) == 12
+    if policy != "gloo":
+        assert all("comm_ms" in r and "delivered_fraction" in r and "closed" in r for r in rounds)
+    epochs = [json.loads(line) for line in (out / "epochs.jsonl").read_text().splitlines()]
+    assert len(epochs) == 2
+    if policy == "dblp":
+        assert epochs[0]["phase"] in ("critical", "relaxed") and epochs[0]["bound"] is not None
+
+
+def test_digits_mlp_learns_under_ten_percent_loss(tmp_path):
+    proc, out = _train(tmp_path, "--policy", "mlt", "--topology", "ps", "--workers", "3",
+                       "--epochs", "6", "--loss", "bernoulli:0.10", "--aggregator", "unbiased",
+                       "--deadline", "10", timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_metric"] >= 0.85, summary
+
+
+def test_a_dead_worker_fails_the_run_cleanly(tmp_path):
+    out = tmp_path / "run"
+    code = (
+        "import sys; from boundedloss.experiments.train import TrainConfig, run_training\n"
+        f"cfg = TrainConfig(policy='reliable', workers=3, epochs=2, steps_per_epoch=10, "
+        f"receive_deadline=2.0, out={str(out)!r}, die_at_round=4)\n"
+        "try:\n    run_training(cfg)\nexcept RuntimeError as e:\n    print(e); sys.exit(9)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stdout + proc.stderr
+    assert "rank 1 (exit 17)" in proc.stdout
+    assert "PeerFailure" in proc.stderr  # the survivors say why they stopped
