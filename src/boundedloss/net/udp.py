@@ -222,9 +222,9 @@ class UdpEndpoint:
                     mux.datagram_received(mv[:n], addr, now)
                 now = monotonic()
                 deadline = mux.next_deadline()
+                deadline = mux.next_deadline()
                 if deadline is not None and deadline <= now:
                     mux.timer_fired(now)
-                    deadline = mux.next_deadline()
                 if pos >= len(batch):
                     batch = mux.poll(now, SEND_BURST)
                     pos = 0
@@ -243,6 +243,7 @@ class UdpEndpoint:
                             blocked = True
                             break
                 more = pos < len(batch) or mux.has_output()
+                deadline = mux.next_deadline()  # sending may have armed timers (probes)
                 finished = mux.pop_finished()
                 if finished:
                     self._resolve(finished)

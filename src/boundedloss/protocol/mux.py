@@ -43,6 +43,7 @@ class TransferMux:
         self._closed: OrderedDict[tuple, _Closed] = OrderedDict()
         self._outbox: list = []  # control datagrams waiting for poll
         self._finished: list = []  # senders/receivers that finished since pop_finished
+        self._rtt: dict = {}  # peer -> (srtt, rttvar) learned by finished sends
         self._turn = 0  # rotates which sender polls first, so none always goes first
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
@@ -56,6 +57,7 @@ class TransferMux:
         sender = MessageSender(
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             payload=payload, config=self.config, now=now, critical=critical,
+            rtt=self._rtt.get(peer),
         )
         self._senders[key] = sender
         return sender
@@ -221,6 +223,8 @@ class TransferMux:
                 self._finished.append(transfer)
         elif self._senders.get(key) is transfer:
             del self._senders[key]
+            if transfer.rtt_estimate is not None:
+                self._rtt[transfer.peer] = transfer.rtt_estimate
             self._finished.append(transfer)
 
     def pop_finished(self) -> list:

@@ -43,6 +43,7 @@ class MessageSender:
         config: TransportConfig,
         now: float,
         critical: np.ndarray | None = None,
+        rtt: tuple[float, float] | None = None,
     ):
         self.peer = peer
         self.round_id = round_id
@@ -86,9 +87,15 @@ class MessageSender:
 
         self.started = now
         self._last_heard = now
-        self._rto = config.initial_rto
+        # Round-trip estimate: from earlier messages to this peer when there were any
+        # (``rtt`` = (srtt, rttvar)), so that a new message does not start from the
+        # conservative initial RTO.
         self._srtt: float | None = None
         self._rttvar = 0.0
+        self._rto = config.initial_rto
+        if rtt is not None:
+            self._srtt, self._rttvar = rtt
+            self._rto = min(config.max_rto, max(config.min_rto, self._srtt + 4 * self._rttvar))
         self._probe_seq = 0
         self._probe_sent_at = 0.0
         self._awaiting_reply = False
@@ -116,6 +123,7 @@ class MessageSender:
         self.probes = 0
         self.reported_delivered = 0
         self.result: SendResult | None = None
+        self.rtt_estimate: tuple[float, float] | None = rtt
 
     # ----------------------------------------------------------------- outgoing
     @property
@@ -251,6 +259,7 @@ class MessageSender:
             self._srtt = 0.875 * self._srtt + 0.125 * sample
         cfg = self.config
         self._rto = min(cfg.max_rto, max(cfg.min_rto, self._srtt + 4 * self._rttvar))
+        self.rtt_estimate = (self._srtt, self._rttvar)
         self._awaiting_reply = False
         self._probe_deadline = None
         if self._reply_missing:
