@@ -221,6 +221,11 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                   f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
 
 
+from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`
+
+cli.add_command(testbed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: usage errors become one line on stderr, exit code 2."""
     try:

@@ -177,8 +177,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
                     writer[0].write(json.dumps(rec) + "\n")
                 round_id += 1
                 progress.step(epoch, loss_v.item())
+            sched.step()  # first, so that an LR change marks the coming epoch critical
             decided = state.epoch_end(opt) if state is not None else {}
-            sched.step()
             if rank == 0:
                 metric = evaluate(model)
                 rec = {"epoch": epoch, metric_name: metric, "lr": opt.param_groups[0]["lr"],

@@ -124,7 +124,9 @@ class BoundedLossState:
         lr_changed = False
         if optimizer is not None:
             lrs = [g["lr"] for g in optimizer.param_groups]
-            lr_changed = self._last_lrs is not None and lrs != self._last_lrs
+            # before the first epoch end, compare with the LR a scheduler started from
+            before = self._last_lrs or [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+            lr_changed = lrs != before
             self._last_lrs = lrs
         if lr_changed and hasattr(self.policy, "lr_changed"):
             self.policy.lr_changed()

@@ -1,0 +1,370 @@
+"""The real-kernel testbed (boundedloss.emulate).
+
+The kernel tests need root (CAP_NET_ADMIN + CAP_SYS_ADMIN), a working ``ip netns`` and
+iptables; without them they are skipped with the reason. The parsing/validation tests
+and the "no root -> one clear line" tests run everywhere.
+
+Every testbed here is torn down in a ``finally`` (fixtures) or by its context manager,
+so a failing assertion leaves nothing behind; each traffic tool is bounded in datagrams
+and seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from boundedloss.emulate import (
+    LOSS_CHAIN,
+    NEED_ROOT,
+    Bottleneck,
+    LossSchedule,
+    Testbed,
+    TestbedConfig,
+    TestbedError,
+    available,
+    leftovers,
+    list_namespaces,
+    parse_rate,
+    parse_size,
+    parse_tc_stats,
+)
+from boundedloss.emulate import testbed as testbed_mod
+from boundedloss.emulate.cli import testbed as cli_group
+
+KERNEL_OK, KERNEL_WHY = available()
+needs_kernel = pytest.mark.skipif(
+    not KERNEL_OK,
+    reason=f"kernel testbed needs root, a working `ip netns` and iptables: {KERNEL_WHY}",
+)
+
+
+def _prefix() -> str:
+    """A prefix no other testbed (another test run in parallel, a user's) shares."""
+    return f"blt{secrets.token_hex(2)}-"
+
+
+def _root_links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def _assert_gone(tb: Testbed) -> None:
+    ours = set(tb.namespaces().values())
+    assert not ours & set(list_namespaces())
+    assert tb.name not in _root_links()
+    assert leftovers(tb.config.prefix) == []
+    for ns in ours:  # the namespace, and with it its qdisc and BL_LOSS chain, is gone
+        p = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-S", LOSS_CHAIN],
+                           capture_output=True, text=True)
+        assert p.returncode != 0
+
+
+# ------------------------------------------------------------------ everywhere (no root)
+
+
+def test_units_follow_tc():
+    assert parse_rate("100mbit") == 100_000_000
+    assert parse_rate("1gbit") == 10**9
+    assert parse_rate("12.5mbps") == 100_000_000  # tc: bps is BYTES per second
+    assert parse_size("32kb") == 32 * 1024
+    assert parse_size("1514b") == parse_size(1514) == 1514
+    assert parse_size("1mbit") == 1024 * 1024 // 8
+    for bad in ("fast", "10 parsecs", "-1mbit", "0kbit"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="private"):
+        TestbedConfig(subnet="8.8.8.0/24")
+    with pytest.raises(ValueError, match="too few"):
+        TestbedConfig(workers=8, subnet="10.201.0.0/29")
+    with pytest.raises(ValueError, match="prefix"):
+        TestbedConfig(prefix="")
+    with pytest.raises(ValueError, match="prefix"):
+        TestbedConfig(prefix="a b")
+    with pytest.raises(ValueError, match="below one frame"):  # tbf's real minimum
+        TestbedConfig(mtu=1500, bottleneck=Bottleneck("10mbit", "1kb", "64kb"))
+    TestbedConfig(mtu=1500, bottleneck=Bottleneck("10mbit", "1514b", "1514b"))
+    with pytest.raises(ValueError):
+        TestbedConfig(loss=1.5)
+    tb = Testbed(workers=3, subnet="10.201.7.0/24")
+    assert tb.addresses == {"server": "10.201.7.1", "w0": "10.201.7.2", "w1": "10.201.7.3",
+                            "w2": "10.201.7.4"}
+    assert tb.node(2) == tb.node("2") == "w2" and tb.node(tb.namespace("w1")) == "w1"
+    with pytest.raises(TestbedError, match="unknown node"):
+        tb.node("w3")
+    assert TestbedConfig.from_dict(
+        TestbedConfig(bottleneck=Bottleneck("5mbit")).to_dict()).bottleneck == Bottleneck("5mbit")
+
+
+def test_parse_tc_text():
+    text = ("qdisc tbf 8001: root refcnt 3 rate 20Mbit burst 32Kb lat 13.1ms \n"
+            " Sent 3846528 bytes 3098 pkt (dropped 2942, overlimits 12075 requeues 0) \n"
+            " backlog 0b 0p requeues 0\n")
+    q = parse_tc_stats(text)
+    assert (q.kind, q.sent_bytes, q.sent_packets, q.dropped, q.overlimits) == (
+        "tbf", 3846528, 3098, 2942, 12075)
+    assert q.rate_bps == 20_000_000 and q.burst_bytes == 32 * 1024
+
+
+def test_schedule_change_points():
+    s = LossSchedule([(0.2, 0.5, 0.3), (0.4, 0.6, 0.9)], base=0.01)
+    assert s.change_points() == [(0.0, 0.01), (0.2, 0.3), (0.4, 0.9), (0.6, 0.01)]
+    assert s.loss_at(0.45) == 0.9 and s.loss_at(0.7) == 0.01 and s.duration == 0.6
+    with pytest.raises(ValueError):
+        LossSchedule([(0.5, 0.2, 0.1)])
+    with pytest.raises(ValueError):
+        LossSchedule([(0, 1, 2.0)])
+
+
+def test_without_privileges_one_clear_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(testbed_mod, "_effective_caps", lambda: 0)
+    with pytest.raises(TestbedError) as e:
+        Testbed(workers=2).up()
+    assert str(e.value) == NEED_ROOT and "\n" not in str(e.value)
+    runner = CliRunner()
+    for args in (["up", "--workers", "2"], ["down"], ["status"], ["run", "--node", "w0", "true"]):
+        r = runner.invoke(cli_group, [*args, "--state-dir", str(tmp_path)])
+        assert r.exit_code in (1, 2), r.output
+        assert r.exception is None or isinstance(r.exception, SystemExit)
+        assert r.output.strip() == f"Error: {NEED_ROOT}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run the CLI as an unprivileged user")
+def test_cli_as_nobody_prints_one_line(tmp_path):
+    tmp_path.chmod(0o777)
+    p = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+         "-m", "boundedloss.emulate.cli", "up", "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=30, cwd="/")
+    if "No module named" in p.stderr or "Permission denied" in p.stderr:
+        pytest.skip("the package is not readable by nobody here")
+    assert p.returncode in (1, 2)
+    assert p.stderr.strip() == f"Error: {NEED_ROOT}", p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+# ------------------------------------------------------------------ kernel (root)
+
+
+@pytest.fixture(scope="module")
+def tb():
+    bed = Testbed(workers=8, prefix=_prefix())
+    bed.up()
+    try:
+        yield bed
+    finally:
+        bed.down()
+        _assert_gone(bed)
+
+
+@pytest.fixture
+def bed(tb):
+    """The shared testbed, reset to no bottleneck and no loss after each test."""
+    try:
+        yield tb
+    finally:
+        tb.set_bottleneck(None)
+        for node in tb.nodes:
+            tb.set_loss(0, node)
+
+
+@needs_kernel
+def test_tcp_between_namespaces(bed):
+    """What a torch rendezvous needs: TCP from every worker to the server's address,
+    and between workers."""
+    server = bed.run("server", [sys.executable, "-c", (
+        "import socket,sys\n"
+        "s=socket.create_server(('0.0.0.0',29500)); s.settimeout(10)\n"
+        "print('READY',flush=True); got=[]\n"
+        f"for _ in range({len(bed.workers)}):\n"
+        "    c,a=s.accept(); c.settimeout(5); got.append(c.recv(16).decode())\n"
+        "    c.sendall(b'ok'); c.close()\n"
+        "print(','.join(sorted(got)))\n")], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "READY"
+    client = ("import socket,sys\n"
+              "c=socket.create_connection((sys.argv[1],29500),timeout=5)\n"
+              "c.sendall(sys.argv[2].encode()); assert c.recv(2)==b'ok'\n")
+    procs = [bed.run(w, [sys.executable, "-c", client, bed.addresses["server"], w])
+             for w in bed.workers]
+    assert [p.wait(timeout=15) for p in procs] == [0] * len(procs)
+    out, _ = server.communicate(timeout=15)
+    assert out.strip() == ",".join(sorted(bed.workers))
+    # torch's Gloo must bind eth0 (the host name resolves outside the namespace)
+    assert bed.call("w2", ["sh", "-c", "echo $GLOO_SOCKET_IFNAME"]).stdout.strip() == "eth0"
+    # worker to worker
+    p7 = bed.run("w7", [sys.executable, "-c",
+                        "import socket\n"
+                        "s=socket.create_server(('0.0.0.0',29502)); s.settimeout(10)\n"
+                        "print('READY',flush=True); a,_=s.accept(); print(a.recv(8).decode())"],
+                 stdout=subprocess.PIPE, text=True)
+    assert p7.stdout.readline().strip() == "READY"
+    bed.call("w1", [sys.executable, "-c",
+                    "import socket,sys; socket.create_connection((sys.argv[1],29502),timeout=5)"
+                    ".sendall(b'hi-w7')", bed.addresses["w7"]], timeout=15, check=True)
+    assert p7.communicate(timeout=10)[0].strip() == "hi-w7"
+
+
+@needs_kernel
+def test_random_loss_matches_configured_rate(bed):
+    p, n = 0.1, 20_000
+    bed.set_loss(p)
+    stats = bed.loss_stats()
+    assert (stats.probability, stats.protocol) == (p, "udp")
+    sink = bed.sink("server", 9100, idle=0.3, max_time=20, expect=n)
+    sent = bed.send("w0", "server", 9100, count=n, size=32, duration=15).wait()
+    got = sink.wait()
+    assert sent["sent"] == n and sent["errors"] == 0
+    assert got["rcvbuf_errors"] == 0  # the socket dropped nothing: all loss is the rule's
+    unique = got["flows"][str(bed.nodes.index("w0"))]["unique"]
+    measured = 1 - unique / n
+    assert abs(measured - p) < 0.02, f"measured loss {measured:.4f}, configured {p}"
+    assert bed.loss_stats().dropped_packets == n - unique  # the kernel counted the same
+    bed.set_loss(0)
+    assert bed.loss_stats().protocol is None  # rule, jump and chain removed
+
+
+@needs_kernel
+def test_tbf_rate(bed):
+    rate = 20_000_000
+    bed.set_bottleneck(Bottleneck("20mbit", "32kb", "64kb"))
+    sink = bed.sink("server", 9200, idle=0.3, max_time=15)
+    sent = bed.send("w0", "server", 9200, size=1200, rate_mbit=40, duration=1.5).wait()
+    got = sink.wait()
+    assert sent["sent"] > 0 and got["received"] > 100
+    # frames after the first, over the time between first and last arrival
+    frame = 1200 + 42
+    measured = (got["wire_bytes"] - frame) * 8 / got["span_s"]
+    assert abs(measured / rate - 1) < 0.10, f"measured {measured / 1e6:.2f} Mbit/s"
+    q = bed.qdisc_stats()
+    assert q.kind == "tbf" and q.rate_bps == rate
+    assert q.dropped > 0  # 40 Mbit/s offered into 20 Mbit/s with a 64 kB queue
+
+
+@needs_kernel
+def test_incast_into_shallow_queue_drops(bed):
+    bed.set_bottleneck(Bottleneck("50mbit", "4kb", "8kb"))
+    assert bed.qdisc_stats().dropped == 0
+    sink = bed.sink("server", 9300, idle=0.3, max_time=15)
+    senders = [bed.send(w, "server", 9300, size=1200, rate_mbit=20, duration=0.5)
+               for w in bed.workers]
+    sent = {str(bed.nodes.index(w)): s.wait()["sent"]
+            for w, s in zip(bed.workers, senders, strict=True)}
+    got = sink.wait()
+    missing = sum(n - got["flows"].get(f, {"unique": 0})["unique"] for f, n in sent.items())
+    q = bed.qdisc_stats()
+    assert len(sent) == 8 and q.dropped > 0 and missing > 0
+    assert got["rcvbuf_errors"] == 0
+    assert abs(missing - q.dropped) <= 0.02 * sum(sent.values()) + 5  # the queue lost them
+
+
+@needs_kernel
+def test_microbursts_schedule_and_cross_traffic(bed):
+    # (a) a loss step: 100 % loss for 0.3 s in the middle of a 1 s paced stream
+    sink = bed.sink("server", 9400, idle=1.0, max_time=15)  # idle > the burst
+    snd = bed.send("w0", "server", 9400, size=64, rate_mbit=0.848, duration=1.0)  # 1000/s
+    with bed.loss_schedule([(0.3, 0.6, 1.0)]) as sched:
+        assert sched.wait(timeout=5)
+    sent, got = snd.wait(), sink.wait()
+    assert [p for _, p in sched.applied] == [0.0, 1.0, 0.0]
+    assert abs(sched.applied[1][0] - 0.3) < 0.1 and abs(sched.applied[2][0] - 0.6) < 0.1
+    lost = sent["sent"] - got["flows"][str(bed.nodes.index("w0"))]["unique"]
+    assert 0.2 * sent["sent"] < lost < 0.4 * sent["sent"], (lost, sent["sent"])
+    assert bed.loss_stats().protocol is None  # back to base 0: no rule
+    # (b) real cross-traffic through the bottleneck: 30 Mbit/s into 10 Mbit/s
+    bed.set_bottleneck(rate="10mbit", burst="16kb", limit="32kb")
+    t0 = time.monotonic()
+    ct = bed.cross_traffic(0.5, 30)
+    assert 0.4 < time.monotonic() - t0 < 5 and ct.done
+    assert ct.result["sent"] > 0
+    assert bed.qdisc_stats().dropped > 0
+
+
+@needs_kernel
+def test_status_reports_kernel_state(bed):
+    bed.set_bottleneck(Bottleneck("30mbit", "16kb", "32kb"))
+    bed.set_loss(0.25, "w3", protocol="all")
+    st = bed.status()
+    assert st.up and all(st.namespaces.values())
+    assert st.addresses == bed.addresses
+    assert st.qdisc.kind == "tbf" and st.qdisc.rate_bps == 30_000_000
+    assert (st.loss["w3"].probability, st.loss["w3"].protocol) == (0.25, "all")
+    assert st.loss["server"].protocol is None
+
+
+@needs_kernel
+def test_teardown_leaves_nothing():
+    prefix = _prefix()
+    prev = signal.getsignal(signal.SIGTERM)
+    with Testbed(workers=2, prefix=prefix, mtu=4000, bottleneck=Bottleneck("10mbit"),
+                 loss=0.1) as t:
+        assert signal.getsignal(signal.SIGTERM) != prev  # guarded while up
+        assert " mtu 4000 " in t.call("w1", ["ip", "-o", "link", "show", "eth0"]).stdout
+        assert t.loss_stats().probability == 0.1 and t.qdisc_stats().kind == "tbf"
+        sleeper = t.run("w0", ["sleep", "30"])
+        # runtime removal of qdisc and rule
+        t.set_bottleneck(None)
+        assert t.qdisc_stats().kind != "tbf"
+        t.set_loss(0)
+        chains = t.call("server", ["iptables", "-S"], check=True).stdout
+        assert LOSS_CHAIN not in chains
+        t.set_loss(0.1)
+    assert sleeper.poll() is not None  # ended, not orphaned in a deleted namespace
+    assert signal.getsignal(signal.SIGTERM) == prev
+    _assert_gone(t)
+
+    # an exception inside the block still tears down
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed(workers=1, prefix=prefix) as t2:
+            raise RuntimeError("boom")
+    _assert_gone(t2)
+
+    # SIGTERM while up unwinds through the teardown, then the old handler is back
+    with pytest.raises(SystemExit):
+        with Testbed(workers=1, prefix=prefix) as t3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) == prev
+    _assert_gone(t3)
+
+
+@needs_kernel
+def test_cli_up_status_run_down(tmp_path):
+    prefix = _prefix()
+    common = ["--prefix", prefix, "--state-dir", str(tmp_path)]
+    runner = CliRunner()
+    try:
+        r = runner.invoke(cli_group, ["up", "--workers", "2", "--rate", "20mbit",
+                                        "--loss", "0.05", "--subnet", "10.201.9.0/24", *common])
+        assert r.exit_code == 0, r.output
+        assert "10.201.9.1" in r.output and (tmp_path / f"{prefix}testbed.json").exists()
+        r = runner.invoke(cli_group, ["up", *common])
+        assert r.exit_code == 1 and "already up" in r.output
+        r = runner.invoke(cli_group, ["status", *common])
+        assert r.exit_code == 0 and "loss 0.05 (udp)" in r.output and "tbf rate 20mbit" in r.output
+        r = runner.invoke(cli_group, ["run", "--node", "w1", *common, "--", "sh", "-c",
+                                        "ip -o addr show eth0 | grep -q 10.201.9.3 && exit 7"])
+        assert r.exit_code == 7
+        r = runner.invoke(cli_group, ["set", "--loss", "0", *common])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(cli_group, ["down", *common])
+        assert r.exit_code == 0 and "removed 4" in r.output
+        assert leftovers(prefix) == [] and not (tmp_path / f"{prefix}testbed.json").exists()
+        # down with no state file still finds leftovers by name
+        Testbed(workers=1, prefix=prefix).up()
+        assert len(leftovers(prefix)) == 3
+        r = runner.invoke(cli_group, ["down", *common])
+        assert r.exit_code == 0 and "removed 3" in r.output
+    finally:
+        testbed_mod.sweep(prefix)
+    assert leftovers(prefix) == []
