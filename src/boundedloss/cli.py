@@ -168,6 +168,47 @@ def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> 
     console.print(f"rows written to {json_path}")
 
 
+@bench.command("kernel-loss")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              help="Write the rows here (a JSON list).")
+@click.option("--losses", default="0,0.01,0.05", show_default=True,
+              help="Kernel drop rates (iptables, every namespace, TCP and UDP).")
+@click.option("--systems", default="gloo,reliable,mlt,dblp", show_default=True)
+@click.option("--elements", default=1 << 20, show_default=True, type=click.IntRange(1, 1 << 28),
+              help="float32 values exchanged per round (default 4 MB).")
+@click.option("--rounds", default=30, show_default=True, type=click.IntRange(1, 100_000))
+def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
+    """Round latency of a 4-rank gradient exchange under real kernel loss (needs root)."""
+    from .bench.kernel_loss import SYSTEMS, run_kernel_loss_bench, write_json
+    from .emulate import TestbedError, have_privileges
+
+    losses_t = _parse_list(losses, float, "--losses")
+    if any(not 0 <= p < 1 for p in losses_t):
+        raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
+    systems_t = _parse_list(systems, str, "--systems")
+    bad = [s for s in systems_t if s not in SYSTEMS]
+    if bad:
+        raise click.BadParameter(f"unknown {bad}; choose from {', '.join(SYSTEMS)}",
+                                 param_hint="--systems")
+    if not have_privileges():
+        raise click.ClickException("the kernel testbed needs root (CAP_NET_ADMIN)")
+    try:
+        with console.status("measuring...") as status:
+            rows = run_kernel_loss_bench(losses=losses_t, systems=systems_t, elements=elements,
+                                         rounds=rounds, progress=lambda m: status.update(m))
+    except TestbedError as e:
+        raise click.ClickException(str(e))
+    t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss")
+    for col in ("system", "loss", "p50 ms", "p99 ms", "max ms", "mean ms", "delivered"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r.system, f"{r.loss:.0%}", f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}",
+                  f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}", f"{r.delivered_fraction:.4f}")
+    console.print(t)
+    write_json(rows, json_path)
+    console.print(f"rows written to {json_path}")
+
+
 @cli.command()
 @click.option("--policy", type=click.Choice(["gloo", "reliable", "mlt", "ltp", "dblp"]),
               default="dblp", show_default=True,

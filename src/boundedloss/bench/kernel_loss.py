@@ -1,0 +1,189 @@
+"""`boundedloss bench kernel-loss`: gradient-exchange round latency under real kernel loss.
+
+A kernel testbed (network namespaces, needs root) with 4 ranks: rank 0 in the server
+namespace, ranks 1-3 in worker namespaces. Every namespace drops incoming packets at
+random with ``iptables -m statistic`` (TCP and UDP alike, so Gloo's TCP sees the same
+loss as our UDP). Each rank exchanges a gradient-sized float32 vector for ``rounds``
+rounds - Gloo allreduce (TCP) or the boundedloss parameter server under reliable, MLT
+(p = 1%) and DBLP (relaxed phase: P_low + k) - and times every round. A round starts
+after a Gloo barrier, so the ranks start together; latency is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+SYSTEMS = ("gloo", "reliable", "mlt", "dblp")
+
+
+@dataclass(frozen=True)
+class KernelLossRow:
+    system: str
+    loss: float
+    rounds: int
+    elements: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    mean_ms: float
+    delivered_fraction: float
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+# ------------------------------------------------------------ one rank, in a namespace
+def rank_main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--system", choices=SYSTEMS, required=True)
+    ap.add_argument("--elements", type=int, required=True)
+    ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = a.master
+    os.environ["MASTER_PORT"] = str(a.port)
+    dist.init_process_group("gloo", rank=a.rank, world_size=a.world,
+                            timeout=timedelta(seconds=120))
+    x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
+    latencies, fractions = [], []
+    coll = endpoint = None
+    if a.system != "gloo":
+        import secrets
+
+        from ..aggregate import UnbiasedRescale
+        from ..collective import ParameterServer
+        from ..net.udp import UdpEndpoint
+        from ..policy import make_policy
+        from ..protocol.types import TransportConfig
+        from ..torch.hook import _local_ip
+
+        store = dist.distributed_c10d._get_default_store()
+        if a.rank == 0:
+            store.set("bench/session", str(secrets.randbits(64)))
+        session = int(store.get("bench/session").decode())
+        cfg = TransportConfig(chunk_bytes=1400, receive_deadline=30.0, peer_timeout=30.0)
+        endpoint = UdpEndpoint(_local_ip(), 0, session=session, config=cfg)
+        store.set(f"bench/ep/{a.rank}", "%s:%d" % endpoint.address)
+        peers = []
+        for r in range(a.world):
+            h, p = store.get(f"bench/ep/{r}").decode().rsplit(":", 1)
+            peers.append((h, int(p)))
+        policy = make_policy(a.system)
+        if a.system == "dblp":  # steady gradient norms after warm-up: the relaxed phase
+            policy.epoch_end(1.0)
+            policy.epoch_end(1.0)
+        coll = ParameterServer(endpoint, a.rank, peers, policy=policy,
+                               aggregator=UnbiasedRescale(), session=session)
+    tensor = torch.from_numpy(x.copy())
+    for t in range(a.rounds + 1):  # round 0 warms up (connections, first receives)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if coll is None:
+            tensor.copy_(torch.from_numpy(x))
+            dist.all_reduce(tensor)
+            frac = 1.0
+        else:
+            _, st = coll.allreduce_mean(x, t, 0)
+            frac = st.min_delivered_fraction
+        if t:
+            latencies.append(time.perf_counter() - t0)
+            fractions.append(frac)
+    Path(a.out, f"rank{a.rank}.json").write_text(json.dumps({"lat": latencies, "frac": fractions}))
+    dist.barrier()
+    if coll is not None:
+        coll.close()
+        endpoint.close()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------- driver (root)
+def run_kernel_loss_bench(
+    *,
+    losses: tuple[float, ...] = (0.0, 0.01, 0.05),
+    systems: tuple[str, ...] = SYSTEMS,
+    elements: int = 1 << 20,
+    rounds: int = 30,
+    progress: Callable[[str], None] | None = None,
+) -> list[KernelLossRow]:
+    from ..emulate import Testbed, TestbedConfig
+
+    rows = []
+    with Testbed(TestbedConfig(workers=3)) as tb:
+        nodes = ["server", "w0", "w1", "w2"]
+        master = tb.addresses["server"]
+        port = 29500
+        for loss in losses:
+            for node in nodes:
+                tb.set_loss(loss, node, protocol="all")
+            for system in systems:
+                port += 1
+                with tempfile.TemporaryDirectory() as tmp:
+                    logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
+                    procs = [
+                        tb.run(node, [sys.executable, "-m", "boundedloss.bench.kernel_loss",
+                                      "--rank", str(r), "--world", "4", "--master", master,
+                                      "--port", str(port), "--system", system,
+                                      "--elements", str(elements), "--rounds", str(rounds),
+                                      "--out", tmp],
+                               stdout=logs[r], stderr=subprocess.STDOUT)
+                        for r, node in enumerate(nodes)
+                    ]
+                    deadline = time.monotonic() + 600
+                    for p in procs:
+                        try:
+                            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                        except Exception:  # noqa: BLE001 - a hung rank must not hang us
+                            for q in procs:
+                                q.kill()
+                            raise RuntimeError(f"{system} at {loss:.0%} loss did not finish")
+                    for f in logs:
+                        f.close()
+                    if any(p.returncode for p in procs):
+                        bad = next(r for r, p in enumerate(procs) if p.returncode)
+                        tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
+                        raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
+                                           f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
+                    per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+                lat = [max(rk["lat"][i] for rk in per_rank) * 1e3 for i in range(rounds)]
+                frac = [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
+                rows.append(KernelLossRow(
+                    system=system, loss=loss, rounds=rounds, elements=elements,
+                    p50_ms=round(_percentile(lat, 0.5), 2), p99_ms=round(_percentile(lat, 0.99), 2),
+                    max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
+                    delivered_fraction=round(statistics.mean(frac), 5),
+                ))
+                if progress:
+                    progress(f"{system} at {loss:.0%} loss: p50 {rows[-1].p50_ms} ms")
+    return rows
+
+
+def write_json(rows: list[KernelLossRow], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump([asdict(r) for r in rows], f, indent=2)
+
+
+if __name__ == "__main__":
+    rank_main()
