@@ -36,12 +36,15 @@ class MessageInfo:
 class ClosePlan:
     """The receiver closes as soon as ``min_delivered`` chunks (every critical one among
     them) have arrived, or - with whatever has arrived, if every critical chunk has -
-    once ``accept_after`` seconds have passed since the receive opened. ``bound`` is the
-    missing fraction the plan allows, kept for logs."""
+    once ``accept_after`` seconds have passed since the receive opened (or, with
+    ``accept_from_first``, since the first datagram of the message arrived: a receive
+    posted ahead of its sender does not spend its acceptance time waiting for the
+    sender to start). ``bound`` is the missing fraction the plan allows, kept for logs."""
 
     min_delivered: int
     bound: float
     accept_after: float | None = None
+    accept_from_first: bool = False
 
     def __post_init__(self) -> None:
         if self.min_delivered < 0:
@@ -59,6 +62,10 @@ class Outcome:
     elapsed: float
     close_reason: CloseReason
     retransmit_rounds: int
+    #: seconds from the first datagram of the message (DATA or PROBE) to the close;
+    #: None when nothing arrived. ``elapsed`` counts from the receive's opening, which
+    #: may be long before the sender started (receives posted ahead).
+    active: float | None = None
 
 
 def min_delivered_for_bound(info: MessageInfo, bound: float) -> int:

@@ -7,13 +7,21 @@ class FixedBoundPolicy(Policy):
     """MLT's bounded-loss tolerance: done when the missing fraction is at most ``p``.
 
     ``p`` is agreed before training (per job, or per tensor by giving each message its
-    own policy). Critical chunks never count towards the allowed loss.
+    own policy). Critical chunks never count towards the allowed loss: they are named by
+    the mask given to ``start_send``/``start_receive`` (see ``policy.importance`` for
+    MLT's layer and magnitude priorities), and the receiver waits for every one of them
+    whatever ``p``. ``FixedBoundPolicy(p_low)`` is also DBLP's baseline.
     """
 
     name = "mlt"
 
     def __init__(self, p: float = 0.01):
         self.p = check_bound(p, "loss bound p")
+
+    @property
+    def bound(self) -> float:
+        """The bound every plan gets (for logs)."""
+        return self.p
 
     def plan(self, info: MessageInfo) -> ClosePlan:
         return ClosePlan(min_delivered=min_delivered_for_bound(info, self.p), bound=self.p)

@@ -69,6 +69,7 @@ class MessageReceiver:
         self._ack_every = config.ack_every
         self._accepting = False
         self.accept_deadline: float | None = None
+        self.first_heard: float | None = None  # when the first DATA/PROBE arrived
         self.stop: bytes | None = None
         if nbytes is not None:
             self._open(nbytes)
@@ -99,8 +100,9 @@ class MessageReceiver:
         self.plan = plan = self.policy.plan(self.info)
         self._need = min(plan.min_delivered, count)
         self.accept_deadline = (
-            None if plan.accept_after is None else self.opened + plan.accept_after
-        )
+            None if plan.accept_after is None or plan.accept_from_first
+            else self.opened + plan.accept_after
+        )  # (accept_from_first: armed by _heard when the first datagram arrives)
         self._header = wire.Header(
             Kind.BITMAP, self.session, self.round_id, self.message_id, 0, count, nbytes, cb
         )
@@ -119,6 +121,8 @@ class MessageReceiver:
     def data_received(self, index: int, plen: int, tseq: int, data, now: float,
                       out: list) -> None:
         """One validated DATA datagram (``data`` is the whole datagram)."""
+        if self.first_heard is None:
+            self._heard(now)
         self.datagrams += 1
         self.payload_bytes += plen
         if tseq > self._max_tseq:
@@ -146,6 +150,8 @@ class MessageReceiver:
 
     def probe_received(self, seq: int, now: float, out: list) -> None:
         """Answer with the BITMAP segments that still hold missing chunks."""
+        if self.first_heard is None:
+            self._heard(now)
         self.probes += 1
         flags = np.frombuffer(self._delivered, dtype=np.uint8)
         packed = np.packbits(flags, bitorder="little")
@@ -166,6 +172,13 @@ class MessageReceiver:
             hi = min(lo + seg, packed.size)
             header = _with(self._header, s * seg * 8, Flag.FINAL if s == last else Flag.NONE)
             out.append(((wire.encode(header, prefix + packed[lo:hi].tobytes()),), self.peer))
+
+    def _heard(self, now: float) -> None:
+        """The first datagram of the message: start a plan's arrival-relative clock."""
+        self.first_heard = now
+        plan = self.plan
+        if plan is not None and plan.accept_after is not None and plan.accept_from_first:
+            self.accept_deadline = now + plan.accept_after
 
     # ------------------------------------------------------------------ timers
     def next_deadline(self) -> float | None:
@@ -245,6 +258,7 @@ class MessageReceiver:
                     elapsed=now - self.opened,
                     close_reason=reason,
                     retransmit_rounds=self.retransmit_rounds,
+                    active=None if self.first_heard is None else now - self.first_heard,
                 )
             )
 

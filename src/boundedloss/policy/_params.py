@@ -1,0 +1,142 @@
+"""Validated, settable policy parameters.
+
+A :class:`Param` is a descriptor: ``policy.x = v`` checks ``v`` on its own, then the
+owner's cross-parameter check (``_check_params``), and puts the old value back if
+either fails - a policy is never left half-configured. ``configure(**kw)`` sets several
+at once and checks them together (to move two bounds past each other).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+
+class Param:
+    def __init__(self, check: Callable[[str, Any], Any], doc: str = ""):
+        self.check = check
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self.slot = "_p_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        return obj.__dict__[self.slot]
+
+    def __set__(self, obj, value) -> None:
+        value = self.check(self.name, value)
+        had = self.slot in obj.__dict__
+        old = obj.__dict__.get(self.slot)
+        obj.__dict__[self.slot] = value
+        if getattr(obj, "_params_ready", False):
+            try:
+                obj._check_params()
+            except Exception:
+                if had:
+                    obj.__dict__[self.slot] = old
+                else:
+                    del obj.__dict__[self.slot]
+                raise
+            obj._params_changed()
+
+
+class Configurable:
+    """Mixin: ``configure(**kw)`` for :class:`Param` attributes, checked together."""
+
+    _params_ready = False
+
+    def _check_params(self) -> None:  # cross-parameter rules
+        pass
+
+    def _params_changed(self) -> None:  # e.g. clamp state into new bounds
+        pass
+
+    def _finish_params(self) -> None:
+        self._check_params()
+        self._params_ready = True
+        self._params_changed()
+
+    @classmethod
+    def param_names(cls) -> tuple[str, ...]:
+        names = []
+        for klass in reversed(cls.__mro__):
+            names += [k for k, v in vars(klass).items() if isinstance(v, Param)]
+        return tuple(dict.fromkeys(names))
+
+    def params(self) -> dict[str, Any]:
+        return {n: getattr(self, n) for n in self.param_names()}
+
+    def configure(self, **kw) -> None:
+        unknown = sorted(set(kw) - set(self.param_names()))
+        if unknown:
+            raise TypeError(f"unknown parameter(s) {unknown}; valid: {list(self.param_names())}")
+        saved = dict(self.__dict__)
+        self._params_ready = False
+        try:
+            for k, v in kw.items():
+                setattr(self, k, v)
+            self._check_params()
+        except Exception:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
+        finally:
+            self._params_ready = True
+        self._params_changed()
+
+
+# ------------------------------------------------------------------ checks
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
+    return value
+
+
+def positive(name: str, value) -> float:
+    value = _number(name, value)
+    if not 0.0 < value < math.inf:
+        raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
+    return value
+
+
+def non_negative(name: str, value) -> float:
+    value = _number(name, value)
+    if not 0.0 <= value < math.inf:
+        raise ValueError(f"{name} must be >= 0 and finite, got {value!r}")
+    return value
+
+
+def fraction_open_closed(name: str, value) -> float:
+    """In (0, 1]."""
+    value = _number(name, value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return value
+
+
+def fraction_closed_open(name: str, value) -> float:
+    """In [0, 1)."""
+    value = _number(name, value)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+    return value
+
+
+def positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
