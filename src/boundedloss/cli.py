@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -258,6 +259,8 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch)
     summary = run_training(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun: rank 0 reports
     console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
                   f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
 

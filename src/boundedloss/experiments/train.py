@@ -201,7 +201,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
                 f.close()
         if state is not None:
             state.close()
-    summary = {"config": asdict(cfg), "metric_name": metric_name, "final_metric": metric,
+    summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": metric_name, "final_metric": metric,
                "wall_s": wall, "rounds": round_id, "world_size": world}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
