@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..aggregate import Aggregator, HadamardDispersion, element_mask, message_seed
+from ..aggregate import Aggregator, HadamardDispersion, apply_broadcast, element_mask, message_seed
 from ..net.udp import UdpEndpoint
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
@@ -49,6 +49,30 @@ class RoundStats:
     retransmit_rounds: int  # max over the receives and sends of this rank
     bound: float  # the loss bound in force for contributions this round
     close_reasons: tuple[str, ...]
+
+
+class _Tally:
+    """What one rank's receives of one collective call add up to, for RoundStats."""
+
+    def __init__(self) -> None:
+        self.fractions: list[float] = []
+        self.reasons: list[str] = []
+        self.rounds = 0
+        self.bound = 0.0
+
+    def add(self, res: ReceiveResult) -> None:
+        self.fractions.append(res.stats.delivered_fraction)
+        self.reasons.append(res.close_reason.name.lower())
+        self.rounds = max(self.rounds, res.stats.retransmit_rounds)
+        self.bound = max(self.bound, res.bound)
+
+    def stats(self, round_id: int, bucket: int, latency_s: float) -> RoundStats:
+        return RoundStats(
+            round_id=round_id, bucket=bucket, latency_s=latency_s,
+            delivered_fraction=float(np.mean(self.fractions)) if self.fractions else 1.0,
+            min_delivered_fraction=float(np.min(self.fractions)) if self.fractions else 1.0,
+            retransmit_rounds=self.rounds, bound=self.bound, close_reasons=tuple(self.reasons),
+        )
 
 
 @dataclass(frozen=True)
@@ -144,6 +168,36 @@ class Collective:
                 )
             rounds = max(rounds, res.stats.retransmit_rounds)
         return rounds
+
+    def _reduce(self, own: np.ndarray, futures: dict[int, Future], round_id: int, bucket: int,
+                what: str, tally: _Tally, memory_key: tuple) -> np.ndarray:
+        """Aggregate ``own`` with what arrived from each peer in ``futures`` (posting
+        each peer's receive for the next round as soon as this one is in)."""
+        contributions = [own]
+        masks = [np.ones(own.size, dtype=bool)]
+        for peer_rank, fut in futures.items():
+            res = self._wait(fut, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
+            values, mask = self._elements(res, own.size, own.dtype)
+            contributions.append(values)
+            masks.append(mask)
+            tally.add(res)
+            self._post_ahead(peer_rank, bucket, PUSH, round_id + 1, own.nbytes, self.policy)
+        agg = self.aggregator.aggregate(contributions, masks, previous=self._previous.get(memory_key))
+        agg = np.ascontiguousarray(agg, dtype=own.dtype)
+        self._previous[memory_key] = agg
+        return agg
+
+    def _accept_broadcast(self, res: ReceiveResult, size: int, dtype, memory_key: tuple) -> np.ndarray:
+        """A received result: lost values keep their previous value (bounded drift)."""
+        values, mask = self._elements(res, size, dtype)
+        if mask.all():
+            result = values.copy()
+        else:
+            previous = self._previous.get(memory_key)
+            result = apply_broadcast(values, mask, previous if previous is not None
+                                     else np.zeros_like(values))
+        self._previous[memory_key] = result
+        return result
 
     # ----------------------------------------------------------------- masks
     def _elements(self, res: ReceiveResult, n: int, dtype) -> tuple[np.ndarray, np.ndarray]:

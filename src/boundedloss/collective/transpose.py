@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..aggregate import apply_broadcast
-from .base import PULL, PUSH, Collective, RoundStats, message_id
+from .base import PULL, PUSH, Collective, RoundStats, _Tally, message_id
 
 
 def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
@@ -49,25 +48,9 @@ class TransposeAllreduce(Collective):
                  for r in others]
 
         # Reduce my shard.
-        contributions = [coded[lo:hi]]
-        masks = [np.ones(hi - lo, dtype=bool)]
-        fractions, reasons, rounds, bound = [], [], 0, 0.0
-        for r in others:
-            res = self._wait(scatter_in[r], f"shard from rank {r} (round {round_id}, bucket {bucket})")
-            values, mask = self._elements(res, hi - lo, coded.dtype)
-            contributions.append(values)
-            masks.append(mask)
-            fractions.append(res.stats.delivered_fraction)
-            reasons.append(res.close_reason.name.lower())
-            rounds = max(rounds, res.stats.retransmit_rounds)
-            bound = max(bound, res.bound)
-            self._post_ahead(r, bucket, PUSH, round_id + 1, (hi - lo) * itemsize, self.policy)
-        key = (bucket, "shard")
-        mine = np.ascontiguousarray(
-            self.aggregator.aggregate(contributions, masks, previous=self._previous.get(key)),
-            dtype=coded.dtype,
-        )
-        self._previous[key] = mine
+        tally = _Tally()
+        mine = self._reduce(coded[lo:hi], scatter_in, round_id, bucket, "shard", tally,
+                            (bucket, "shard"))
 
         # All-gather the reduced shards.
         sends += [(r, self.endpoint.send(self.peers[r], mine, message_id=message_id(bucket, PULL),
@@ -78,24 +61,9 @@ class TransposeAllreduce(Collective):
         for r in others:
             rlo, rhi = bounds[r]
             res = self._wait(gather_in[r], f"reduced shard from rank {r} (round {round_id}, bucket {bucket})")
-            values, mask = self._elements(res, rhi - rlo, coded.dtype)
-            gkey = (bucket, f"gather{r}")
-            if mask.all():
-                out[rlo:rhi] = values
-            else:
-                prev = self._previous.get(gkey)
-                out[rlo:rhi] = apply_broadcast(values, mask, prev if prev is not None
-                                               else np.zeros_like(values))
-            self._previous[gkey] = out[rlo:rhi].copy()
-            fractions.append(res.stats.delivered_fraction)
-            reasons.append(res.close_reason.name.lower())
-            rounds = max(rounds, res.stats.retransmit_rounds)
+            tally.add(res)
+            out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, coded.dtype, (bucket, f"gather{r}"))
             self._post_ahead(r, bucket, PULL, round_id + 1, (rhi - rlo) * itemsize, bpolicy)
-        rounds = max(rounds, self._wait_sends(sends))
-        stats = RoundStats(
-            round_id=round_id, bucket=bucket, latency_s=self._clock() - t0,
-            delivered_fraction=float(np.mean(fractions)),
-            min_delivered_fraction=float(np.min(fractions)),
-            retransmit_rounds=rounds, bound=bound, close_reasons=tuple(reasons),
-        )
-        return self._decode(out, round_id, bucket, n), stats
+        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        out_x = self._decode(out, round_id, bucket, n)
+        return out_x, tally.stats(round_id, bucket, self._clock() - t0)
