@@ -661,7 +661,9 @@ def test_receive_without_size_refuses_oversized_geometry() -> None:
 # ---------------------------------------------------------- policy behaviour
 
 
-def test_stop_mid_burst_ends_the_sender() -> None:
+def test_a_met_bound_does_not_cut_the_first_pass_short() -> None:
+    """The bound is there to skip retransmissions, not data already on its way: on a
+    lossless link a bounded receive still takes every chunk of the first pass."""
     src = source_bytes(200 * CB, seed=4)
     a = TransferMux(SESSION, CFG)
     b = TransferMux(SESSION, CFG)
@@ -675,12 +677,38 @@ def test_stop_mid_burst_ends_the_sender() -> None:
         for parts, _ in b.poll(now):
             a.datagram_received(b"".join(bytes(p) for p in parts), "b", now)
         assert now < 1.0
+    assert rx.result.close_reason == CloseReason.COMPLETE
+    assert rx.result.stats.delivered == 200
+    assert tx.result.status == SendStatus.STOPPED and tx.result.stats.datagrams == 200
+
+
+def test_a_met_bound_stops_at_the_final_probe_without_retransmitting() -> None:
+    """Half the DATA is lost; FixedBoundPolicy(0.5) closes with BOUND_MET when the
+    sender's PROBE says everything was sent once - no retransmission round."""
+    src = source_bytes(200 * CB, seed=4)
+    a = TransferMux(SESSION, CFG)
+    b = TransferMux(SESSION, CFG)
+    rx = b.start_receive("a", ROUND, MSG, 0.0, policy=FixedBoundPolicy(0.5))
+    tx = a.start_send("b", ROUND, MSG, src, 0.0)
+    now, n_data = 0.0, 0
+    while tx.result is None:
+        now += 1e-5
+        for parts, _ in a.poll(now, 4):
+            datagram = b"".join(bytes(p) for p in parts)
+            if wire.decode(datagram)[0].kind == Kind.DATA:
+                n_data += 1
+                if n_data % 2 == 0:
+                    continue  # lost
+            b.datagram_received(datagram, "a", now)
+        for parts, _ in b.poll(now):
+            a.datagram_received(b"".join(bytes(p) for p in parts), "b", now)
+        assert now < 1.0
     assert rx.result.close_reason == CloseReason.BOUND_MET
     assert rx.result.stats.delivered == 100
+    assert rx.result.stats.retransmit_rounds == 0
     assert tx.result.status == SendStatus.STOPPED
     assert tx.result.close_reason == CloseReason.BOUND_MET
-    assert tx.result.stats.delivered == 100
-    assert tx.result.stats.datagrams <= 104  # it stopped right there, mid-message
+    assert tx.result.stats.datagrams == 200  # the first pass, nothing more
     assert a.poll(now + 1) == [] and not a.has_output() and a.open_sends == 0
     assert a.next_deadline() is None
 
@@ -819,6 +847,9 @@ def test_fixed_bound_closes_exactly_at_the_bound(p: float, nchunks: int) -> None
             break
         assert rx.result is None, f"closed with {k} < {need} chunks"
         mux.datagram_received(dgs[i], "a", 0.001)
+    if need < nchunks:  # a met bound waits for the sender's final probe
+        assert rx.result is None
+        mux.datagram_received(control(Kind.PROBE, src.nbytes, index=1, flags=Flag.FINAL), "a", 0.002)
     assert rx.result.stats.delivered == need
     assert rx.result.close_reason == (
         CloseReason.COMPLETE if need == nchunks else CloseReason.BOUND_MET)

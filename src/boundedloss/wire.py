@@ -90,7 +90,7 @@ class Kind(enum.IntEnum):
 class Flag(enum.IntFlag):
     NONE = 0
     CRITICAL = 1  # DATA: the chunk must be delivered whatever the bound
-    FINAL = 4  # BITMAP: the last segment of one answer to a PROBE
+    FINAL = 4  # BITMAP: the last segment of one answer; PROBE: every chunk was sent once
 
 
 class CloseReason(enum.IntEnum):

@@ -59,7 +59,9 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else n
 
 
-def _butterflies(cur: np.ndarray, nxt: np.ndarray, h: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _butterflies(
+    cur: np.ndarray, nxt: np.ndarray, h: int, width: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Stages h, 2h, ..., width/2 of the unnormalised transform, ping-ponging between
     two buffers; returns (holding the result, the other). Stage h pairs element i with
     i + h inside every group of 2h, on whole arrays through a (-1, 2, h) view: one add

@@ -38,7 +38,9 @@ def chunk_count(n_elements: int, chunk_bytes: int, itemsize: int) -> int:
     return -(-n_elements * itemsize // chunk_bytes)
 
 
-def _element_chunks(index: np.ndarray, chunk_bytes: int, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+def _element_chunks(
+    index: np.ndarray, chunk_bytes: int, itemsize: int
+) -> tuple[np.ndarray, np.ndarray]:
     """First and last chunk holding a byte of each element in ``index`` (int64 arithmetic)."""
     start = index.astype(np.int64, copy=False) * itemsize
     return start // chunk_bytes, (start + (itemsize - 1)) // chunk_bytes
@@ -100,7 +102,8 @@ def chunk_mask_from_elements(
     first, last = _element_chunks(lost, chunk_bytes, itemsize)
     # +1 at the first lost chunk of each range, -1 after its last: a prefix sum > 0
     # marks every chunk covered by some lost element.
-    edges = np.bincount(first, minlength=n_chunks + 1) - np.bincount(last + 1, minlength=n_chunks + 1)
+    size = n_chunks + 1
+    edges = np.bincount(first, minlength=size) - np.bincount(last + 1, minlength=size)
     return np.cumsum(edges[:n_chunks]) == 0
 
 

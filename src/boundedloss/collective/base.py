@@ -182,10 +182,17 @@ class Collective:
             masks.append(mask)
             tally.add(res)
             self._post_ahead(peer_rank, bucket, PUSH, round_id + 1, own.nbytes, self.policy)
-        agg = self.aggregator.aggregate(contributions, masks, previous=self._previous.get(memory_key))
+        agg = self.aggregator.aggregate(contributions, masks,
+                                        previous=self._remembered(memory_key, own.shape))
         agg = np.ascontiguousarray(agg, dtype=own.dtype)
         self._previous[memory_key] = agg
         return agg
+
+    def _remembered(self, memory_key: tuple, shape: tuple) -> np.ndarray | None:
+        """Last round's value for this bucket - unless the bucket changed size (DDP
+        rebuilds its buckets after the first iteration): then there is none."""
+        previous = self._previous.get(memory_key)
+        return previous if previous is not None and previous.shape == shape else None
 
     def _accept_broadcast(self, res: ReceiveResult, size: int, dtype, memory_key: tuple) -> np.ndarray:
         """A received result: lost values keep their previous value (bounded drift)."""
@@ -193,7 +200,7 @@ class Collective:
         if mask.all():
             result = values.copy()
         else:
-            previous = self._previous.get(memory_key)
+            previous = self._remembered(memory_key, values.shape)
             result = apply_broadcast(values, mask, previous if previous is not None
                                      else np.zeros_like(values))
         self._previous[memory_key] = result

@@ -120,7 +120,7 @@ class TransferMux:
                 if kind == 1:
                     rx.data_received(idx, plen, tseq, data, now, self._outbox)
                 else:
-                    rx.probe_received(idx, now, self._outbox)
+                    rx.probe_received(idx, flags, now, self._outbox)
             if rx.result is not None:
                 self._reap(rx, now)
         else:  # BITMAP / STOP / ACK: for one of our sends

@@ -68,6 +68,7 @@ class MessageReceiver:
         self._unacked = 0
         self._ack_every = config.ack_every
         self._accepting = False
+        self._sender_done = False  # a PROBE flagged FINAL: every chunk was sent once
         self.accept_deadline: float | None = None
         self.first_heard: float | None = None  # when the first DATA/PROBE arrived
         self.stop: bytes | None = None
@@ -145,14 +146,20 @@ class MessageReceiver:
         crit = self._critical
         if crit is not None and crit[index]:
             self._critical_missing -= 1
-        if self.delivered_count >= self._need and not self._critical_missing:
+        if self.delivered_count >= self._need and not self._critical_missing and self._may_stop():
             self._close(self._reason_when_met(), now, out)
 
-    def probe_received(self, seq: int, now: float, out: list) -> None:
-        """Answer with the BITMAP segments that still hold missing chunks."""
+    def probe_received(self, seq: int, flags: int, now: float, out: list) -> None:
+        """Answer with the BITMAP segments that still hold missing chunks - or, once the
+        sender has sent everything once and the plan is met, with STOP."""
         if self.first_heard is None:
             self._heard(now)
         self.probes += 1
+        if flags & Flag.FINAL:
+            self._sender_done = True
+            self._check_done(now, out)
+            if self.result is not None:
+                return
         flags = np.frombuffer(self._delivered, dtype=np.uint8)
         packed = np.packbits(flags, bitorder="little")
         if self.count & 7:  # bits past the last chunk read as delivered
@@ -211,10 +218,27 @@ class MessageReceiver:
             return CloseReason.COMPLETE
         return CloseReason.ACCEPT_DEADLINE if self._accepting else CloseReason.BOUND_MET
 
+    def _may_stop(self) -> bool:
+        """A met bound stops the transfer only once nothing more is on its way: every
+        chunk is in, or the sender has sent everything once (its PROBE says so), or the
+        acceptance deadline passed. Cutting a first pass short would throw away data
+        that costs nothing to receive; the bound is there to skip *retransmissions*."""
+        return (
+            self.delivered_count == self.count
+            or self._sender_done
+            or self._accepting
+            or self._need == 0
+        )
+
     def _check_done(self, now: float, out: list) -> None:
         if self.nbytes is None:  # posted without a size: no plan until the first datagram
             return
-        if self.result is None and self.delivered_count >= self._need and not self._critical_missing:
+        if (
+            self.result is None
+            and self.delivered_count >= self._need
+            and not self._critical_missing
+            and self._may_stop()
+        ):
             self._close(self._reason_when_met(), now, out)
 
     def _close(self, reason: CloseReason, now: float, out: list) -> None:

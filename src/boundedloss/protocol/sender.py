@@ -209,7 +209,10 @@ class MessageSender:
         self._probe_due = False
         self._probe_deadline = now + self._rto
         self._reply_missing = 0
-        datagram = wire.encode(_replace_index(self._control, Kind.PROBE, self._probe_seq))
+        # FINAL: every chunk has been sent once, so the receiver may stop on its bound
+        # (a PROBE sent while the window is shut is not FINAL).
+        flags = Flag.NONE if self._first_pass else Flag.FINAL
+        datagram = wire.encode(_replace_index(self._control, Kind.PROBE, self._probe_seq, flags))
         out.append(((datagram,), self.peer))
 
     # ----------------------------------------------------------------- incoming
@@ -342,9 +345,10 @@ class MessageSender:
         )
 
 
-def _replace_index(h: wire.Header, kind: Kind, index: int) -> wire.Header:
+def _replace_index(h: wire.Header, kind: Kind, index: int, flags: Flag = Flag.NONE) -> wire.Header:
     return wire.Header(
-        kind, h.session, h.round_id, h.message_id, index, h.count, h.message_bytes, h.chunk_bytes
+        kind, h.session, h.round_id, h.message_id, index, h.count, h.message_bytes,
+        h.chunk_bytes, flags,
     )
 
 
