@@ -85,3 +85,25 @@ def test_a_dead_worker_fails_the_run_cleanly(tmp_path):
     assert proc.returncode == 9, proc.stdout + proc.stderr
     assert "rank 1 (exit 17)" in proc.stdout
     assert "PeerFailure" in proc.stderr  # the survivors say why they stopped
+
+
+def test_state_pickles_without_runtime_and_keeps_memory():
+    import pickle
+
+    import numpy as np
+
+    from boundedloss.aggregate import StaleFill
+    from boundedloss.policy import PhaseAwarePolicy
+    from boundedloss.torch import BoundedLossState
+
+    policy = PhaseAwarePolicy()
+    policy.epoch_end(1.0)
+    state = BoundedLossState(policy=policy, aggregator=StaleFill(), topology="allreduce")
+    state.rounds[0] = 7
+    state._memory[(0, "shard")] = np.arange(5, dtype=np.float32)
+    state.executor = object()  # runtime parts must not travel
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.executor is None and clone.endpoint is None and clone.collective is None
+    assert clone.rounds == {0: 7} and clone.topology == "allreduce"
+    assert np.array_equal(clone._memory[(0, "shard")], np.arange(5, dtype=np.float32))
+    assert clone.policy.bound == policy.bound and clone.phase == state.phase
