@@ -290,7 +290,7 @@ def test_receiver_whose_sender_dies_closes_at_deadline_with_what_it_has(policy) 
     out = np.full(src.nbytes, SENTINEL, np.uint8)
     net, a, b = pair(drop=drop)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=policy, out=out)
-    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    a.start_send("b", ROUND, MSG, src, net.now)
     net.run([rx], until=100.0)
     r = rx.result
     assert r.close_reason == CloseReason.DEADLINE and not r.complete

@@ -27,7 +27,6 @@ import numpy as np
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
 from ..protocol.mux import TransferMux
-from ..protocol.receiver import MessageReceiver
 from ..protocol.types import ReceiveResult, SendResult, TransportConfig, TransportError
 from ..wire import DropReason, peek_round
 from .loss import LossModel
