@@ -85,7 +85,7 @@ def demo(json_path: str | None) -> None:
     with console.status("measuring...") as status:
         rows = run_transport_bench(
             message_mb=(16,), chunk_sizes=(8192,), losses=(0.0, 0.01, 0.05),
-            policies=("reliable", "mlt=0.01"), repeats=1,
+            policies=("reliable", "mlt=0.01"), repeats=3,
             progress=lambda msg: status.update(msg),
         )
     console.print(_transport_table(rows, "transport demo"))
@@ -263,6 +263,90 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
         return  # under torchrun: rank 0 reports
     console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
                   f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
+
+
+@cli.command()
+@click.option("--scenario", required=True, help="Scenario name: microburst.")
+@click.option("--policies", default="reliable,baseline,dblp", show_default=True,
+              help="Comma-separated: gloo, reliable, mlt, ltp, dblp, baseline "
+                   "(baseline = mlt with P fixed at P_low = 0.008).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              help="Write the rows here (a JSON list, one object per policy).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Report directory: report.md, PNG plots, runs/.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 50),
+              help="Interleaved repeats; the median is reported.")
+@click.option("--epochs", default=None, type=click.IntRange(1, 10_000),
+              help="Default: the scenario's (microburst: 8).")
+@click.option("--workers", default=None, type=click.IntRange(2, 64),
+              help="Default: the scenario's (microburst: 3).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
+              help="Default: one pass over each rank's share.")
+@click.option("--loss", "loss_spec", default=None,
+              help="Override the scenario's loss spec (what-if runs and tests).")
+def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
+            steps_per_epoch, loss_spec) -> None:
+    """Train several policies on one scenario (same model, data, seed and loss
+    schedule); print a table, write JSON and a Markdown report with plots."""
+    import dataclasses
+    import shlex
+
+    from .experiments.compare import SCENARIOS, parse_policies, run_compare, write_json
+    from .experiments.report import TABLE_COLUMNS, table_cells, write_report
+    from .net.loss import parse_loss_spec
+
+    sc = SCENARIOS.get(scenario.strip().lower())
+    if sc is None:
+        raise click.BadParameter(f"unknown scenario {scenario!r}; choose from "
+                                 f"{', '.join(SCENARIOS)}", param_hint="--scenario")
+    try:
+        pols = parse_policies(policies)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--policies")
+    if loss_spec is not None:
+        try:
+            parse_loss_spec(loss_spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--loss")
+        sc = dataclasses.replace(sc, loss=loss_spec, description=(
+            f"{sc.description} Loss spec overridden on the command line: {loss_spec}."))
+    n_epochs = epochs or sc.epochs
+    n_workers = workers or sc.workers
+
+    def done(res) -> None:
+        s = res.stats()
+        burst = s["burst_round_ms_mean"]
+        console.print(
+            f"[green]done[/] {res.policy} (repeat {res.repeat + 1}/{repeats}): "
+            f"{s['wall_s']:.1f} s, round p50 {s['round_ms_p50']:.1f} ms, burst rounds "
+            f"{'-' if burst is None else f'{burst:.1f} ms'}, "
+            f"{res.metric_name} {s['final_metric']:.4f}")
+
+    console.print(f"[bold]boundedloss compare[/]: {sc.name}, policies {', '.join(pols)}, "
+                  f"{n_workers} workers, {n_epochs} epochs, {repeats} repeat(s)")
+    rows, runs = run_compare(sc, pols, out_dir, repeats=repeats, epochs=n_epochs,
+                             workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
+                             progress=done)
+    t = Table(title=f"{sc.name}: {n_workers} workers, {n_epochs} epochs "
+                    f"(median of {repeats})")
+    for _, header, _ in TABLE_COLUMNS:
+        t.add_column(header, justify="right")
+    for r in rows:
+        t.add_row(*table_cells(r))
+    console.print(t)
+    write_json(rows, json_path)
+    command = "boundedloss compare " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
+        if sys.argv and sys.argv[1:2] == ["compare"] else \
+        (f"boundedloss compare --scenario {sc.name} --policies {','.join(pols)} "
+         f"--json {json_path} --out {out_dir} --repeats {repeats} --epochs {n_epochs} "
+         f"--workers {n_workers} --seed {seed}"
+         + (f" --steps-per-epoch {steps_per_epoch}" if steps_per_epoch else "")
+         + (f" --loss {shlex.quote(loss_spec)}" if loss_spec else ""))
+    settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} repeat(s)"
+                + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
+    report = write_report(rows, runs, sc, out_dir, command, settings)
+    console.print(f"rows written to {json_path}; report in {report}")
 
 
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`
