@@ -46,6 +46,7 @@ class TrainConfig:
     stale_broadcast: bool = False
     steps_per_epoch: int | None = None  # default: one pass over this rank's share
     die_at_round: int | None = None  # testing: rank 1 exits abruptly at this round
+    mlt_p: float | None = None  # policy "mlt" only: its fixed bound P (default: make_policy's)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -142,6 +143,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
             chunk_bytes=cfg.chunk_bytes, receive_deadline=cfg.receive_deadline,
             hadamard=cfg.hadamard, stale_broadcast=cfg.stale_broadcast,
             loss=None if loss.describe().startswith("none") else loss,
+            **({"p": cfg.mlt_p} if cfg.policy == "mlt" and cfg.mlt_p is not None else {}),
         )
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
     milestones = sorted({max(1, int(cfg.epochs * 0.5)), max(1, int(cfg.epochs * 0.75))})

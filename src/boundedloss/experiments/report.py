@@ -1,0 +1,205 @@
+"""Plots (matplotlib, Agg) and a Markdown report for `boundedloss compare`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .compare import RunResult, Scenario
+
+PLOTS = {
+    "latency": "round_latency.png",
+    "cdf": "round_latency_cdf.png",
+    "metric": "metric_vs_time.png",
+    "bound": "bound_per_epoch.png",
+}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _first(runs: dict[str, list[RunResult]]) -> dict[str, RunResult]:
+    """The first repeat of each policy (plots show one run per policy)."""
+    return {p: rs[0] for p, rs in runs.items() if rs}
+
+
+def plot_latency(runs: dict[str, list[RunResult]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    marked = False
+    for policy, r in _first(runs).items():
+        x = [row["round"] for row in r.rounds]
+        y = [row["step_ms"] for row in r.rounds]
+        line, = ax.plot(x, y, lw=1, label=policy)
+        bx = [row["round"] for row in r.rounds if row["round"] in r.burst]
+        by = [row["step_ms"] for row in r.rounds if row["round"] in r.burst]
+        ax.scatter(bx, by, color=line.get_color(), marker="x", s=30, zorder=3)
+        if not marked:
+            for b in sorted(r.burst):
+                ax.axvline(b, color="red", alpha=0.15, lw=2)
+            marked = True
+    ax.plot([], [], color="red", alpha=0.3, lw=2, label="burst round")
+    ax.set_yscale("log")
+    ax.set_xlabel("training round (iteration)")
+    ax.set_ylabel("round latency (step time, ms)")
+    ax.set_title("Per-round latency; burst rounds marked (x, red bands)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cdf(runs: dict[str, list[RunResult]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy, rs in runs.items():
+        lat = np.sort(np.concatenate([[row["step_ms"] for row in r.rounds] for r in rs]))
+        if lat.size:
+            ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("round latency (ms)")
+    ax.set_ylabel("fraction of rounds")
+    ax.set_title("CDF of round latency (all repeats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_metric(runs: dict[str, list[RunResult]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    name = "metric"
+    for policy, r in _first(runs).items():
+        name = r.metric_name
+        x = [e["wall_s"] for e in r.epochs]
+        y = [e.get(name) for e in r.epochs]
+        ax.plot(x, y, marker="o", ms=3, label=policy)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel(f"test {name}")
+    ax.set_title(f"Test {name} against wall time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_bound(runs: dict[str, list[RunResult]], path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    from matplotlib.ticker import MaxNLocator
+
+    shaded = False
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ("-", "v"), ("--", "P")]
+    for i, (policy, r) in enumerate(_first(runs).items()):
+        # the bound in force during epoch e is what the rounds of epoch e logged
+        per_epoch: dict[int, tuple] = {}
+        for row in r.rounds:
+            if "bound" in row:
+                per_epoch.setdefault(row["epoch"], (row["bound"], row.get("phase")))
+        if not per_epoch:
+            continue
+        ep = sorted(per_epoch)
+        bounds = [per_epoch[e][0] for e in ep]
+        ls, mk = styles[i % len(styles)]
+        ax.step(ep, bounds, where="mid", ls=ls, marker=mk, ms=6 - i % 3, lw=2 - 0.4 * (i % 3),
+                label=policy)
+        if policy == "dblp" and not shaded:
+            for e in ep:
+                if str(per_epoch[e][1]).lower().startswith("crit"):
+                    ax.axvspan(e - 0.5, e + 0.5, color="orange", alpha=0.2, lw=0)
+            shaded = True
+    if shaded:
+        ax.fill_between([], [], color="orange", alpha=0.2, label="CLR (critical, dblp)")
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("loss bound P in force")
+    ax.set_title("Bound in force per epoch (CLR shaded)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+TABLE_COLUMNS = (
+    ("policy", "policy", "s"),
+    ("wall_s", "wall s", ".1f"),
+    ("round_ms_p50", "round p50 ms", ".1f"),
+    ("round_ms_p99", "round p99 ms", ".1f"),
+    ("burst_round_ms_mean", "burst round ms", ".1f"),
+    ("speedup_burst_round_vs_baseline", "burst speedup vs baseline", ".2f"),
+    ("time_reduction_vs_baseline", "time reduction vs baseline", "+.1%"),
+    ("final_metric", "final metric", ".4f"),
+    ("metric_change_vs_reliable", "metric vs reliable", "+.4f"),
+    ("delivered_fraction_mean", "delivered", ".4f"),
+    ("retransmit_rounds_mean", "retx rounds", ".2f"),
+)
+
+
+def table_cells(row: dict) -> list[str]:
+    return [_fmt(row.get(k), spec) for k, _, spec in TABLE_COLUMNS]
+
+
+def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: Scenario,
+                 out_dir: str, command: str, settings: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_latency(runs, out / PLOTS["latency"])
+    plot_cdf(runs, out / PLOTS["cdf"])
+    plot_metric(runs, out / PLOTS["metric"])
+    plot_bound(runs, out / PLOTS["bound"])
+    metric = rows[0]["metric_name"] if rows else "metric"
+    lines = [
+        f"# boundedloss compare: {scenario.name}",
+        "",
+        scenario.description,
+        "",
+        f"Loss spec: `{scenario.loss}`  ",
+        f"Settings: {settings}  ",
+        "Round latency is each round's step time (forward, backward, gradient exchange, "
+        "optimizer step) on rank 0, for every policy alike. Values are medians over repeats; "
+        f"the final metric is test {metric}.",
+        "",
+        "| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |",
+        "|" + "|".join("---" if k == "policy" else "---:" for k, _, _ in TABLE_COLUMNS) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(table_cells(r)) + " |")
+    lines += [
+        "",
+        "## Per-round latency (burst rounds marked)",
+        f"![per-round latency]({PLOTS['latency']})",
+        "",
+        "## CDF of round latency",
+        f"![round latency CDF]({PLOTS['cdf']})",
+        "",
+        f"## Test {metric} against wall time",
+        f"![metric vs time]({PLOTS['metric']})",
+        "",
+        "## Bound in force per epoch (CLR shaded)",
+        f"![bound per epoch]({PLOTS['bound']})",
+        "",
+        "## Command",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,125 @@
+"""`boundedloss compare`: rows, ratios, report files, and usage errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from boundedloss.cli import main
+from boundedloss.experiments.compare import (
+    ROW_FIELDS,
+    SCENARIOS,
+    add_ratios,
+    burst_rounds,
+    make_config,
+    parse_policies,
+)
+from boundedloss.experiments.report import PLOTS
+
+
+def _row(policy, wall, burst, metric):
+    return {"policy": policy, "wall_s": wall, "burst_round_ms_mean": burst,
+            "final_metric": metric}
+
+
+def test_ratios_on_synthetic_rows():
+    rows = add_ratios([_row("reliable", 200.0, 500.0, 0.95), _row("baseline", 100.0, 300.0, 0.94),
+                       _row("dblp", 75.0, 50.0, 0.93)])
+    by = {r["policy"]: r for r in rows}
+    assert by["baseline"]["speedup_burst_round_vs_baseline"] == 1.0
+    assert by["baseline"]["time_reduction_vs_baseline"] == 0.0
+    assert by["dblp"]["speedup_burst_round_vs_baseline"] == pytest.approx(6.0)
+    assert by["dblp"]["time_reduction_vs_baseline"] == pytest.approx(0.25)
+    assert by["reliable"]["time_reduction_vs_baseline"] == pytest.approx(-1.0)
+    assert by["reliable"]["speedup_burst_round_vs_baseline"] == pytest.approx(0.6)
+    assert by["dblp"]["metric_change_vs_reliable"] == pytest.approx(-0.02)
+    assert by["reliable"]["metric_change_vs_reliable"] == 0.0
+
+
+def test_ratios_without_references():
+    rows = add_ratios([_row("dblp", 75.0, None, 0.93), _row("mlt", 80.0, 10.0, 0.9)])
+    for r in rows:
+        assert r["speedup_burst_round_vs_baseline"] is None
+        assert r["time_reduction_vs_baseline"] is None
+        assert r["metric_change_vs_reliable"] is None
+    rows = add_ratios([_row("baseline", 10.0, None, 0.9), _row("dblp", 5.0, 2.0, 0.9)])
+    assert rows[1]["speedup_burst_round_vs_baseline"] is None  # no baseline burst rounds
+    assert rows[1]["time_reduction_vs_baseline"] == pytest.approx(0.5)
+
+
+def test_burst_rounds_follow_the_spec():
+    spec = SCENARIOS["microburst"].loss
+    assert sorted(burst_rounds(spec, range(60))) == [7, 22, 37, 52]
+    assert burst_rounds("bernoulli:0.01", range(60)) == set()
+    assert sorted(burst_rounds("burst:rate=0.5,every=10,len=2,offset=3", range(25))) == [
+        3, 4, 13, 14, 23, 24]
+
+
+def test_baseline_is_mlt_at_p_low_and_gloo_runs_lossless():
+    sc = SCENARIOS["microburst"]
+    cfg = make_config(sc, "baseline", out="x", epochs=2, workers=2, seed=0)
+    assert (cfg.policy, cfg.mlt_p, cfg.loss) == ("mlt", 0.008, sc.loss)
+    cfg = make_config(sc, "mlt", out="x", epochs=2, workers=2, seed=0)
+    assert (cfg.policy, cfg.mlt_p) == ("mlt", None)
+    assert make_config(sc, "gloo", out="x", epochs=2, workers=2, seed=0).loss == "none"
+    assert parse_policies(" DBLP,baseline,dblp ") == ("dblp", "baseline")
+    with pytest.raises(ValueError):
+        parse_policies("dblp,tcp")
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--scenario", "nope"], "--scenario"),
+    (["--scenario", "microburst", "--policies", "reliable,bogus"], "--policies"),
+    (["--scenario", "microburst", "--policies", ","], "--policies"),
+])
+def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
+    rc = main(["compare", *args, "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("boundedloss: error:") and hint in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_compare_end_to_end(tmp_path):
+    """Tiny run: 2 workers, 2 epochs of 4 rounds; a light burst schedule (rounds 1, 4, 7)
+    so every policy meets bursts without the slow 80% retransmission storms."""
+    out = tmp_path / "report"
+    js = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "boundedloss.cli", "compare", "--scenario", "microburst",
+         "--policies", "reliable,baseline,dblp", "--workers", "2", "--epochs", "2",
+         "--steps-per-epoch", "4", "--loss",
+         "bernoulli:0.01+burst:rate=0.3,every=3,len=1,offset=1,rank=0",
+         "--json", str(js), "--out", str(out)],
+        capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("done ") == 3  # one progress line per finished run
+    rows = json.loads(js.read_text())
+    assert [r["policy"] for r in rows] == ["reliable", "baseline", "dblp"]
+    for r in rows:
+        assert set(ROW_FIELDS) <= set(r), set(ROW_FIELDS) - set(r)
+        assert r["scenario"] == "microburst" and r["metric_name"] == "accuracy"
+        assert r["burst_round_ms_mean"] > 0 and r["wall_s"] > 0
+        assert r["round_ms_p50"] <= r["round_ms_p99"]
+        assert 0 < r["delivered_fraction_mean"] <= 1
+        assert 0 <= r["final_metric"] <= 1
+    by = {r["policy"]: r for r in rows}
+    assert by["baseline"]["speedup_burst_round_vs_baseline"] == 1.0
+    assert by["baseline"]["time_reduction_vs_baseline"] == 0.0
+    assert by["reliable"]["metric_change_vs_reliable"] == 0.0
+    d = by["dblp"]
+    assert d["speedup_burst_round_vs_baseline"] == pytest.approx(
+        by["baseline"]["burst_round_ms_mean"] / d["burst_round_ms_mean"])
+    assert d["time_reduction_vs_baseline"] == pytest.approx(
+        1 - d["wall_s"] / by["baseline"]["wall_s"])
+    assert d["metric_change_vs_reliable"] == pytest.approx(
+        d["final_metric"] - by["reliable"]["final_metric"])
+    report = (out / "report.md").read_text()
+    for png in PLOTS.values():
+        assert (out / png).stat().st_size > 1000
+        assert f"({png})" in report
+    assert "boundedloss compare" in report and "| dblp |" in report
