@@ -52,7 +52,7 @@ def test_ratios_without_references():
 
 def test_burst_rounds_follow_the_spec():
     spec = SCENARIOS["microburst"].loss
-    assert sorted(burst_rounds(spec, range(60))) == [7, 22, 37, 52]
+    assert sorted(burst_rounds(spec, range(100))) == [7, 37, 67, 97]
     assert burst_rounds("bernoulli:0.01", range(60)) == set()
     assert sorted(burst_rounds("burst:rate=0.5,every=10,len=2,offset=3", range(25))) == [
         3, 4, 13, 14, 23, 24]
@@ -60,20 +60,68 @@ def test_burst_rounds_follow_the_spec():
 
 def test_baseline_is_mlt_at_p_low_and_gloo_runs_lossless():
     sc = SCENARIOS["microburst"]
-    cfg = make_config(sc, "baseline", out="x", epochs=2, workers=2, seed=0)
-    assert (cfg.policy, cfg.mlt_p, cfg.loss) == ("mlt", 0.008, sc.loss)
-    cfg = make_config(sc, "mlt", out="x", epochs=2, workers=2, seed=0)
+    arms = {a.label: a for a in sc.arms(("gloo", "mlt", "baseline", "dblp"))}
+    cfg = make_config(sc, arms["baseline"], out="x", epochs=2, workers=2, seed=0)
+    assert (cfg.policy, cfg.mlt_p, cfg.loss, cfg.aggregator) == ("mlt", 0.008, sc.loss, "zero")
+    cfg = make_config(sc, arms["mlt"], out="x", epochs=2, workers=2, seed=0)
     assert (cfg.policy, cfg.mlt_p) == ("mlt", None)
-    assert make_config(sc, "gloo", out="x", epochs=2, workers=2, seed=0).loss == "none"
+    assert make_config(sc, arms["gloo"], out="x", epochs=2, workers=2, seed=0).loss == "none"
+    assert [a.label for a in sc.arms()] == list(sc.default_policies)
     assert parse_policies(" DBLP,baseline,dblp ") == ("dblp", "baseline")
     with pytest.raises(ValueError):
         parse_policies("dblp,tcp")
+
+
+def test_sweep_arms_cover_every_aggregator_and_rate():
+    sc = SCENARIOS["lm-loss"]
+    arms = sc.arms()
+    assert arms[0].label == "lossless" and arms[0].policy == "reliable"
+    assert arms[0].loss == "none"
+    lossy = arms[1:]
+    assert len(lossy) == len(sc.sweep_rates) * len(sc.sweep_aggregators)
+    assert {(a.aggregator, a.hadamard) for a in lossy} == set(sc.sweep_aggregators)
+    assert {a.loss_rate for a in lossy} == set(sc.sweep_rates)
+    for a in lossy:
+        assert a.policy == "mlt" and a.mlt_p >= max(sc.sweep_rates)
+        assert a.loss == f"bernoulli:{a.loss_rate:g}"
+    assert len({a.label for a in arms}) == len(arms)
+    assert "unbiased+hadamard@10%" in {a.label for a in arms}
+
+
+def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
+    """Burst rounds inside DBLP's critical regime are left out of the outside-CLR mean,
+    for every arm alike."""
+    from boundedloss.experiments.compare import Arm, RunResult, summarise
+
+    sc = SCENARIOS["microburst"]
+
+    def run(label, lat, phases=None):
+        rounds = [{"round": i, "epoch": 0, "step_ms": v,
+                   **({"phase": phases[i]} if phases else {})} for i, v in enumerate(lat)]
+        return RunResult(label, 0, str(tmp_path), rounds, [],
+                         {"wall_s": sum(lat) / 1e3, "final_metric": 0.9,
+                          "metric_name": "accuracy"}, burst={1, 3}, arm=Arm(label, "mlt", ""))
+
+    d = run("dblp", [10, 500, 10, 50], ["critical", "critical", "relaxed", "relaxed"])
+    b = run("baseline", [10, 600, 10, 400])
+    clr = [d.critical_rounds()]
+    assert clr == [{0, 1}]
+    rows = add_ratios([summarise("baseline", [b], sc, clr), summarise("dblp", [d], sc, clr)])
+    by = {r["policy"]: r for r in rows}
+    assert by["dblp"]["burst_round_ms_mean"] == 275.0
+    assert by["dblp"]["burst_round_ms_mean_outside_clr"] == 50.0
+    assert by["baseline"]["burst_round_ms_mean_outside_clr"] == 400.0
+    assert by["dblp"]["speedup_burst_round_vs_baseline"] == pytest.approx(500 / 275)
+    assert by["dblp"]["speedup_burst_round_outside_clr_vs_baseline"] == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize("args, hint", [
     (["--scenario", "nope"], "--scenario"),
     (["--scenario", "microburst", "--policies", "reliable,bogus"], "--policies"),
     (["--scenario", "microburst", "--policies", ","], "--policies"),
+    (["--scenario", "microburst", "--loss", "bernoulli:2"], "--loss"),
+    (["--scenario", "lm-loss", "--policies", "dblp"], "--policies"),
+    (["--scenario", "random-loss", "--loss", "bernoulli:0.1"], "--loss"),
 ])
 def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
     rc = main(["compare", *args, "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])
@@ -123,3 +171,29 @@ def test_compare_end_to_end(tmp_path):
         assert (out / png).stat().st_size > 1000
         assert f"({png})" in report
     assert "boundedloss compare" in report and "| dblp |" in report
+
+
+def test_sweep_end_to_end_in_process(tmp_path):
+    """A two-arm sweep (lossless against zero-fill at 30% loss) through run_compare and
+    the report: the lossy arm really loses gradient, the report has the sweep plot."""
+    from dataclasses import replace
+
+    from boundedloss.experiments.compare import run_compare
+    from boundedloss.experiments.report import SWEEP_PLOT, write_report
+
+    sc = replace(SCENARIOS["random-loss"], sweep_rates=(0.3,),
+                 sweep_aggregators=(("zero", False),))
+    rows, runs = run_compare(sc, sc.arms(), str(tmp_path), epochs=1, workers=2,
+                             steps_per_epoch=3)
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == {"lossless", "zero@30%"}
+    assert by["lossless"]["delivered_fraction_mean"] == 1.0
+    lossy = by["zero@30%"]
+    assert lossy["loss_rate"] == 0.3 and lossy["aggregator"] == "zero"
+    assert 0.4 < lossy["delivered_fraction_mean"] < 0.95  # first pass only, bound 40%
+    assert lossy["metric_change_vs_reliable"] == pytest.approx(
+        lossy["final_metric"] - by["lossless"]["final_metric"])
+    assert by["lossless"]["metric_change_vs_reliable"] == 0.0
+    report = write_report(rows, runs, sc, str(tmp_path / "rep"), "cmd", "tiny")
+    assert (tmp_path / "rep" / SWEEP_PLOT).stat().st_size > 1000
+    assert "| zero@30% |" in report.read_text()

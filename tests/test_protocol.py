@@ -248,9 +248,12 @@ def test_sender_to_silent_receiver_fails_after_peer_timeout() -> None:
     assert r.status == SendStatus.PEER_SILENT and not r.ok and r.close_reason is None
     assert r.stats.elapsed == pytest.approx(CFG.peer_timeout, abs=1e-9)
     assert net.now == pytest.approx(CFG.peer_timeout, abs=1e-9)
-    # it re-probed with backoff, not in a tight loop
-    assert 2 <= r.stats.probes <= math.log2(CFG.max_rto / CFG.initial_rto) + 2 + \
-        CFG.peer_timeout / CFG.max_rto
+    # it re-probed with backoff (to probe_backoff_limit x the RTO), not in a tight loop,
+    # each PROBE in more copies, up to probe_copies_max
+    top = min(CFG.max_rto, CFG.initial_rto * CFG.probe_backoff_limit)
+    assert 2 <= r.stats.probes <= math.log2(top / CFG.initial_rto) + 2 + CFG.peer_timeout / top
+    assert r.stats.probes < net.sent[("a", wire.Kind.PROBE)] <= \
+        CFG.probe_copies_max * r.stats.probes
     assert b.drops[DropReason.UNKNOWN_MESSAGE] == sum(
         n for (src, _), n in net.sent.items() if src == "a")
     assert a.open_sends == 0

@@ -73,25 +73,16 @@ def cli() -> None:
 
 
 @cli.command()
+@click.option("--out", "out_dir", default="runs/demo", show_default=True,
+              type=click.Path(file_okay=False), help="Report directory.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write the rows as JSON here.")
-def demo(json_path: str | None) -> None:
-    """Move a 16 MB message over real UDP on loopback under injected loss,
-    reliable against MLT's bound (p = 1%), next to the raw-UDP ceiling."""
-    from .bench.transport import run_transport_bench, write_json
-
-    console.print("[bold]boundedloss demo[/]: 16 MB messages over UDP on loopback, "
-                  "loss injected at the receiver")
-    with console.status("measuring...") as status:
-        rows = run_transport_bench(
-            message_mb=(16,), chunk_sizes=(8192,), losses=(0.0, 0.01, 0.05),
-            policies=("reliable", "mlt=0.01"), repeats=3,
-            progress=lambda msg: status.update(msg),
-        )
-    console.print(_transport_table(rows, "transport demo"))
-    if json_path:
-        write_json(rows, json_path)
-        console.print(f"rows written to {json_path}")
+              help="Rows as JSON (default: OUT/compare.json).")
+def demo(out_dir: str, json_path: str | None) -> None:
+    """The default comparison: `compare --scenario microburst` with every policy, loss
+    injected in-process (no root needed)."""
+    json_path = json_path or os.path.join(out_dir, "compare.json")
+    _run_compare("microburst", None, json_path, out_dir, 1, None, None, 0, None, None,
+                 _command_line(f"boundedloss demo --out {out_dir}"))
 
 
 @cli.group()
@@ -265,52 +256,41 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                   f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
 
 
-@cli.command()
-@click.option("--scenario", required=True, help="Scenario name: microburst.")
-@click.option("--policies", default="reliable,baseline,dblp", show_default=True,
-              help="Comma-separated: gloo, reliable, mlt, ltp, dblp, baseline "
-                   "(baseline = mlt with P fixed at P_low = 0.008).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
-              help="Write the rows here (a JSON list, one object per policy).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Report directory: report.md, PNG plots, runs/.")
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 50),
-              help="Interleaved repeats; the median is reported.")
-@click.option("--epochs", default=None, type=click.IntRange(1, 10_000),
-              help="Default: the scenario's (microburst: 8).")
-@click.option("--workers", default=None, type=click.IntRange(2, 64),
-              help="Default: the scenario's (microburst: 3).")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
-              help="Default: one pass over each rank's share.")
-@click.option("--loss", "loss_spec", default=None,
-              help="Override the scenario's loss spec (what-if runs and tests).")
-def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec) -> None:
-    """Train several policies on one scenario (same model, data, seed and loss
-    schedule); print a table, write JSON and a Markdown report with plots."""
-    import dataclasses
-    import shlex
-
-    from .experiments.compare import SCENARIOS, parse_policies, run_compare, write_json
-    from .experiments.report import TABLE_COLUMNS, table_cells, write_report
+def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: str,
+                 repeats: int, epochs: int | None, workers: int | None, seed: int,
+                 steps_per_epoch: int | None, loss_spec: str | None, command: str) -> None:
+    """What `compare` and `demo` share: check the arguments, train every arm with a
+    line per finished run, print the table, write JSON and the report."""
+    from .experiments.compare import SCENARIOS, parse_policies, run_compare, with_loss
+    from .experiments.compare import write_json
+    from .experiments.report import columns_for, table_cells, write_report
     from .net.loss import parse_loss_spec
 
     sc = SCENARIOS.get(scenario.strip().lower())
     if sc is None:
         raise click.BadParameter(f"unknown scenario {scenario!r}; choose from "
                                  f"{', '.join(SCENARIOS)}", param_hint="--scenario")
-    try:
-        pols = parse_policies(policies)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--policies")
-    if loss_spec is not None:
+    if sc.is_sweep:
+        if policies is not None:
+            raise click.BadParameter(
+                f"scenario {sc.name} sweeps aggregators and loss rates under one policy "
+                f"({sc.sweep_policy}); it takes no --policies", param_hint="--policies")
+        if loss_spec is not None:
+            raise click.BadParameter(f"scenario {sc.name} sets its own loss rates",
+                                     param_hint="--loss")
+        arms = sc.arms()
+    else:
         try:
-            parse_loss_spec(loss_spec)
+            pols = parse_policies(policies) if policies is not None else sc.default_policies
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--loss")
-        sc = dataclasses.replace(sc, loss=loss_spec, description=(
-            f"{sc.description} Loss spec overridden on the command line: {loss_spec}."))
+            raise click.BadParameter(str(e), param_hint="--policies")
+        if loss_spec is not None:
+            try:
+                parse_loss_spec(loss_spec)
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--loss")
+            sc = with_loss(sc, loss_spec)
+        arms = sc.arms(pols)
     n_epochs = epochs or sc.epochs
     n_workers = workers or sc.workers
 
@@ -319,34 +299,81 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
         burst = s["burst_round_ms_mean"]
         console.print(
             f"[green]done[/] {res.policy} (repeat {res.repeat + 1}/{repeats}): "
-            f"{s['wall_s']:.1f} s, round p50 {s['round_ms_p50']:.1f} ms, burst rounds "
-            f"{'-' if burst is None else f'{burst:.1f} ms'}, "
-            f"{res.metric_name} {s['final_metric']:.4f}")
+            f"{s['wall_s']:.1f} s, round p50 {s['round_ms_p50']:.1f} ms"
+            + ("" if sc.is_sweep else
+               f", burst rounds {'-' if burst is None else f'{burst:.1f} ms'}")
+            + f", {res.metric_name} {s['final_metric']:.4f}")
 
-    console.print(f"[bold]boundedloss compare[/]: {sc.name}, policies {', '.join(pols)}, "
-                  f"{n_workers} workers, {n_epochs} epochs, {repeats} repeat(s)")
-    rows, runs = run_compare(sc, pols, out_dir, repeats=repeats, epochs=n_epochs,
+    total = len(arms) * repeats
+    started = [0]
+
+    def starting(arm, k) -> None:
+        started[0] += 1
+        console.print(f"[dim]run {started[0]}/{total}: {arm.label} "
+                      f"({arm.policy}, {arm.aggregator}"
+                      f"{'+hadamard' if arm.hadamard else ''}, loss {arm.loss})[/]")
+
+    console.print(f"[bold]boundedloss compare[/]: {sc.name}, "
+                  f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
+                  f"epochs, {repeats} repeat(s)")
+    rows, runs = run_compare(sc, arms, out_dir, repeats=repeats, epochs=n_epochs,
                              workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
-                             progress=done)
+                             progress=done, starting=starting)
+    columns = columns_for(sc)
     t = Table(title=f"{sc.name}: {n_workers} workers, {n_epochs} epochs "
                     f"(median of {repeats})")
-    for _, header, _ in TABLE_COLUMNS:
+    for _, header, _ in columns:
         t.add_column(header, justify="right")
     for r in rows:
-        t.add_row(*table_cells(r))
+        t.add_row(*table_cells(r, columns))
     console.print(t)
     write_json(rows, json_path)
-    command = "boundedloss compare " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
-        if sys.argv and sys.argv[1:2] == ["compare"] else \
-        (f"boundedloss compare --scenario {sc.name} --policies {','.join(pols)} "
-         f"--json {json_path} --out {out_dir} --repeats {repeats} --epochs {n_epochs} "
-         f"--workers {n_workers} --seed {seed}"
-         + (f" --steps-per-epoch {steps_per_epoch}" if steps_per_epoch else "")
-         + (f" --loss {shlex.quote(loss_spec)}" if loss_spec else ""))
     settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} repeat(s)"
                 + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
     report = write_report(rows, runs, sc, out_dir, command, settings)
     console.print(f"rows written to {json_path}; report in {report}")
+
+
+def _command_line(default: str) -> str:
+    """The command as the user typed it (for the report), else ``default``."""
+    import shlex
+
+    if sys.argv and sys.argv[1:2] in (["compare"], ["demo"]):
+        return "boundedloss " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return default
+
+
+@cli.command()
+@click.option("--scenario", required=True,
+              help="microburst, incast, random-loss or lm-loss.")
+@click.option("--policies", default=None,
+              help="Comma-separated: gloo, reliable, mlt, ltp, dblp, baseline "
+                   "(baseline = mlt with P fixed at P_low = 0.008). Default: the "
+                   "scenario's. Sweep scenarios take none.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              help="Write the rows here (a JSON list, one object per policy or arm).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Report directory: report.md, PNG plots, runs/.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 50),
+              help="Interleaved repeats; the median is reported.")
+@click.option("--epochs", default=None, type=click.IntRange(1, 10_000),
+              help="Default: the scenario's.")
+@click.option("--workers", default=None, type=click.IntRange(2, 64),
+              help="Default: the scenario's.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
+              help="Default: one pass over each rank's share (charlm: 40).")
+@click.option("--loss", "loss_spec", default=None,
+              help="Override a policy scenario's loss spec (what-if runs and tests).")
+def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
+            steps_per_epoch, loss_spec) -> None:
+    """Train several policies (or aggregators and loss rates) on one scenario - same
+    model, data, seed and loss schedule; print a table, write JSON and a Markdown
+    report with plots."""
+    default = (f"boundedloss compare --scenario {scenario} --json {json_path} "
+               f"--out {out_dir} --repeats {repeats} --seed {seed}")
+    _run_compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
+                 steps_per_epoch, loss_spec, _command_line(default))
 
 
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`

@@ -1,18 +1,25 @@
-"""`boundedloss compare`: several policies on one scenario, same model/data/seed/loss.
+"""`boundedloss compare`: several arms on one scenario, same model/data/seed/loss.
 
-Each policy is trained with :func:`boundedloss.experiments.train.run_training` into its
-own subdirectory of ``out`` (``runs/<policy>-r<k>``); repeats are interleaved (policy A,
-B, C, then A, B, C again) so slow drift of the machine hits every policy alike. The
-per-round and per-epoch logs are read back and summarised per policy (median over
-repeats), with ratios against the fixed-bound baseline (MLT at P = P_low) and the
-reliable policy.
+A scenario is a set of *arms*, each one training run configuration:
+
+- policy scenarios (``microburst``, ``incast``) have one arm per policy under the same
+  loss schedule (``--policies`` picks them; ``baseline`` is MLT with P fixed at DBLP's
+  P_low, the DBLP paper's baseline);
+- sweep scenarios (``random-loss``, ``lm-loss``) have one arm per aggregator and loss
+  rate, plus a lossless reference, all under one bounded policy.
+
+Each arm is trained with :func:`boundedloss.experiments.train.run_training` into its own
+subdirectory of ``out`` (``runs/<arm>-r<k>``); repeats are interleaved (arm A, B, C, then
+A, B, C again) so slow drift of the machine hits every arm alike. The per-round and
+per-epoch logs are read back and summarised per arm (median over repeats), with ratios
+against the scenario's baseline arm and its reference arm.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -33,34 +40,146 @@ ROW_FIELDS = (
 
 
 @dataclass(frozen=True)
+class Arm:
+    """One training configuration of a scenario; ``label`` names its row."""
+
+    label: str
+    policy: str  # a train policy: gloo, reliable, mlt, ltp, dblp
+    loss: str
+    aggregator: str = "unbiased"
+    hadamard: bool = False
+    mlt_p: float | None = None
+    loss_rate: float | None = None  # the sweep axis (sweep scenarios only)
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
     model: str
     topology: str
     workers: int
-    loss: str
+    loss: str  # policy scenarios: the loss spec every policy shares
     epochs: int = 8
+    aggregator: str = "unbiased"
+    default_policies: tuple[str, ...] = ("reliable", "baseline", "dblp")
+    baseline: str = "baseline"  # the arm the time ratios compare against
+    reference: str = "reliable"  # the arm the metric change compares against
+    # sweep scenarios: the bounded policy, loss rates and aggregator variants
+    sweep_policy: str | None = None
+    sweep_p: float | None = None
+    sweep_rates: tuple[float, ...] = ()
+    sweep_aggregators: tuple[tuple[str, bool], ...] = ()  # (aggregator, hadamard)
 
-    def loss_for(self, policy: str) -> str:
-        """gloo runs over TCP: in-process loss cannot reach it, so it runs lossless."""
-        return "none" if policy == "gloo" else self.loss
+    @property
+    def is_sweep(self) -> bool:
+        return self.sweep_policy is not None
+
+    def arms(self, policies: tuple[str, ...] | None = None) -> list[Arm]:
+        if self.is_sweep:
+            arms = [Arm("lossless", "reliable", "none", self.aggregator, loss_rate=0.0)]
+            for rate in self.sweep_rates:
+                for agg, had in self.sweep_aggregators:
+                    label = f"{agg}{'+hadamard' if had else ''}@{rate:.0%}"
+                    arms.append(Arm(label, self.sweep_policy, f"bernoulli:{rate:g}", agg, had,
+                                    self.sweep_p, rate))
+            return arms
+        out = []
+        for p in policies or self.default_policies:
+            base, mlt_p = ("mlt", P_LOW) if p == "baseline" else (p, None)
+            # gloo runs over TCP: in-process loss cannot reach it, so it runs lossless
+            out.append(Arm(p, base, "none" if p == "gloo" else self.loss, self.aggregator,
+                           mlt_p=mlt_p))
+        return out
 
 
 SCENARIOS: dict[str, Scenario] = {
     "microburst": Scenario(
         name="microburst",
         description=(
-            "DBLP microburst: digits MLP, parameter-server topology, 1% random (Bernoulli) "
-            "datagram loss at every receiver plus bursts of 80% loss at rank 0 (the server, "
-            "which receives the pushes) on training rounds 7, 22, 37, ... (every 15 rounds, "
-            "1 round long). gloo (DDP's TCP allreduce) cannot take in-process loss and runs "
-            "lossless. baseline = MLT with the bound fixed at P_low = 0.8%."
+            "DBLP microburst: digits MLP, parameter-server topology (rank 0 serves and "
+            "trains), missing gradient counts as zero (DBLP's ZeroFill), 1% random "
+            "(Bernoulli) datagram loss at every receiver plus bursts of 80% loss at rank "
+            "0 (the server, which receives the pushes) on training rounds 7, 37, 67, ... "
+            "(every 30 rounds, 1 round long). baseline = MLT with the bound fixed at "
+            "P_low = 0.8%; DBLP uses P_low inside critical learning regimes and "
+            "P_low + 40 points outside. gloo (DDP's TCP allreduce) cannot take "
+            "in-process loss and runs lossless."
         ),
         model="mlp",
         topology="ps",
         workers=3,
-        loss="bernoulli:0.01+burst:rate=0.8,every=15,len=1,offset=7,rank=0",
+        epochs=12,
+        aggregator="zero",
+        loss="bernoulli:0.01+burst:rate=0.8,every=30,len=1,offset=7,rank=0",
+        default_policies=("gloo", "reliable", "baseline", "mlt", "ltp", "dblp"),
+    ),
+    "incast": Scenario(
+        name="incast",
+        description=(
+            "LTP incast: 8 ranks push their digits-MLP gradients at once to rank 0 (the "
+            "parameter server, which also trains) through a shallow bottleneck, emulated "
+            "in-process at rank 0's receiver as a tail-drop queue of 64 datagrams "
+            "drained at 20,000 datagrams/s (about 224 Mbit/s at 1,400-byte chunks): "
+            "synchronized senders overflow it every round. The queue's drops are "
+            "modelled, not its delay. Missing gradient is filled by LTP's BubbleFill "
+            "(the mean of the contributions that arrived). gloo (TCP) cannot take "
+            "in-process loss and runs without the bottleneck."
+        ),
+        model="mlp",
+        topology="ps",
+        workers=8,
+        epochs=6,
+        aggregator="bubble",
+        loss="bottleneck:rate=20000,queue=64,rank=0",
+        default_policies=("gloo", "reliable", "mlt", "ltp", "dblp"),
+        baseline="reliable",
+    ),
+    "random-loss": Scenario(
+        name="random-loss",
+        description=(
+            "MLT random loss: digits MLP, parameter-server topology, 4 workers, random "
+            "(Bernoulli) datagram loss at every receiver at each rate; the push uses "
+            "MLT's bound fixed at P = 40% (above every rate tried, so the transfer "
+            "closes after its first pass and the loss rate is the fraction of gradient "
+            "missing; MLT's critical chunks - biases - still always arrive); the "
+            "broadcast back is reliable. Each aggregator at each rate, against a "
+            "lossless reliable run."
+        ),
+        model="mlp",
+        topology="ps",
+        workers=4,
+        epochs=8,
+        loss="none",
+        baseline="lossless",
+        reference="lossless",
+        sweep_policy="mlt",
+        sweep_p=0.4,
+        sweep_rates=(0.1, 0.2, 0.3, 0.35),
+        sweep_aggregators=(("zero", False), ("unbiased", False), ("bubble", False)),
+    ),
+    "lm-loss": Scenario(
+        name="lm-loss",
+        description=(
+            "2507.07114 LM under loss: character-level LM on text that ships with "
+            "Python, transpose allreduce (reduce-scatter to shard owners, all-gather) "
+            "over 3 workers, random (Bernoulli) datagram loss at every receiver; the "
+            "reduce-scatter uses MLT's bound fixed at P = 40% (the loss rate is the "
+            "fraction of gradient missing), the all-gather is reliable. ZeroFill "
+            "against UnbiasedRescale, with and without Hadamard dispersion, against a "
+            "lossless reliable run. Metric: test perplexity (lower is better)."
+        ),
+        model="charlm",
+        topology="allreduce",
+        workers=3,
+        epochs=6,
+        loss="none",
+        baseline="lossless",
+        reference="lossless",
+        sweep_policy="mlt",
+        sweep_p=0.4,
+        sweep_rates=(0.1, 0.3),
+        sweep_aggregators=(("zero", False), ("unbiased", False), ("unbiased", True)),
     ),
 }
 
@@ -83,16 +202,12 @@ def parse_policies(text: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def make_config(scenario: Scenario, policy: str, *, out: str, epochs: int, workers: int,
+def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers: int,
                 seed: int, steps_per_epoch: int | None = None) -> TrainConfig:
-    if policy == "baseline":
-        base, mlt_p = "mlt", P_LOW
-    else:
-        base, mlt_p = policy, None
-    return TrainConfig(policy=base, topology=scenario.topology, workers=workers,
-                       model=scenario.model, epochs=epochs, seed=seed,
-                       loss=scenario.loss_for(policy), out=out,
-                       steps_per_epoch=steps_per_epoch, mlt_p=mlt_p)
+    return TrainConfig(policy=arm.policy, topology=scenario.topology, workers=workers,
+                       model=scenario.model, epochs=epochs, seed=seed, loss=arm.loss,
+                       out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
+                       steps_per_epoch=steps_per_epoch, mlt_p=arm.mlt_p)
 
 
 # ------------------------------------------------------------------ burst rounds
@@ -110,33 +225,38 @@ def burst_rounds(loss_spec: str, round_ids) -> set[int]:
             walk(sub)
 
     walk(model)
-    out: set[int] = set()
-    for r in round_ids:
-        r = int(r)
-        if any((r in b.rounds) or (b.every is not None and r >= b.offset
-                                   and (r - b.offset) % b.every < b.length) for b in bursts):
-            out.add(r)
-    return out
+    # now = -1: before any time window, so only the round schedule counts
+    return {int(r) for r in round_ids if any(b.in_burst(-1.0, int(r)) for b in bursts)}
 
 
 # ------------------------------------------------------------------ reading a run
 @dataclass
 class RunResult:
-    policy: str
+    policy: str  # the arm's label
     repeat: int
     out: str
     rounds: list[dict]
     epochs: list[dict]
     summary: dict
     burst: set[int] = field(default_factory=set)
+    arm: Arm | None = None
 
     @property
     def metric_name(self) -> str:
         return self.summary["metric_name"]
 
-    def stats(self) -> dict:
+    def critical_rounds(self) -> set[int]:
+        """Rounds this run spent inside a critical learning regime (DBLP's phase log)."""
+        return {r["round"] for r in self.rounds if r.get("phase") == "critical"}
+
+    def stats(self, outside: set[int] | None = None) -> dict:
+        """Summary figures; ``outside``: rounds to leave out of the outside-CLR burst
+        mean (the reference DBLP run's critical rounds)."""
         lat = np.array([r["step_ms"] for r in self.rounds], dtype=float)
         burst_lat = [r["step_ms"] for r in self.rounds if r["round"] in self.burst]
+        quiet = [r["step_ms"] for r in self.rounds
+                 if r["round"] in self.burst and outside is not None
+                 and r["round"] not in outside]
         deliv = [r["delivered_fraction"] for r in self.rounds if "delivered_fraction" in r]
         retx = [r["retransmit_rounds"] for r in self.rounds if "retransmit_rounds" in r]
         return {
@@ -144,6 +264,7 @@ class RunResult:
             "round_ms_p50": float(np.percentile(lat, 50)) if lat.size else None,
             "round_ms_p99": float(np.percentile(lat, 99)) if lat.size else None,
             "burst_round_ms_mean": float(np.mean(burst_lat)) if burst_lat else None,
+            "burst_round_ms_mean_outside_clr": float(np.mean(quiet)) if quiet else None,
             "final_metric": float(self.summary["final_metric"]),
             # gloo has no comm fields: everything arrives, nothing is retransmitted by us
             "delivered_fraction_mean": float(np.mean(deliv)) if deliv else 1.0,
@@ -155,12 +276,13 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def read_run(policy: str, repeat: int, out: str, loss_spec: str) -> RunResult:
+def read_run(policy: str, repeat: int, out: str, loss_spec: str,
+             arm: Arm | None = None) -> RunResult:
     d = Path(out)
     rounds = _read_jsonl(d / "rounds.jsonl")
     res = RunResult(policy=policy, repeat=repeat, out=out, rounds=rounds,
                     epochs=_read_jsonl(d / "epochs.jsonl"),
-                    summary=json.loads((d / "summary.json").read_text()))
+                    summary=json.loads((d / "summary.json").read_text()), arm=arm)
     res.burst = burst_rounds(loss_spec, [r["round"] for r in rounds])
     return res
 
@@ -171,57 +293,94 @@ def _median(values) -> float | None:
     return float(statistics.median(vals)) if vals else None
 
 
-def summarise(policy: str, runs: list[RunResult], scenario: Scenario) -> dict:
-    stats = [r.stats() for r in runs]
-    row = {"policy": policy, "scenario": scenario.name,
+def summarise(label: str, runs: list[RunResult], scenario: Scenario,
+              clr: list[set[int] | None] | None = None) -> dict:
+    """One row: the median over repeats of each figure. ``clr[k]``: the critical rounds
+    of DBLP's repeat k (None: no DBLP run to take them from)."""
+    stats = [r.stats(clr[r.repeat] if clr and r.repeat < len(clr) else None) for r in runs]
+    arm = runs[0].arm
+    row = {"policy": label, "scenario": scenario.name,
            "scenario_description": scenario.description,
            "metric_name": runs[0].metric_name, "repeats": len(runs)}
+    if arm is not None:
+        row.update(transport_policy=arm.policy, aggregator=arm.aggregator,
+                   hadamard=arm.hadamard, loss=arm.loss, loss_rate=arm.loss_rate,
+                   bound=arm.mlt_p)
     for key in stats[0]:
         row[key] = _median(s[key] for s in stats)
     return row
 
 
-def add_ratios(rows: list[dict]) -> list[dict]:
-    """Fill ``speedup_burst_round_vs_baseline``, ``time_reduction_vs_baseline`` and
-    ``metric_change_vs_reliable`` in place (None where the reference is missing)."""
+def add_ratios(rows: list[dict], baseline: str = "baseline",
+               reference: str = "reliable") -> list[dict]:
+    """Fill, in place, ``speedup_burst_round_vs_baseline`` (mean burst-round latency of
+    the baseline arm over this arm's; also over the bursts outside DBLP's CLR),
+    ``time_reduction_vs_baseline`` (1 - wall / baseline wall), and
+    ``metric_change_vs_reliable`` (final metric minus the reference arm's; also
+    relative); None where a reference is missing."""
     by = {r["policy"]: r for r in rows}
-    base = by.get("baseline")
-    rel = by.get("reliable")
+    base = by.get(baseline)
+    ref = by.get(reference)
+
+    def ratio(num, den):
+        return num / den if num is not None and den else None
+
     for r in rows:
-        b_burst = base.get("burst_round_ms_mean") if base else None
-        burst = r.get("burst_round_ms_mean")
-        r["speedup_burst_round_vs_baseline"] = (
-            b_burst / burst if b_burst is not None and burst else None)
+        r["speedup_burst_round_vs_baseline"] = ratio(
+            base.get("burst_round_ms_mean") if base else None, r.get("burst_round_ms_mean"))
+        r["speedup_burst_round_outside_clr_vs_baseline"] = ratio(
+            base.get("burst_round_ms_mean_outside_clr") if base else None,
+            r.get("burst_round_ms_mean_outside_clr"))
         b_wall = base.get("wall_s") if base else None
-        r["time_reduction_vs_baseline"] = (
-            1.0 - r["wall_s"] / b_wall if b_wall else None)
-        r["metric_change_vs_reliable"] = (
-            r["final_metric"] - rel["final_metric"] if rel is not None else None)
+        r["time_reduction_vs_baseline"] = 1.0 - r["wall_s"] / b_wall if b_wall else None
+        if ref is not None:
+            r["metric_change_vs_reliable"] = r["final_metric"] - ref["final_metric"]
+            r["metric_rel_change_vs_reliable"] = (
+                r["final_metric"] / ref["final_metric"] - 1.0 if ref["final_metric"] else None)
+        else:
+            r["metric_change_vs_reliable"] = r["metric_rel_change_vs_reliable"] = None
     return rows
 
 
-def run_compare(scenario: Scenario, policies: tuple[str, ...], out_dir: str, *,
+def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
                 repeats: int = 1, epochs: int | None = None, workers: int | None = None,
                 seed: int = 0, steps_per_epoch: int | None = None,
-                progress: Callable[[RunResult], None] | None = None
+                progress: Callable[[RunResult], None] | None = None,
+                starting: Callable[[Arm, int], None] | None = None,
                 ) -> tuple[list[dict], dict[str, list[RunResult]]]:
-    """Train every policy ``repeats`` times (interleaved); return the rows (with ratios)
-    and the runs per policy."""
+    """Train every arm ``repeats`` times (interleaved); return the rows (with ratios)
+    and the runs per arm."""
     epochs = epochs or scenario.epochs
     workers = workers or scenario.workers
-    runs: dict[str, list[RunResult]] = {p: [] for p in policies}
+    runs: dict[str, list[RunResult]] = {a.label: [] for a in arms}
     for k in range(repeats):
-        for policy in policies:
-            out = str(Path(out_dir) / "runs" / f"{policy}-r{k}")
-            cfg = make_config(scenario, policy, out=out, epochs=epochs, workers=workers,
+        for arm in arms:
+            if starting is not None:
+                starting(arm, k)
+            out = str(Path(out_dir) / "runs" / f"{_safe(arm.label)}-r{k}")
+            cfg = make_config(scenario, arm, out=out, epochs=epochs, workers=workers,
                               seed=seed, steps_per_epoch=steps_per_epoch)
             run_training(cfg)
-            res = read_run(policy, k, out, cfg.loss)
-            runs[policy].append(res)
+            # every arm marks the scenario's burst rounds (gloo's too, though its TCP
+            # path cannot take the loss), so the rounds compared are the same
+            res = read_run(arm.label, k, out, scenario.loss, arm)
+            runs[arm.label].append(res)
             if progress is not None:
                 progress(res)
-    rows = add_ratios([summarise(p, runs[p], scenario) for p in policies])
-    return rows, runs
+    dblp = runs.get("dblp")
+    clr = [r.critical_rounds() for r in dblp] if dblp else None
+    rows = [summarise(a.label, runs[a.label], scenario, clr) for a in arms]
+    return add_ratios(rows, scenario.baseline, scenario.reference), runs
+
+
+def _safe(label: str) -> str:
+    return label.replace("@", "-").replace("%", "pct").replace("+", "-")
+
+
+def with_loss(scenario: Scenario, loss_spec: str) -> Scenario:
+    """The scenario with its shared loss spec replaced (policy scenarios)."""
+    return replace(scenario, loss=loss_spec, description=(
+        f"{scenario.description} Loss spec overridden on the command line: {loss_spec}."))
 
 
 def write_json(rows: list[dict], path: str) -> None:

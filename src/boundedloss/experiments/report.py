@@ -14,6 +14,7 @@ PLOTS = {
     "metric": "metric_vs_time.png",
     "bound": "bound_per_epoch.png",
 }
+SWEEP_PLOT = "metric_vs_loss.png"  # sweep scenarios only
 
 
 def _plt():
@@ -142,16 +143,60 @@ TABLE_COLUMNS = (
     ("round_ms_p99", "round p99 ms", ".1f"),
     ("burst_round_ms_mean", "burst round ms", ".1f"),
     ("speedup_burst_round_vs_baseline", "burst speedup vs baseline", ".2f"),
+    ("speedup_burst_round_outside_clr_vs_baseline", "burst speedup outside CLR", ".2f"),
     ("time_reduction_vs_baseline", "time reduction vs baseline", "+.1%"),
     ("final_metric", "final metric", ".4f"),
     ("metric_change_vs_reliable", "metric vs reliable", "+.4f"),
     ("delivered_fraction_mean", "delivered", ".4f"),
     ("retransmit_rounds_mean", "retx rounds", ".2f"),
 )
+#: sweep scenarios: no bursts; the metric against the lossless run, also relative
+SWEEP_COLUMNS = (
+    ("policy", "arm", "s"),
+    ("wall_s", "wall s", ".1f"),
+    ("round_ms_p50", "round p50 ms", ".1f"),
+    ("final_metric", "final metric", ".4f"),
+    ("metric_change_vs_reliable", "vs lossless", "+.4f"),
+    ("metric_rel_change_vs_reliable", "vs lossless (rel)", "+.2%"),
+    ("delivered_fraction_mean", "delivered", ".4f"),
+    ("retransmit_rounds_mean", "retx rounds", ".2f"),
+)
 
 
-def table_cells(row: dict) -> list[str]:
-    return [_fmt(row.get(k), spec) for k, _, spec in TABLE_COLUMNS]
+def columns_for(scenario: Scenario) -> tuple:
+    return SWEEP_COLUMNS if scenario.is_sweep else TABLE_COLUMNS
+
+
+def table_cells(row: dict, columns: tuple = TABLE_COLUMNS) -> list[str]:
+    return [_fmt(row.get(k), spec) for k, _, spec in columns]
+
+
+def plot_metric_vs_loss(rows: list[dict], path: Path) -> None:
+    """Final metric against the loss rate, one line per aggregator variant, the
+    lossless run as a horizontal reference."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    name = rows[0]["metric_name"] if rows else "metric"
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("loss_rate") is None:
+            continue
+        if r["policy"] == "lossless":
+            ax.axhline(r["final_metric"], color="black", ls="--", lw=1, label="lossless")
+            continue
+        key = r["aggregator"] + ("+hadamard" if r.get("hadamard") else "")
+        lines.setdefault(key, []).append((r["loss_rate"], r["final_metric"]))
+    for key, pts in lines.items():
+        pts.sort()
+        ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=key)
+    ax.set_xlabel("random datagram loss (%)")
+    ax.set_ylabel(f"final test {name}")
+    ax.set_title(f"Final test {name} against loss, per aggregator")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: Scenario,
@@ -162,23 +207,37 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
     plot_cdf(runs, out / PLOTS["cdf"])
     plot_metric(runs, out / PLOTS["metric"])
     plot_bound(runs, out / PLOTS["bound"])
+    if scenario.is_sweep:
+        plot_metric_vs_loss(rows, out / SWEEP_PLOT)
+    columns = columns_for(scenario)
     metric = rows[0]["metric_name"] if rows else "metric"
+    if scenario.is_sweep:
+        ratios = ("Differences are against the lossless reliable run "
+                  "(`metric_change_vs_reliable`, absolute and relative).")
+    else:
+        ratios = (f"Ratios are against `{scenario.baseline}` (burst speedup: its mean "
+                  "burst-round latency over this policy's; *outside CLR*: the same over "
+                  "the burst rounds that fell outside DBLP's critical learning regimes; "
+                  "time reduction: 1 - wall / its wall) and the metric change against "
+                  f"`{scenario.reference}`.")
     lines = [
         f"# boundedloss compare: {scenario.name}",
         "",
         scenario.description,
         "",
-        f"Loss spec: `{scenario.loss}`  ",
+        *([] if scenario.is_sweep else [f"Loss spec: `{scenario.loss}`  "]),
         f"Settings: {settings}  ",
         "Round latency is each round's step time (forward, backward, gradient exchange, "
         "optimizer step) on rank 0, for every policy alike. Values are medians over repeats; "
-        f"the final metric is test {metric}.",
+        f"the final metric is test {metric}. {ratios}",
         "",
-        "| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |",
-        "|" + "|".join("---" if k == "policy" else "---:" for k, _, _ in TABLE_COLUMNS) + "|",
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "|".join("---" if k == "policy" else "---:" for k, _, _ in columns) + "|",
     ]
     for r in rows:
-        lines.append("| " + " | ".join(table_cells(r)) + " |")
+        lines.append("| " + " | ".join(table_cells(r, columns)) + " |")
+    if scenario.is_sweep:
+        lines += ["", f"## Final test {metric} against loss", f"![metric vs loss]({SWEEP_PLOT})"]
     lines += [
         "",
         "## Per-round latency (burst rounds marked)",

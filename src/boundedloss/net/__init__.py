@@ -2,11 +2,12 @@
 clock, and the loss models both can apply."""
 
 from .fake import FakeNetwork, NodeProfile, PathProfile
-from .loss import Bernoulli, Combined, GilbertElliott, LossModel, Microburst, NoLoss, parse_loss_spec
+from .loss import Bernoulli, Bottleneck, Combined, GilbertElliott, LossModel, Microburst, NoLoss, parse_loss_spec
 from .udp import UdpEndpoint
 
 __all__ = [
     "Bernoulli",
+    "Bottleneck",
     "Combined",
     "FakeNetwork",
     "GilbertElliott",

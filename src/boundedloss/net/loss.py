@@ -17,6 +17,8 @@ Models:
 - :class:`GilbertElliott` - two-state Markov chain: bursty loss.
 - :class:`Microburst` - heavy loss during chosen rounds or time windows, a base model
   elsewhere.
+- :class:`Bottleneck` - deterministic tail drop of a shallow queue drained at a fixed
+  rate: the drops of an overloaded link (incast).
 - :class:`Combined` - a datagram is lost if any component loses it.
 
 :func:`parse_loss_spec` builds a model from a CLI string such as
@@ -35,6 +37,7 @@ import numpy as np
 __all__ = [
     "BLOCK",
     "Bernoulli",
+    "Bottleneck",
     "Combined",
     "GilbertElliott",
     "LossModel",
@@ -103,10 +106,10 @@ class LossModel(abc.ABC):
     def for_rank(self, rank: int) -> LossModel:
         """The model receiver ``rank`` should apply.
 
-        Only :class:`Microburst` (and composites holding one) can be rank-specific;
-        everything else applies on every rank. The result shares state with ``self``
-        (no copy), so give each receiver its own parsed model if their streams must
-        be independent.
+        Only :class:`Microburst` and :class:`Bottleneck` (and composites holding one)
+        can be rank-specific; everything else applies on every rank. The result
+        shares state with ``self`` (no copy), so give each receiver its own parsed
+        model if their streams must be independent.
         """
         return self
 
@@ -445,6 +448,93 @@ class Microburst(LossModel):
         return "burst:" + ",".join(parts)
 
 
+class Bottleneck(LossModel):
+    """Tail drop at a shallow buffer drained at ``rate`` datagrams per second.
+
+    Emulates the bottleneck link toward a receiver, e.g. the server's downlink when
+    many workers send to it at once (incast). The model counts datagrams, not bytes
+    (it never sees sizes): a queue of ``queue`` datagrams drains at ``rate`` datagrams
+    per second, and each :meth:`drop` call is one datagram arriving at ``now``. The
+    queue is first drained by ``(now - last) * rate`` (not below empty); then, if it
+    holds ``queue`` datagrams, the arrival is dropped (tail drop), else it joins the
+    queue and is kept. Arrivals slower than ``rate`` are never dropped; a burst at one
+    instant keeps ``queue`` datagrams and drops the rest; a steady stream above the
+    rate keeps about ``rate`` datagrams per second once the buffer has filled.
+
+    Only the queue's *drops* are modelled, not its queueing *delay*: a kept datagram is
+    delivered at once rather than after the ``level / rate`` seconds it would wait
+    behind the queue, so the model does not slow the transfer down. That still gives
+    the incast effect that matters here: synchronized senders fill a shallow buffer
+    faster than the link drains it, and the overflow is lost in bursts, correlated
+    across senders, at the moment they all send; that loss, not the at most
+    ``queue / rate`` seconds of queueing, is what the protocol has to survive. Where
+    the delay matters too, the fake network's ``NodeProfile(down_bps=,
+    queue_datagrams=)`` models the whole queue; this model brings the drops to places
+    without one, such as the real UDP endpoint on a fast local network.
+
+    ``now`` must be the arrival time at the receiver, on one clock for every sender;
+    share one model between all the receiver's senders, since they share its queue.
+    A ``now`` earlier than the latest seen drains nothing. Deterministic: there is no
+    randomness, and :meth:`reset` empties the queue and forgets the last arrival
+    (its ``seed`` is accepted for the common interface and ignored). ``rank`` names
+    the one receiver rank that applies the model (None: every rank); see
+    :meth:`for_rank`.
+    """
+
+    __slots__ = ("_last", "_level", "queue", "rank", "rate")
+
+    # Float slack, in datagrams, in the "queue is full" test: a pause of exactly k/rate
+    # seconds must admit exactly k datagrams even if (now - last) * rate rounds to a
+    # hair under k.
+    _EPS = 1e-6
+
+    def __init__(self, rate: float, queue: int, *, rank: int | None = None) -> None:
+        self.rate = _check_positive("bottleneck rate", rate)
+        self.queue = _check_int("bottleneck queue", queue, 1)
+        self.rank = None if rank is None else _check_int("bottleneck rank", rank, 0)
+        self.reset()
+
+    def reset(self, seed: int | None = None) -> None:
+        self._level = 0.0
+        # -inf: the first arrival drains an (empty) queue by an infinite amount.
+        self._last = -math.inf
+
+    @property
+    def level(self) -> float:
+        """Datagrams queued just after the latest arrival (not drained to any later
+        time)."""
+        return self._level
+
+    def drop(self, now: float, round_id: int) -> bool:
+        level = self._level
+        elapsed = now - self._last
+        if elapsed > 0.0:
+            level = max(level - elapsed * self.rate, 0.0)
+            self._last = now
+        if level >= self.queue - self._EPS:
+            self._level = level
+            return True
+        self._level = level + 1.0
+        return False
+
+    def for_rank(self, rank: int) -> LossModel:
+        if self.rank is None or self.rank == rank:
+            return self
+        return NoLoss()
+
+    def describe(self) -> str:
+        text = f"bottleneck(rate={_fmt(self.rate)}/s, queue={self.queue}"
+        if self.rank is not None:
+            text += f", rank={self.rank}"
+        return text + ")"
+
+    def to_spec(self) -> str:
+        text = f"bottleneck:rate={self.rate!r},queue={self.queue}"
+        if self.rank is not None:
+            text += f",rank={self.rank}"
+        return text
+
+
 class Combined(LossModel):
     """Drops a datagram if any component drops it.
 
@@ -500,6 +590,14 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
+def _check_positive(name: str, value: float) -> float:
+    value = float(value)
+    # Written so that NaN fails too.
+    if not (value > 0.0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
 def _check_window(window: Sequence[float]) -> tuple[float, float]:
     try:
         start, end = (float(x) for x in window)
@@ -515,7 +613,8 @@ def _check_window(window: Sequence[float]) -> tuple[float, float]:
 SPEC_FORMS = (
     "none | bernoulli:P | ge:rate=R,burst=B | ge:p_gb=P,p_bg=P[,loss_good=P,loss_bad=P]"
     " | burst:rate=R,(every=N[,len=L][,offset=O] | rounds=A;B;... | window=S-E;...)"
-    "[,rank=K]; join components with '+'"
+    "[,rank=K] | bottleneck:rate=DATAGRAMS_PER_S,queue=N[,rank=K];"
+    " join components with '+'"
 )
 """The accepted spec forms, as shown in parse errors and CLI help."""
 
@@ -626,6 +725,14 @@ def _parse_component(kind: str, text: str, seed: int) -> LossModel:
             rank=_int("rank", args["rank"]) if "rank" in args else None,
             seed=seed,
         )
+    if kind == "bottleneck":
+        args = _args(kind, text, positional=None)
+        _only(args, {"rate", "queue", "rank"}, kind)
+        return Bottleneck(
+            _num("rate", _need(args, "rate", kind)),
+            _int("queue", _need(args, "queue", kind)),
+            rank=_int("rank", args["rank"]) if "rank" in args else None,
+        )
     raise _SpecError(f"unknown loss kind {kind!r}")
 
 
@@ -639,11 +746,13 @@ def parse_loss_spec(spec: str, *, seed: int = 0) -> LossModel:
         ge:rate=0.02,burst=8                     ge:p_gb=0.01,p_bg=0.3[,loss_good=0,loss_bad=1]
         burst:rate=0.8,every=20,len=1[,offset=0][,rank=0]
         burst:rate=0.8,rounds=5;9;13             burst:rate=0.7,window=1.0-1.5;3-3.2
+        bottleneck:rate=20000,queue=64[,rank=0]  (datagrams/s, datagrams)
 
     Component ``i`` is seeded with ``derive_seed(seed, i)`` so that combined streams
-    are independent. A single component comes back as itself, several as
-    :class:`Combined`. A bad spec raises ``ValueError`` with a one-line message naming
-    the bad part and listing the accepted forms.
+    are independent (a :class:`Bottleneck` has no randomness and ignores it). A single
+    component comes back as itself, several as :class:`Combined`. A bad spec raises
+    ``ValueError`` with a one-line message naming the bad part and listing the
+    accepted forms.
     """
     text = spec.strip()
     if not text or text.lower() == "none":

@@ -31,6 +31,14 @@ class TransportConfig:
     initial_rto: float = 0.05
     min_rto: float = 0.002
     max_rto: float = 0.5
+    #: an unanswered PROBE is re-sent with its timeout doubled, but to at most this many
+    #: times the RTO the round trips set: a PROBE is one header, so re-sending it costs
+    #: the network nothing, while unbounded doubling turns a burst of random loss into
+    #: seconds of idle waiting (a dead peer is caught by peer_timeout, not by backoff)
+    probe_backoff_limit: float = 4.0
+    #: each unanswered PROBE doubles the copies of the next one, up to this many: under
+    #: heavy random loss (a microburst) one more copy is far cheaper than one more RTO
+    probe_copies_max: int = 8
     #: a sender that hears nothing from its receiver for this long gives up
     peer_timeout: float = 10.0
     #: a receive closes with whatever it has this long after it was posted
@@ -53,6 +61,8 @@ class TransportConfig:
         check_chunk_bytes(self.chunk_bytes)
         if not 0 < self.min_rto <= self.initial_rto <= self.max_rto:
             raise ValueError("need 0 < min_rto <= initial_rto <= max_rto")
+        if self.probe_backoff_limit < 1 or self.probe_copies_max < 1:
+            raise ValueError("probe_backoff_limit and probe_copies_max must be >= 1")
         if self.peer_timeout <= 0 or self.receive_deadline <= 0:
             raise ValueError("peer_timeout and receive_deadline must be > 0")
         if self.max_open_receives < 1 or self.closed_memory < 0 or self.send_batch < 1:
