@@ -133,21 +133,22 @@ def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
 
 def test_compare_end_to_end(tmp_path):
     """Tiny run: 2 workers, 2 epochs of 4 rounds; a light burst schedule (rounds 1, 4, 7)
-    so every policy meets bursts without the slow 80% retransmission storms."""
+    so every policy meets bursts without the slow 80% retransmission storms. (reliable
+    is left out to keep the suite short: the reference-arm arithmetic is tested above.)"""
     out = tmp_path / "report"
     js = tmp_path / "rows.json"
     proc = subprocess.run(
         [sys.executable, "-m", "boundedloss.cli", "compare", "--scenario", "microburst",
-         "--policies", "reliable,baseline,dblp", "--workers", "2", "--epochs", "2",
+         "--policies", "baseline,dblp", "--workers", "2", "--epochs", "2",
          "--steps-per-epoch", "4", "--loss",
          "bernoulli:0.01+burst:rate=0.3,every=3,len=1,offset=1,rank=0",
          "--json", str(js), "--out", str(out)],
         capture_output=True, text=True, timeout=110,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.count("done ") == 3  # one progress line per finished run
+    assert proc.stdout.count("done ") == 2  # one progress line per finished run
     rows = json.loads(js.read_text())
-    assert [r["policy"] for r in rows] == ["reliable", "baseline", "dblp"]
+    assert [r["policy"] for r in rows] == ["baseline", "dblp"]
     for r in rows:
         assert set(ROW_FIELDS) <= set(r), set(ROW_FIELDS) - set(r)
         assert r["scenario"] == "microburst" and r["metric_name"] == "accuracy"
@@ -155,17 +156,16 @@ def test_compare_end_to_end(tmp_path):
         assert r["round_ms_p50"] <= r["round_ms_p99"]
         assert 0 < r["delivered_fraction_mean"] <= 1
         assert 0 <= r["final_metric"] <= 1
+        assert r["metric_change_vs_reliable"] is None  # no reliable run to compare with
     by = {r["policy"]: r for r in rows}
     assert by["baseline"]["speedup_burst_round_vs_baseline"] == 1.0
     assert by["baseline"]["time_reduction_vs_baseline"] == 0.0
-    assert by["reliable"]["metric_change_vs_reliable"] == 0.0
+    assert (by["baseline"]["transport_policy"], by["baseline"]["bound"]) == ("mlt", 0.008)
     d = by["dblp"]
     assert d["speedup_burst_round_vs_baseline"] == pytest.approx(
         by["baseline"]["burst_round_ms_mean"] / d["burst_round_ms_mean"])
     assert d["time_reduction_vs_baseline"] == pytest.approx(
         1 - d["wall_s"] / by["baseline"]["wall_s"])
-    assert d["metric_change_vs_reliable"] == pytest.approx(
-        d["final_metric"] - by["reliable"]["final_metric"])
     report = (out / "report.md").read_text()
     for png in PLOTS.values():
         assert (out / png).stat().st_size > 1000
