@@ -445,3 +445,10 @@ def test_needs_round_says_which_models_read_the_round():
     assert not Microburst(0.8, windows=[(0.0, 1.0)]).needs_round
     assert Combined([Bernoulli(0.1), Microburst(0.5, every=3)]).needs_round
     assert not parse_loss_spec("bernoulli:0.1+ge:rate=0.02,burst=4").needs_round
+
+
+def test_a_burst_with_a_base_model_says_it_has_no_spec_form():
+    from boundedloss.net.loss import Bernoulli, Microburst
+
+    with pytest.raises(ValueError, match="no spec form"):
+        Microburst(0.5, rounds=[1], base=Bernoulli(0.1)).to_spec()

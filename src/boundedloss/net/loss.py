@@ -99,9 +99,10 @@ class LossModel(abc.ABC):
         reading it from the header on the per-datagram path)."""
         return False
 
+    @abc.abstractmethod
     def to_spec(self) -> str:
-        """A string that :func:`parse_loss_spec` turns back into an equal model."""
-        raise NotImplementedError(f"{type(self).__name__} has no spec form")
+        """A string that :func:`parse_loss_spec` turns back into an equal model
+        (``ValueError`` for a model that the spec language cannot express)."""
 
     def for_rank(self, rank: int) -> LossModel:
         """The model receiver ``rank`` should apply.
@@ -438,8 +439,10 @@ class Microburst(LossModel):
 
     def to_spec(self) -> str:
         if self.base is not None:
-            # The spec language can only OR components, not "else".
-            raise NotImplementedError("a burst with a base model has no spec form")
+            # The spec language can only OR components ("+"), not "burst, else base";
+            # a base= model is built in code and stays there.
+            raise ValueError("a burst with base= has no spec form; write the base as "
+                             "its own '+' component instead")
         parts = [f"rate={self.rate!r}", *self._schedule_parts()]
         if self.windows:
             parts.append("window=" + ";".join(f"{s!r}-{e!r}" for s, e in self.windows))
