@@ -102,7 +102,8 @@ def bench() -> None:
               help="Interleaved repeats; the median is reported.")
 def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None:
     """Goodput of message transfers on loopback against the raw-UDP ceiling."""
-    from .bench.transport import run_transport_bench, write_json
+    from .bench import write_json
+    from .bench.transport import run_transport_bench
     from .wire import MAX_CHUNK_BYTES
 
     sizes_t = _parse_list(sizes, int, "--sizes")
@@ -138,7 +139,8 @@ def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> None:
     """Error and speed of each aggregator on a real gradient (MLP on sklearn digits)."""
-    from .bench.aggregate import run_aggregate_bench, write_json
+    from .bench import write_json
+    from .bench.aggregate import run_aggregate_bench
 
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
@@ -171,7 +173,8 @@ def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> 
 @click.option("--rounds", default=30, show_default=True, type=click.IntRange(1, 100_000))
 def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
     """Round latency of a 4-rank gradient exchange under real kernel loss (needs root)."""
-    from .bench.kernel_loss import SYSTEMS, run_kernel_loss_bench, write_json
+    from .bench import write_json
+    from .bench.kernel_loss import SYSTEMS, run_kernel_loss_bench
     from .emulate import TestbedError, have_privileges
 
     losses_t = _parse_list(losses, float, "--losses")
@@ -262,7 +265,7 @@ def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: s
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the table, write JSON and the report."""
     from .experiments.compare import SCENARIOS, parse_policies, run_compare, with_loss
-    from .experiments.compare import write_json
+    from .bench import write_json
     from .experiments.report import columns_for, table_cells, write_report
     from .net.loss import parse_loss_spec
 

@@ -15,10 +15,9 @@ Hadamard dispersion, and is compared against the lossless mean:
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -146,8 +145,3 @@ def run_aggregate_bench(
             if progress:
                 progress(f"loss {loss:.0%}, hadamard={use_h}: done")
     return rows
-
-
-def write_json(rows: list[AggregateRow], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=2)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -181,9 +181,6 @@ def run_kernel_loss_bench(
     return rows
 
 
-def write_json(rows: list[KernelLossRow], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=2)
 
 
 if __name__ == "__main__":

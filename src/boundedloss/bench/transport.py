@@ -11,13 +11,12 @@ datagram received, over at least 16 MB so that it is a steady-state rate), on th
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import secrets
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -246,10 +245,3 @@ def run_transport_bench(
     finally:
         pair.close()
     return rows
-
-
-def write_json(rows: list[TransportRow], path: str) -> None:
-    """The issue's format: a JSON list of rows."""
-    with open(path, "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=2)
-

@@ -381,10 +381,3 @@ def with_loss(scenario: Scenario, loss_spec: str) -> Scenario:
     """The scenario with its shared loss spec replaced (policy scenarios)."""
     return replace(scenario, loss=loss_spec, description=(
         f"{scenario.description} Loss spec overridden on the command line: {loss_spec}."))
-
-
-def write_json(rows: list[dict], path: str) -> None:
-    p = Path(path)
-    if p.parent != Path(""):
-        p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(rows, indent=2) + "\n")

@@ -26,6 +26,16 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, ax, path: Path, grid: bool = True) -> None:
+    """The finish every plot shares: light grid, small legend, written and closed."""
+    if grid:
+        ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _first(runs: dict[str, list[RunResult]]) -> dict[str, RunResult]:
     """The first repeat of each policy (plots show one run per policy)."""
     return {p: rs[0] for p, rs in runs.items() if rs}
@@ -51,10 +61,7 @@ def plot_latency(runs: dict[str, list[RunResult]], path: Path) -> None:
     ax.set_xlabel("training round (iteration)")
     ax.set_ylabel("round latency (step time, ms)")
     ax.set_title("Per-round latency; burst rounds marked (x, red bands)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, path, grid=False)
 
 
 def plot_cdf(runs: dict[str, list[RunResult]], path: Path) -> None:
@@ -68,11 +75,7 @@ def plot_cdf(runs: dict[str, list[RunResult]], path: Path) -> None:
     ax.set_xlabel("round latency (ms)")
     ax.set_ylabel("fraction of rounds")
     ax.set_title("CDF of round latency (all repeats)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_metric(runs: dict[str, list[RunResult]], path: Path) -> None:
@@ -87,11 +90,7 @@ def plot_metric(runs: dict[str, list[RunResult]], path: Path) -> None:
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel(f"test {name}")
     ax.set_title(f"Test {name} against wall time")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def plot_bound(runs: dict[str, list[RunResult]], path: Path) -> None:
@@ -125,11 +124,7 @@ def plot_bound(runs: dict[str, list[RunResult]], path: Path) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss bound P in force")
     ax.set_title("Bound in force per epoch (CLR shaded)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def _fmt(v, spec: str) -> str:
@@ -192,11 +187,7 @@ def plot_metric_vs_loss(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("random datagram loss (%)")
     ax.set_ylabel(f"final test {name}")
     ax.set_title(f"Final test {name} against loss, per aggregator")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, ax, path)
 
 
 def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: Scenario,
