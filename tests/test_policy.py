@@ -322,9 +322,10 @@ def test_early_close_adapts_to_a_lossy_spell_and_recovers() -> None:
     assert all(r in (C.COMPLETE, C.BOUND_MET) for r in reasons[:4])
     assert ratios[3] == pol.ratio_max
     spell = reasons[4:10]
-    assert spell[0] == C.ACCEPT_DEADLINE and spell.count(C.ACCEPT_DEADLINE) >= 3
+    # (>= 2: first-pass PROBEs sized from the ACKs let the later ones meet the ratio)
+    assert spell[0] == C.ACCEPT_DEADLINE and spell.count(C.ACCEPT_DEADLINE) >= 2
     assert ratios[4] < ratios[3] and min(ratios) >= pol.ratio_min
-    assert min(ratios) < 0.92
+    assert min(ratios) <= 0.90 + 0.09 / 4 + 1e-9  # two deadline closes: 0.99 -> 0.945 -> 0.9225
     assert deadlines[9] > 1.5 * deadlines[4]
     assert all(r in (C.COMPLETE, C.BOUND_MET) for r in reasons[10:])
     # climbing back: never down again, and up by the end (a step up needs a receive

@@ -973,3 +973,76 @@ def test_receive_without_size_posted_late_completes() -> None:
     assert r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)
     assert r.stats.delivered >= 4
     assert (chunks_equal(src, r.data, CB)[r.delivered]).all()
+
+
+# ------------------------------------------- the PROBE that ends the first pass
+
+
+# paced, so that the ACKs of a pass come back while it is being sent (HandNet would
+# otherwise hand out a whole pass at one instant, before any ACK could arrive)
+PACED = TransportConfig(chunk_bytes=CB, peer_timeout=5.0, receive_deadline=20.0, rate_bps=2e6)
+
+
+def _first_probe_copies(drop_fn, chunks: int = 300):
+    """Send ``chunks`` chunks under ``drop_fn``; return (copies of the first PROBE,
+    the sender's result, the finish time)."""
+    probes = []
+
+    def drop(src, dst, header, data, nth):
+        if header.kind == Kind.PROBE:
+            probes.append(header.index)
+        return drop_fn(src, header, nth)
+
+    src = source_bytes(chunks * CB, seed=21)
+    net, a, b = pair(PACED, drop=drop)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    t = net.run([tx, rx], until=60.0)
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+    return probes.count(1), tx.result, t
+
+
+def test_first_pass_probe_goes_in_copies_when_the_acks_show_heavy_forward_loss() -> None:
+    # a microburst: 4 DATA datagrams in 5 lost on the first pass; the ACKs get through
+    copies, res, _ = _first_probe_copies(
+        lambda src, h, nth: src == "a" and h.kind == Kind.DATA and nth <= 300 and nth % 5)
+    # 1 - 0.8^8 = 83% that one copy gets through, instead of one copy and an RTO
+    assert copies == PACED.probe_copies_max
+    assert res.ok
+
+
+def test_first_pass_probe_goes_in_copies_when_the_acks_are_lost() -> None:
+    # the receiver's way back is in a microburst: 4 ACKs in 5 lost; DATA arrives
+    copies, res, _ = _first_probe_copies(
+        lambda src, h, nth: src == "b" and h.kind == ACK and nth % 5 != 1)
+    assert copies >= 5  # ceil(log 0.1 / log 0.8) = 11, capped at probe_copies_max
+    assert res.ok
+
+
+def test_first_pass_probe_goes_once_when_the_acks_show_little_loss() -> None:
+    # 1 datagram in 20 lost, every ACK heard: one PROBE is enough
+    copies, res, _ = _first_probe_copies(
+        lambda src, h, nth: src == "a" and h.kind == Kind.DATA and nth % 20 == 0)
+    assert copies == 1 and res.ok
+    # and a message too short for an ACK (or whose ACKs are all lost) keeps one PROBE
+    copies, res, _ = _first_probe_copies(
+        lambda src, h, nth: src == "a" and h.kind == Kind.DATA and nth % 5 != 0, chunks=40)
+    assert copies == 1 and res.ok
+    copies, res, _ = _first_probe_copies(lambda src, h, nth: src == "b" and h.kind == ACK)
+    assert copies == 1 and res.ok
+
+
+def test_a_stop_answering_the_final_probe_measures_the_round_trip() -> None:
+    """Under a loose bound a transfer can end at its first PROBE (answered by STOP,
+    never by a BITMAP); the next message to that peer must still start from the
+    measured round trip, not the conservative initial RTO (Karn: only an unrepeated
+    PROBE gives a sample)."""
+    net, a, b = pair(drop=lambda src, dst, h, d, nth: h.kind == Kind.DATA and nth % 10 == 0,
+                     delay=1e-3)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.2))
+    tx = a.start_send("b", ROUND, MSG, source_bytes(50 * CB, 4), net.now)
+    net.run([tx, rx])
+    assert rx.result.close_reason == CloseReason.BOUND_MET
+    assert tx.result.stats.retransmit_rounds == 0 and tx.result.stats.rtt == pytest.approx(2e-3)
+    tx2 = a.start_send("b", ROUND + 1, MSG, source_bytes(50 * CB, 5), net.now)
+    assert tx2._rto == pytest.approx(2e-3 + 4 * 1e-3)  # srtt + 4 rttvar, not initial_rto

@@ -105,6 +105,10 @@ class MessageSender:
         self._unanswered = 0  # PROBEs in a row that got no answer
         self._pass_sent = 0  # DATA sent since the last answered PROBE
         self._min_copies = 1  # PROBE copies the loss of the last pass calls for
+        # What the first pass's ACKs said: how many came, and the latest one's view
+        self._acks_heard = 0
+        self._ack_delivered = 0
+        self._ack_tseq = -1
         self._probe_sent_at = 0.0
         self._awaiting_reply = False
         self._probe_due = False
@@ -156,13 +160,14 @@ class MessageSender:
         pos = self._pos
         avail = len(pending) - pos
         if avail > 0 and sent < limit:
-            k = min(avail, limit - sent, self._window - (self._tseq - self._acked_tseq))
+            room = self._window - (self._tseq - self._acked_tseq)
+            k = min(avail, limit - sent, room)
             if k > 0 and self.config.rate_bps is not None:
-                k = self._paced(now, k)
-            if k <= 0:
+                k = self._paced(now, k)  # (waiting for tokens is not a shut window)
+            if room <= 0:
                 if self._blocked_since is None:
                     self._blocked_since = now
-            else:
+            elif k > 0:
                 batch = pending[pos : pos + k]
                 self._pos = pos + k
                 self._queued[batch] = False
@@ -203,7 +208,9 @@ class MessageSender:
         self._tokens = min(burst, self._tokens + (now - self._tokens_at) * rate)
         self._tokens_at = now
         size = self.chunk_bytes + HEADER_BYTES
-        k = min(k, int(self._tokens // size))
+        # (a micro-byte of slack: at the instant next_deadline named, float rounding can
+        # leave the bucket a hair short, and a virtual clock would spin there forever)
+        k = min(k, int((self._tokens + 1e-6) // size))
         self._tokens -= k * size
         return k
 
@@ -220,6 +227,10 @@ class MessageSender:
         # (a PROBE sent while the window is shut is not FINAL).
         flags = Flag.NONE if self._first_pass else Flag.FINAL
         datagram = wire.encode(_replace_index(self._control, Kind.PROBE, self._probe_seq, flags))
+        if self.retransmit_rounds == 0 and self._unanswered == 0 and self._pass_sent:
+            # The PROBE that ends the first pass: no BITMAP has measured the loss yet,
+            # but the ACKs have (a microburst would otherwise cost an RTO right here).
+            self._min_copies = max(self._min_copies, self._copies_from_acks())
         copies = min(self.config.probe_copies_max,
                      max(self._min_copies, 1 << min(self._unanswered, 16)))
         out.extend([((datagram,), self.peer)] * copies)
@@ -257,6 +268,10 @@ class MessageSender:
             return
         self._last_heard = now
         self.reported_delivered = max(self.reported_delivered, delivered)
+        self._acks_heard += 1
+        if tseq_seen > self._ack_tseq:
+            self._ack_tseq = tseq_seen
+            self._ack_delivered = delivered
         if tseq_seen + 1 > self._acked_tseq:
             self._acked_tseq = min(tseq_seen + 1, self._tseq)
             self._blocked_since = None
@@ -267,7 +282,22 @@ class MessageSender:
         if self._probe_tseq > self._acked_tseq:
             self._acked_tseq = self._probe_tseq
             self._blocked_since = None
-        sample = now - self._probe_sent_at
+        self._rtt_sample(now - self._probe_sent_at)
+        self._awaiting_reply = False
+        self._probe_deadline = None
+        self._unanswered = 0
+        # The pass just answered lost a fraction q of its DATA; the PROBEs that follow
+        # cross the same path, so send enough copies that all are lost with chance
+        # <= 10% (q = 0.8 in a microburst: 8 copies of 48 bytes instead of ~5 RTOs).
+        if self._pass_sent:
+            self._min_copies = self._copies_for(self._reply_missing / self._pass_sent)
+        self._pass_sent = 0
+        if self._reply_missing:
+            self.retransmit_rounds += 1
+        if self._pos >= len(self._pending):
+            self._probe_due = True  # the answer asked for nothing we have not queued
+
+    def _rtt_sample(self, sample: float) -> None:
         if self._srtt is None:
             self._srtt, self._rttvar = sample, sample / 2
         else:
@@ -277,26 +307,45 @@ class MessageSender:
         self._rto = min(cfg.max_rto, max(cfg.min_rto, self._srtt + 4 * self._rttvar))
         self._rto_base = self._rto
         self.rtt_estimate = (self._srtt, self._rttvar)
-        self._awaiting_reply = False
-        self._probe_deadline = None
-        self._unanswered = 0
-        # The pass just answered lost a fraction q of its DATA; the PROBEs that follow
-        # cross the same path, so send enough copies that all are lost with chance
-        # <= 10% (q = 0.8 in a microburst: 8 copies of 48 bytes instead of ~5 RTOs).
-        if self._pass_sent:
-            q = min(1.0, self._reply_missing / self._pass_sent)
-            self._min_copies = (1 if q <= 0.1 else self.config.probe_copies_max if q >= 1
-                                else math.ceil(math.log(0.1) / math.log(q)))
-        self._pass_sent = 0
-        if self._reply_missing:
-            self.retransmit_rounds += 1
-        if self._pos >= len(self._pending):
-            self._probe_due = True  # the answer asked for nothing we have not queued
+
+    def _copies_for(self, q: float) -> int:
+        """PROBE copies such that all of them (or all their answers) are lost with
+        chance <= 10% when each is lost with chance ``q``."""
+        if q <= 0.1:
+            return 1
+        if q >= 1.0:
+            return self.config.probe_copies_max
+        return min(self.config.probe_copies_max, math.ceil(math.log(0.1) / math.log(q)))
+
+    def _copies_from_acks(self) -> int:
+        """PROBE copies for the end of the first pass, from the ACKs it drew.
+
+        The receiver ACKs every ``ack_every`` DATA datagrams, with the highest
+        transmission sequence it saw and what it had delivered before that datagram.
+        Forward loss: of the first ``tseq + 1`` datagrams, ``delivered + 1`` arrived.
+        Reverse loss: up to that one the receiver sent ``(delivered + 1) // ack_every``
+        ACKs, we heard ``acks_heard`` (ACKs still in flight come after it, so they do not
+        count as lost). A PROBE is answered when it and its answer both get through."""
+        every = self.config.ack_every
+        if not self._acks_heard:
+            # Nothing to go on: a short message, or the ACKs are still on their way
+            # (the pass took less than a round trip), or every one was lost.
+            return 1
+        arrived = self._ack_delivered + 1
+        q_fwd = 1.0 - min(1.0, arrived / (self._ack_tseq + 1))
+        q_rev = 1.0 - min(1.0, self._acks_heard / max(1, arrived // every))
+        return self._copies_for(1.0 - (1.0 - q_fwd) * (1.0 - q_rev))
 
     def stop_received(self, reason: int, delivered: int, now: float) -> None:
         if self.result is not None:
             return
         self.reported_delivered = delivered
+        if self._awaiting_reply and not self._first_pass and self._unanswered == 0:
+            # The answer to the FINAL PROBE when a bound was met (or, a hair early, the
+            # STOP of a message that completed as the PROBE went out): the round trip
+            # for the next message to this peer - bounded transfers may never see a
+            # BITMAP, and would keep the conservative initial RTO for good.
+            self._rtt_sample(now - self._probe_sent_at)
         try:
             close_reason = CloseReason(reason)
         except ValueError:

@@ -16,6 +16,10 @@ from ..wire import (
 )
 
 
+#: the most DATA datagrams a receiver takes before it ACKs
+ACK_EVERY_MAX = 32
+
+
 class SendStatus(enum.Enum):
     STOPPED = "stopped"  # the receiver said STOP
     PEER_SILENT = "peer_silent"  # the receiver never answered within peer_timeout
@@ -81,8 +85,10 @@ class TransportConfig:
 
     @property
     def ack_every(self) -> int:
-        """A receiver ACKs every this many DATA datagrams: 8 ACKs per window."""
-        return max(1, self.window_datagrams // 8)
+        """A receiver ACKs every this many DATA datagrams: at least 8 ACKs per window,
+        and one per 32 datagrams, so that even a short message's first pass tells the
+        sender how much of it (and of the ACKs) is being lost."""
+        return max(1, min(ACK_EVERY_MAX, self.window_datagrams // 8))
 
 
 @dataclass(frozen=True, slots=True)
