@@ -113,3 +113,54 @@ def test_shard_bounds_cover_everything():
             assert b[0][0] == 0 and b[-1][1] == n
             assert all(lo <= hi for lo, hi in b)
             assert all(b[i][1] == b[i + 1][0] for i in range(w - 1))
+
+
+def test_server_does_not_wait_for_its_broadcast_to_be_acknowledged():
+    """Every STOP the worker sends the server is lost (a microburst on the server's
+    downlink, made permanent): the server's round still ends once the pushes are in
+    and its broadcast is out; the worker gets the exact mean; the unacknowledged send
+    surfaces as PeerFailure two rounds later (never a hang), and close() waits for
+    outstanding broadcasts instead of cutting them off."""
+    from boundedloss import wire
+
+    cfg = TransportConfig(chunk_bytes=1400, receive_deadline=5.0, peer_timeout=1.0)
+    eps = [UdpEndpoint(session=SESSION, config=cfg) for _ in range(2)]
+    deliver = eps[0].mux.datagram_received
+
+    def no_stops(data, peer, now):
+        if wire.decode(bytes(data))[0].kind != wire.Kind.STOP:
+            deliver(data, peer, now)
+
+    eps[0].mux.datagram_received = no_stops
+    peers = [ep.address for ep in eps]
+    colls = [ParameterServer(eps[r], r, peers, policy=ReliablePolicy(),
+                             aggregator=UnbiasedRescale(), session=SESSION) for r in range(2)]
+    x = [np.arange(5000, dtype=np.float32) * (r + 1) for r in range(2)]
+    worker_out, worker_err = [], []
+
+    def worker():
+        try:
+            for t in range(3):
+                worker_out.append(colls[1].allreduce_mean(x[1], t)[0])
+        except Exception as e:  # noqa: BLE001
+            worker_err.append(e)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    try:
+        out0, _ = colls[0].allreduce_mean(x[0], 0)
+        [(r, w, fut)] = colls[0]._broadcasts[0]
+        assert (r, w) == (0, 1) and not fut.done()  # returned with the STOP outstanding
+        np.testing.assert_allclose(out0, (x[0] + x[1]) / 2)
+        colls[0].allreduce_mean(x[0], 1)  # round 0's send may still be probing
+        with pytest.raises(PeerFailure, match="rank 1"):
+            colls[0].allreduce_mean(x[0], 2)  # ... but not forever
+    finally:
+        th.join(timeout=30)
+        for c in colls:
+            c.close()  # waits for the outstanding broadcast (it fails: swallowed)
+        for ep in eps:
+            ep.close()
+    assert not th.is_alive()
+    assert len(worker_out) >= 2
+    np.testing.assert_allclose(worker_out[0], (x[0] + x[1]) / 2)

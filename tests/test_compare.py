@@ -96,7 +96,7 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     sc = SCENARIOS["microburst"]
 
     def run(label, lat, phases=None):
-        rounds = [{"round": i, "epoch": 0, "step_ms": v,
+        rounds = [{"round": i, "epoch": 0, "round_ms": v,
                    **({"phase": phases[i]} if phases else {})} for i, v in enumerate(lat)]
         return RunResult(label, 0, str(tmp_path), rounds, [],
                          {"wall_s": sum(lat) / 1e3, "final_metric": 0.9,
@@ -197,3 +197,20 @@ def test_sweep_end_to_end_in_process(tmp_path):
     report = write_report(rows, runs, sc, str(tmp_path / "rep"), "cmd", "tiny")
     assert (tmp_path / "rep" / SWEEP_PLOT).stat().st_size > 1000
     assert "| zero@30% |" in report.read_text()
+
+
+def test_a_rounds_latency_is_its_slowest_ranks_step(tmp_path):
+    from boundedloss.experiments.compare import read_run
+
+    (tmp_path / "rounds.jsonl").write_text("".join(
+        json.dumps({"round": i, "epoch": 0, "step_ms": v}) + "\n" for i, v in enumerate([5, 7, 9])))
+    (tmp_path / "rounds.rank1.jsonl").write_text("".join(
+        json.dumps({"round": i, "step_ms": v}) + "\n" for i, v in enumerate([6, 3, 30])))
+    (tmp_path / "rounds.rank2.jsonl").write_text(json.dumps({"round": 0, "step_ms": 8}) + "\n")
+    (tmp_path / "epochs.jsonl").write_text("")
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"wall_s": 1.0, "final_metric": 0.5, "metric_name": "accuracy"}))
+    res = read_run("mlt", 0, str(tmp_path), "burst:rate=0.8,rounds=2")
+    assert [r["round_ms"] for r in res.rounds] == [8, 7, 30]
+    assert res.burst == {2}
+    assert res.stats()["burst_round_ms_mean"] == 30

@@ -199,7 +199,9 @@ def test_critical_chunks_always_arrive_under_heavy_loss(seed: int) -> None:
         return rx.result
 
     r = run(critical)
-    assert r.close_reason == CloseReason.BOUND_MET
+    # (the passes that fetch the critical chunks also re-send every other missing one,
+    # so a seed may see the whole message arrive first)
+    assert r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)
     assert r.delivered[critical].all()
     # without the mask, the same losses leave some of those chunks missing
     plain = run(None)

@@ -46,7 +46,7 @@ class RoundStats:
     latency_s: float
     delivered_fraction: float  # mean over the receives this rank made
     min_delivered_fraction: float
-    retransmit_rounds: int  # max over the receives and sends of this rank
+    retransmit_rounds: int  # max over this rank's receives and the sends it waited for
     bound: float  # the loss bound in force for contributions this round
     close_reasons: tuple[str, ...]
 

@@ -5,13 +5,19 @@ The LTP/DBLP topology. The server is rank ``server`` and contributes its own gra
 aggregator; the broadcast back is reliable (LTP: replicas never diverge) or, with
 ``stale_broadcast``, bounded by the same policy with missing values keeping their
 previous value (bounded drift, 2507.07114 / MLT).
+
+The server does not wait for its broadcast to be acknowledged: a worker that has the
+result goes on, and a STOP lost on its way back (a microburst at the server) would
+otherwise hold the server - and with it every worker's next round - for an RTO or
+more. The sends finish in the background; a failed one is raised in a later round
+(once that round's pushes are in, or at ``close``, which waits for them).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .base import PULL, PUSH, Collective, RoundStats, _Tally, message_id
+from .base import PULL, PUSH, Collective, PeerFailure, RoundStats, _Tally, message_id
 
 
 class ParameterServer(Collective):
@@ -20,6 +26,8 @@ class ParameterServer(Collective):
         if not 0 <= server < self.world_size:
             raise ValueError(f"server rank {server} outside the world of {self.world_size}")
         self.server = server
+        # broadcasts still being acknowledged: bucket -> [(round, worker, send future)]
+        self._broadcasts: dict[int, list[tuple[int, int, object]]] = {}
 
     def allreduce_mean(self, x: np.ndarray, round_id: int, bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
         """The mean of every rank's ``x`` (1-D float array) - as far as it arrived."""
@@ -38,11 +46,38 @@ class ParameterServer(Collective):
         futures = {w: self._take(w, bucket, PUSH, round_id, coded.nbytes, self.policy)
                    for w in workers}
         agg = self._reduce(coded, futures, round_id, bucket, "push", tally, (bucket, "aggregate"))
-        sends = [(w, self.endpoint.send(self.peers[w], agg, message_id=message_id(bucket, PULL),
-                                        round_id=round_id))
-                 for w in workers]
-        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        self._settle_broadcasts(bucket, before=round_id - 1)
+        # (``agg`` is never written again: it is safe to send from in the background)
+        self._broadcasts.setdefault(bucket, []).extend(
+            (round_id, w, self.endpoint.send(self.peers[w], agg,
+                                             message_id=message_id(bucket, PULL),
+                                             round_id=round_id))
+            for w in workers)
         return agg
+
+    def _settle_broadcasts(self, bucket: int, before: int | None = None) -> None:
+        """Raise for a broadcast that failed; wait for those older than ``before``
+        (a worker that pushed this round has last round's result, so those are only
+        waiting for a STOP); ``before=None`` waits for all."""
+        keep = []
+        for round_id, w, fut in self._broadcasts.pop(bucket, []):
+            if fut.done() or before is None or round_id < before:
+                self._wait_sends([(w, fut)])
+            else:
+                keep.append((round_id, w, fut))
+        if keep:
+            self._broadcasts[bucket] = keep
+
+    def close(self) -> None:
+        """Let the last broadcasts be delivered, then release the posted receives."""
+        try:
+            for bucket in list(self._broadcasts):
+                self._settle_broadcasts(bucket)
+        except PeerFailure:
+            pass  # a worker gone at shutdown: its own rank reports why
+        finally:
+            self._broadcasts.clear()
+            super().close()
 
     def _work(self, coded: np.ndarray, round_id: int, bucket: int, tally: _Tally) -> np.ndarray:
         policy = self._broadcast_policy()

@@ -252,9 +252,9 @@ class RunResult:
     def stats(self, outside: set[int] | None = None) -> dict:
         """Summary figures; ``outside``: rounds to leave out of the outside-CLR burst
         mean (the reference DBLP run's critical rounds)."""
-        lat = np.array([r["step_ms"] for r in self.rounds], dtype=float)
-        burst_lat = [r["step_ms"] for r in self.rounds if r["round"] in self.burst]
-        quiet = [r["step_ms"] for r in self.rounds
+        lat = np.array([r["round_ms"] for r in self.rounds], dtype=float)
+        burst_lat = [r["round_ms"] for r in self.rounds if r["round"] in self.burst]
+        quiet = [r["round_ms"] for r in self.rounds
                  if r["round"] in self.burst and outside is not None
                  and r["round"] not in outside]
         deliv = [r["delivered_fraction"] for r in self.rounds if "delivered_fraction" in r]
@@ -280,6 +280,14 @@ def read_run(policy: str, repeat: int, out: str, loss_spec: str,
              arm: Arm | None = None) -> RunResult:
     d = Path(out)
     rounds = _read_jsonl(d / "rounds.jsonl")
+    # A round's latency is its slowest rank's step (rank 0, the server, may be done
+    # with a round while a worker still waits for the broadcast).
+    slowest: dict[int, float] = {}
+    for path in d.glob("rounds.rank*.jsonl"):
+        for e in _read_jsonl(path):
+            slowest[e["round"]] = max(slowest.get(e["round"], 0.0), e["step_ms"])
+    for r in rounds:
+        r["round_ms"] = max(r["step_ms"], slowest.get(r["round"], 0.0))
     res = RunResult(policy=policy, repeat=repeat, out=out, rounds=rounds,
                     epochs=_read_jsonl(d / "epochs.jsonl"),
                     summary=json.loads((d / "summary.json").read_text()), arm=arm)

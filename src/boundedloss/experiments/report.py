@@ -47,10 +47,10 @@ def plot_latency(runs: dict[str, list[RunResult]], path: Path) -> None:
     marked = False
     for policy, r in _first(runs).items():
         x = [row["round"] for row in r.rounds]
-        y = [row["step_ms"] for row in r.rounds]
+        y = [row["round_ms"] for row in r.rounds]
         line, = ax.plot(x, y, lw=1, label=policy)
         bx = [row["round"] for row in r.rounds if row["round"] in r.burst]
-        by = [row["step_ms"] for row in r.rounds if row["round"] in r.burst]
+        by = [row["round_ms"] for row in r.rounds if row["round"] in r.burst]
         ax.scatter(bx, by, color=line.get_color(), marker="x", s=30, zorder=3)
         if not marked:
             for b in sorted(r.burst):
@@ -59,7 +59,7 @@ def plot_latency(runs: dict[str, list[RunResult]], path: Path) -> None:
     ax.plot([], [], color="red", alpha=0.3, lw=2, label="burst round")
     ax.set_yscale("log")
     ax.set_xlabel("training round (iteration)")
-    ax.set_ylabel("round latency (step time, ms)")
+    ax.set_ylabel("round latency (slowest rank's step, ms)")
     ax.set_title("Per-round latency; burst rounds marked (x, red bands)")
     _save(plt, fig, ax, path, grid=False)
 
@@ -68,7 +68,7 @@ def plot_cdf(runs: dict[str, list[RunResult]], path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, rs in runs.items():
-        lat = np.sort(np.concatenate([[row["step_ms"] for row in r.rounds] for r in rs]))
+        lat = np.sort(np.concatenate([[row["round_ms"] for row in r.rounds] for r in rs]))
         if lat.size:
             ax.plot(lat, np.arange(1, lat.size + 1) / lat.size, label=policy)
     ax.set_xscale("log")
@@ -219,7 +219,7 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
         *([] if scenario.is_sweep else [f"Loss spec: `{scenario.loss}`  "]),
         f"Settings: {settings}  ",
         "Round latency is each round's step time (forward, backward, gradient exchange, "
-        "optimizer step) on rank 0, for every policy alike. Values are medians over repeats; "
+        "optimizer step) on its slowest rank, for every policy alike. Values are medians over repeats; "
         f"the final metric is test {metric}. {ratios}",
         "",
         "| " + " | ".join(h for _, h, _ in columns) + " |",

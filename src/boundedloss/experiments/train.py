@@ -151,9 +151,11 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss()
     out = Path(cfg.out)
     writer = None
+    out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         writer = (open(out / "rounds.jsonl", "w"), open(out / "epochs.jsonl", "w"))
+    else:  # every rank's step times: a round lasts until its slowest rank is done
+        rank_log = open(out / f"rounds.rank{rank}.jsonl", "w")
     progress = _Progress(rank == 0, cfg)
     t_start = time.perf_counter()
     round_id = 0
@@ -177,6 +179,9 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
                     if state is not None:
                         rec.update(_per_round(state.round_log, round_id))
                     writer[0].write(json.dumps(rec) + "\n")
+                else:
+                    rank_log.write(json.dumps({"round": round_id, "step_ms": round(step_ms, 3)})
+                                   + "\n")
                 round_id += 1
                 progress.step(epoch, loss_v.item())
             sched.step()  # first, so that an LR change marks the coming epoch critical
@@ -201,6 +206,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
         if writer is not None:
             for f in writer:
                 f.close()
+        else:
+            rank_log.close()
         if state is not None:
             state.close()
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": metric_name, "final_metric": metric,

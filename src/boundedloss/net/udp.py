@@ -221,7 +221,6 @@ class UdpEndpoint:
                     mux.datagram_received(mv[:n], addr, now)
                 now = monotonic()
                 deadline = mux.next_deadline()
-                deadline = mux.next_deadline()
                 if deadline is not None and deadline <= now:
                     mux.timer_fired(now)
                 if pos >= len(batch):

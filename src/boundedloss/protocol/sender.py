@@ -109,6 +109,9 @@ class MessageSender:
         self._acks_heard = 0
         self._ack_delivered = 0
         self._ack_tseq = -1
+        self._probe_datagram = b""
+        self._copies_sent = 0  # copies of the PROBE now awaiting its answer
+        self._more_copies = 0  # copies of it still to send (ACKs came in behind it)
         self._probe_sent_at = 0.0
         self._awaiting_reply = False
         self._probe_due = False
@@ -145,7 +148,7 @@ class MessageSender:
     def has_data(self) -> bool:
         if self.result is not None:
             return False
-        return self._probe_due or (
+        return self._probe_due or self._more_copies > 0 or (
             self._pos < len(self._pending) and self._tseq - self._acked_tseq < self._window
         )
 
@@ -156,6 +159,10 @@ class MessageSender:
         sent = 0
         if self._probe_due:
             sent = self._send_probe(now, out)
+        elif self._more_copies > 0:
+            out.extend([((self._probe_datagram,), self.peer)] * self._more_copies)
+            sent, self._copies_sent, self._more_copies = (
+                self._more_copies, self._copies_sent + self._more_copies, 0)
         pending = self._pending
         pos = self._pos
         avail = len(pending) - pos
@@ -227,14 +234,21 @@ class MessageSender:
         # (a PROBE sent while the window is shut is not FINAL).
         flags = Flag.NONE if self._first_pass else Flag.FINAL
         datagram = wire.encode(_replace_index(self._control, Kind.PROBE, self._probe_seq, flags))
-        if self.retransmit_rounds == 0 and self._unanswered == 0 and self._pass_sent:
-            # The PROBE that ends the first pass: no BITMAP has measured the loss yet,
-            # but the ACKs have (a microburst would otherwise cost an RTO right here).
+        if self._unmeasured():
+            # No BITMAP has measured the loss yet, but the ACKs may have (a microburst
+            # would otherwise cost an RTO right here).
             self._min_copies = max(self._min_copies, self._copies_from_acks())
         copies = min(self.config.probe_copies_max,
                      max(self._min_copies, 1 << min(self._unanswered, 16)))
         out.extend([((datagram,), self.peer)] * copies)
+        self._probe_datagram = datagram
+        self._copies_sent = copies
+        self._more_copies = 0
         return copies
+
+    def _unmeasured(self) -> bool:
+        """No BITMAP answer has told this send how lossy the path is yet."""
+        return self.retransmit_rounds == 0 and self._pass_sent > 0
 
     # ----------------------------------------------------------------- incoming
     def bitmap_received(self, flags: int, start: int, payload, now: float) -> None:
@@ -272,6 +286,12 @@ class MessageSender:
         if tseq_seen > self._ack_tseq:
             self._ack_tseq = tseq_seen
             self._ack_delivered = delivered
+        if self._awaiting_reply and not self._first_pass and self._unmeasured():
+            # The pass was shorter than a round trip, so its PROBE went out before these
+            # ACKs could say how lossy the path is; if they call for more copies, send
+            # them now rather than wait an RTO for the one that was probably lost.
+            want = min(self.config.probe_copies_max, self._copies_from_acks())
+            self._more_copies = max(0, want - self._copies_sent)
         if tseq_seen + 1 > self._acked_tseq:
             self._acked_tseq = min(tseq_seen + 1, self._tseq)
             self._blocked_since = None
@@ -284,11 +304,13 @@ class MessageSender:
             self._blocked_since = None
         self._rtt_sample(now - self._probe_sent_at)
         self._awaiting_reply = False
+        self._more_copies = 0
         self._probe_deadline = None
         self._unanswered = 0
         # The pass just answered lost a fraction q of its DATA; the PROBEs that follow
         # cross the same path, so send enough copies that all are lost with chance
-        # <= 10% (q = 0.8 in a microburst: 8 copies of 48 bytes instead of ~5 RTOs).
+        # <= probe_miss_target (q = 0.8 in a microburst: 14 copies of 48 bytes instead
+        # of an RTO - tens of ms when the hosts are busy - every few passes).
         if self._pass_sent:
             self._min_copies = self._copies_for(self._reply_missing / self._pass_sent)
         self._pass_sent = 0
@@ -310,12 +332,13 @@ class MessageSender:
 
     def _copies_for(self, q: float) -> int:
         """PROBE copies such that all of them (or all their answers) are lost with
-        chance <= 10% when each is lost with chance ``q``."""
-        if q <= 0.1:
+        chance <= ``probe_miss_target`` when each is lost with chance ``q``."""
+        target = self.config.probe_miss_target
+        if q <= target:
             return 1
         if q >= 1.0:
             return self.config.probe_copies_max
-        return min(self.config.probe_copies_max, math.ceil(math.log(0.1) / math.log(q)))
+        return min(self.config.probe_copies_max, math.ceil(math.log(target) / math.log(q)))
 
     def _copies_from_acks(self) -> int:
         """PROBE copies for the end of the first pass, from the ACKs it drew.

@@ -39,10 +39,13 @@ class TransportConfig:
     #: times the RTO the round trips set: a PROBE is one header, so re-sending it costs
     #: the network nothing, while unbounded doubling turns a burst of random loss into
     #: seconds of idle waiting (a dead peer is caught by peer_timeout, not by backoff)
-    probe_backoff_limit: float = 4.0
+    probe_backoff_limit: float = 2.0
     #: each unanswered PROBE doubles the copies of the next one, up to this many: under
     #: heavy random loss (a microburst) one more copy is far cheaper than one more RTO
-    probe_copies_max: int = 8
+    probe_copies_max: int = 16
+    #: after a pass that lost a fraction q, the next PROBE goes in enough copies that
+    #: all of them (or all their answers) are lost with at most this chance
+    probe_miss_target: float = 0.05
     #: a sender that hears nothing from its receiver for this long gives up
     peer_timeout: float = 10.0
     #: a receive closes with whatever it has this long after it was posted
@@ -67,6 +70,8 @@ class TransportConfig:
             raise ValueError("need 0 < min_rto <= initial_rto <= max_rto")
         if self.probe_backoff_limit < 1 or self.probe_copies_max < 1:
             raise ValueError("probe_backoff_limit and probe_copies_max must be >= 1")
+        if not 0 < self.probe_miss_target < 1:
+            raise ValueError("probe_miss_target must be in (0, 1)")
         if self.peer_timeout <= 0 or self.receive_deadline <= 0:
             raise ValueError("peer_timeout and receive_deadline must be > 0")
         if self.max_open_receives < 1 or self.closed_memory < 0 or self.send_batch < 1:
