@@ -214,3 +214,12 @@ def test_a_rounds_latency_is_its_slowest_ranks_step(tmp_path):
     assert [r["round_ms"] for r in res.rounds] == [8, 7, 30]
     assert res.burst == {2}
     assert res.stats()["burst_round_ms_mean"] == 30
+
+
+def test_repeats_alternate_the_order_of_the_arms():
+    from boundedloss.experiments.compare import arm_order
+
+    arms = SCENARIOS["microburst"].arms(("reliable", "baseline", "dblp"))
+    orders = [[a.label for a in arm_order(arms, k)] for k in range(3)]
+    assert orders == [["reliable", "baseline", "dblp"], ["dblp", "baseline", "reliable"],
+                      ["reliable", "baseline", "dblp"]]
