@@ -290,8 +290,7 @@ class MessageSender:
             # The pass was shorter than a round trip, so its PROBE went out before these
             # ACKs could say how lossy the path is; if they call for more copies, send
             # them now rather than wait an RTO for the one that was probably lost.
-            want = min(self.config.probe_copies_max, self._copies_from_acks())
-            self._more_copies = max(0, want - self._copies_sent)
+            self._more_copies = max(0, self._copies_from_acks() - self._copies_sent)
         if tseq_seen + 1 > self._acked_tseq:
             self._acked_tseq = min(tseq_seen + 1, self._tseq)
             self._blocked_since = None
