@@ -9,15 +9,19 @@ import sys
 import pytest
 
 from boundedloss.cli import main
+from boundedloss.emulate import available
 from boundedloss.experiments.compare import (
     ROW_FIELDS,
     SCENARIOS,
     add_ratios,
     burst_rounds,
+    choose_network,
     make_config,
     parse_policies,
 )
 from boundedloss.experiments.report import PLOTS
+
+KERNEL_OK, KERNEL_WHY = available()
 
 
 def _row(policy, wall, burst, metric):
@@ -122,6 +126,9 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     (["--scenario", "microburst", "--loss", "bernoulli:2"], "--loss"),
     (["--scenario", "lm-loss", "--policies", "dblp"], "--policies"),
     (["--scenario", "random-loss", "--loss", "bernoulli:0.1"], "--loss"),
+    (["--scenario", "random-loss", "--network", "kernel"], "--network"),
+    (["--scenario", "microburst", "--network", "kernel"], "--network"),
+    (["--scenario", "incast", "--network", "wan"], "--network"),
 ])
 def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
     rc = main(["compare", *args, "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])
@@ -129,6 +136,63 @@ def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("boundedloss: error:") and hint in err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_network_choice(monkeypatch):
+    """incast runs on the kernel testbed when it can (auto) or when asked (kernel: an
+    error with the reason when it cannot); scenarios without a kernel setup stay
+    in-process under auto and refuse kernel."""
+    import boundedloss.emulate as emulate
+
+    incast, micro = SCENARIOS["incast"], SCENARIOS["microburst"]
+    monkeypatch.setattr(emulate, "available", lambda: (True, ""))
+    k = choose_network(incast, "auto")
+    assert (k.network, k.loss) == ("kernel", "none") and "kernel testbed" in k.description
+    assert choose_network(incast, "kernel") == k
+    assert choose_network(incast, "in-process") is incast
+    assert choose_network(micro, "auto") is micro
+    with pytest.raises(ValueError, match="no kernel-testbed setup"):
+        choose_network(micro, "kernel")
+    monkeypatch.setattr(emulate, "available", lambda: (False, "needs root"))
+    assert choose_network(incast, "auto") is incast and incast.network == "in-process"
+    with pytest.raises(ValueError, match="cannot run here: needs root"):
+        choose_network(incast, "kernel")
+
+
+def test_bottleneck_figures_are_deltas_of_the_queue_counters():
+    from boundedloss.emulate import QdiscStats
+    from boundedloss.experiments.compare import bottleneck_figures
+
+    def q(sent_bytes, sent, dropped):
+        return QdiscStats("tbf", sent_bytes, sent, dropped, 0, 0, 0, 0)
+
+    f = bottleneck_figures(q(1_000_000, 1000, 50), q(4_000_000, 3000, 1050))
+    assert f == {"bottleneck_sent_mb": 3.0, "bottleneck_dropped": 1000.0,
+                 "bottleneck_drop_fraction": pytest.approx(1000 / 3000)}
+    assert bottleneck_figures(None, q(1, 1, 0)) == {}
+
+
+@pytest.mark.skipif(not KERNEL_OK, reason=f"kernel testbed needs root: {KERNEL_WHY}")
+def test_incast_on_the_kernel_testbed(tmp_path):
+    """`compare --network kernel`: each rank in its own namespace, so the workers'
+    pushes really cross the tbf into the server; its counters reach the row, and the
+    testbed is gone afterwards."""
+    from boundedloss.emulate import leftovers
+    from boundedloss.experiments.compare import run_compare
+
+    before = set(leftovers())
+    sc = choose_network(SCENARIOS["incast"], "kernel")
+    rows, runs = run_compare(sc, sc.arms(("ltp",)), str(tmp_path), epochs=1, workers=3,
+                             steps_per_epoch=3)
+    (row,) = rows
+    assert row["network"] == "kernel" and runs["ltp"][0].summary["rounds"] == 3
+    grad_mb = 4 * (64 * 256 + 256 + 256 * 10 + 10) / 1e6  # DigitsMLP(hidden=256)
+    # 2 workers x 3 rounds of pushes (LTP may close early: at least half of each)
+    assert row["bottleneck_sent_mb"] > 2 * 3 * grad_mb / 2
+    assert 0 <= row["bottleneck_drop_fraction"] < 1
+    assert {p.name for p in (tmp_path / "runs" / "ltp-r0").glob("rank*.log")} == {
+        "rank0.log", "rank1.log", "rank2.log"}
+    assert set(leftovers()) <= before
 
 
 def test_compare_end_to_end(tmp_path):

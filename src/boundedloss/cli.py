@@ -82,7 +82,7 @@ def demo(out_dir: str, json_path: str | None) -> None:
     injected in-process (no root needed)."""
     json_path = json_path or os.path.join(out_dir, "compare.json")
     _run_compare("microburst", None, json_path, out_dir, 1, None, None, 0, None, None,
-                 _command_line(f"boundedloss demo --out {out_dir}"))
+                 _command_line(f"boundedloss demo --out {out_dir}"), network="in-process")
 
 
 @cli.group()
@@ -261,10 +261,12 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
 
 def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: str,
                  repeats: int, epochs: int | None, workers: int | None, seed: int,
-                 steps_per_epoch: int | None, loss_spec: str | None, command: str) -> None:
+                 steps_per_epoch: int | None, loss_spec: str | None, command: str,
+                 network: str = "auto") -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the table, write JSON and the report."""
-    from .experiments.compare import SCENARIOS, parse_policies, run_compare, with_loss
+    from .experiments.compare import (SCENARIOS, choose_network, parse_policies, run_compare,
+                                      with_loss)
     from .bench import write_json
     from .experiments.report import columns_for, table_cells, write_report
     from .net.loss import parse_loss_spec
@@ -273,6 +275,10 @@ def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: s
     if sc is None:
         raise click.BadParameter(f"unknown scenario {scenario!r}; choose from "
                                  f"{', '.join(SCENARIOS)}", param_hint="--scenario")
+    try:
+        sc = choose_network(sc, network)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--network")
     if sc.is_sweep:
         if policies is not None:
             raise click.BadParameter(
@@ -318,7 +324,7 @@ def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: s
 
     console.print(f"[bold]boundedloss compare[/]: {sc.name}, "
                   f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
-                  f"epochs, {repeats} repeat(s)")
+                  f"epochs, {repeats} repeat(s), {sc.network} network")
     rows, runs = run_compare(sc, arms, out_dir, repeats=repeats, epochs=n_epochs,
                              workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
                              progress=done, starting=starting)
@@ -331,7 +337,8 @@ def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: s
         t.add_row(*table_cells(r, columns))
     console.print(t)
     write_json(rows, json_path)
-    settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} repeat(s)"
+    settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} repeat(s), "
+                f"{sc.network} network"
                 + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
     report = write_report(rows, runs, sc, out_dir, command, settings)
     console.print(f"rows written to {json_path}; report in {report}")
@@ -367,16 +374,23 @@ def _command_line(default: str) -> str:
 @click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
               help="Default: one pass over each rank's share (charlm: 40).")
 @click.option("--loss", "loss_spec", default=None,
-              help="Override a policy scenario's loss spec (what-if runs and tests).")
+              help="Override a policy scenario's in-process loss spec (what-if runs and "
+                   "tests).")
+@click.option("--network", type=click.Choice(["auto", "kernel", "in-process"]),
+              default="auto", show_default=True,
+              help="Where the loss happens for scenarios that have a kernel setup "
+                   "(incast): kernel = the namespace testbed's real bottleneck (root), "
+                   "in-process = loss injected at the endpoints; auto = kernel when it "
+                   "can run here.")
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec) -> None:
+            steps_per_epoch, loss_spec, network) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
     default = (f"boundedloss compare --scenario {scenario} --json {json_path} "
                f"--out {out_dir} --repeats {repeats} --seed {seed}")
     _run_compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-                 steps_per_epoch, loss_spec, _command_line(default))
+                 steps_per_epoch, loss_spec, _command_line(default), network=network)
 
 
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`

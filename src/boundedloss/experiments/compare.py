@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..emulate.testbed import Bottleneck
 from .train import TrainConfig, run_training
 
 #: Names accepted by ``--policies``; ``baseline`` is MLT with P fixed at DBLP's P_low.
@@ -55,6 +56,21 @@ class Arm:
 
 
 @dataclass(frozen=True)
+class KernelNetwork:
+    """How a scenario runs on the kernel testbed (root): every rank in its own network
+    namespace, a tbf ``bottleneck`` on the switch port into the server (rank 0), and
+    ``loss`` injected in-process on top (usually none). gloo's TCP crosses the same
+    links, so on the kernel it is compared like for like."""
+
+    bottleneck: Bottleneck
+    description: str
+    loss: str = "none"
+
+
+NETWORKS = ("auto", "kernel", "in-process")
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
@@ -72,10 +88,20 @@ class Scenario:
     sweep_p: float | None = None
     sweep_rates: tuple[float, ...] = ()
     sweep_aggregators: tuple[tuple[str, bool], ...] = ()  # (aggregator, hadamard)
+    kernel: KernelNetwork | None = None  # how it runs on the kernel testbed, if it can
+    network: str = "in-process"  # which one this run uses: "in-process" or "kernel"
 
     @property
     def is_sweep(self) -> bool:
         return self.sweep_policy is not None
+
+    def on_kernel(self) -> "Scenario":
+        """This scenario on the kernel testbed (``ValueError`` if it has no kernel setup)."""
+        if self.kernel is None:
+            raise ValueError(f"scenario {self.name} injects its loss in-process; it has no "
+                             "kernel-testbed setup")
+        return replace(self, loss=self.kernel.loss, description=self.kernel.description,
+                       network="kernel")
 
     def arms(self, policies: tuple[str, ...] | None = None) -> list[Arm]:
         if self.is_sweep:
@@ -136,6 +162,19 @@ SCENARIOS: dict[str, Scenario] = {
         loss="bottleneck:rate=20000,queue=64,rank=0",
         default_policies=("gloo", "reliable", "mlt", "ltp", "dblp"),
         baseline="reliable",
+        kernel=KernelNetwork(
+            bottleneck=Bottleneck(rate="100mbit", burst="32kb", limit="64kb"),
+            description=(
+                "LTP incast on the kernel testbed: 8 ranks, each in its own network "
+                "namespace behind one bridge; 7 push their digits-MLP gradients at once "
+                "to rank 0 (the parameter server, which also trains) through a real "
+                "bottleneck - a tbf on the switch port into the server, 100 Mbit/s with a "
+                "64 KB queue (about 45 full datagrams), so synchronized pushes overflow it "
+                "every round. No loss is injected: every drop is the kernel's queue. "
+                "Missing gradient is filled by LTP's BubbleFill. gloo (DDP's TCP "
+                "allreduce - a ring, not a parameter server) crosses the same bottleneck."
+            ),
+        ),
     ),
     "random-loss": Scenario(
         name="random-loss",
@@ -242,6 +281,7 @@ class RunResult:
     summary: dict
     burst: set[int] = field(default_factory=set)
     arm: Arm | None = None
+    bottleneck: dict = field(default_factory=dict)  # kernel runs: what its queue did
 
     @property
     def metric_name(self) -> str:
@@ -271,6 +311,7 @@ class RunResult:
             # gloo has no comm fields: everything arrives, nothing is retransmitted by us
             "delivered_fraction_mean": float(np.mean(deliv)) if deliv else 1.0,
             "retransmit_rounds_mean": float(np.mean(retx)) if retx else 0.0,
+            **self.bottleneck,
         }
 
 
@@ -362,6 +403,30 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     and the runs per arm."""
     epochs = epochs or scenario.epochs
     workers = workers or scenario.workers
+    with _network(scenario, workers) as testbed:
+        runs = _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed,
+                         steps_per_epoch, progress, starting, testbed)
+    dblp = runs.get("dblp")
+    clr = [r.critical_rounds() for r in dblp] if dblp else None
+    rows = [summarise(a.label, runs[a.label], scenario, clr) for a in arms]
+    for row in rows:
+        row["network"] = scenario.network
+    return add_ratios(rows, scenario.baseline, scenario.reference), runs
+
+
+def _network(scenario: Scenario, workers: int):
+    """The kernel testbed the arms run in (one for all of them), or a null context."""
+    import contextlib
+
+    if scenario.network != "kernel":
+        return contextlib.nullcontext(None)
+    from ..emulate import Testbed, TestbedConfig
+
+    return Testbed(TestbedConfig(workers=workers - 1, bottleneck=scenario.kernel.bottleneck))
+
+
+def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per_epoch,
+              progress, starting, testbed) -> dict[str, list[RunResult]]:
     runs: dict[str, list[RunResult]] = {a.label: [] for a in arms}
     for k in range(repeats):
         for arm in arm_order(arms, k):
@@ -370,17 +435,29 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
             out = str(Path(out_dir) / "runs" / f"{_safe(arm.label)}-r{k}")
             cfg = make_config(scenario, arm, out=out, epochs=epochs, workers=workers,
                               seed=seed, steps_per_epoch=steps_per_epoch)
-            run_training(cfg)
+            before = testbed.qdisc_stats() if testbed is not None else None
+            run_training(cfg, testbed=testbed)
             # every arm marks the scenario's burst rounds (gloo's too, though its TCP
             # path cannot take the loss), so the rounds compared are the same
             res = read_run(arm.label, k, out, scenario.loss, arm)
+            if before is not None:
+                res.bottleneck = bottleneck_figures(before, testbed.qdisc_stats())
             runs[arm.label].append(res)
             if progress is not None:
                 progress(res)
-    dblp = runs.get("dblp")
-    clr = [r.critical_rounds() for r in dblp] if dblp else None
-    rows = [summarise(a.label, runs[a.label], scenario, clr) for a in arms]
-    return add_ratios(rows, scenario.baseline, scenario.reference), runs
+    return runs
+
+
+def bottleneck_figures(before, after) -> dict:
+    """What the bottleneck's queue did during one run, from its qdisc counters before and
+    after (start-up and rendezvous traffic included: small next to the gradients)."""
+    if before is None or after is None:
+        return {}
+    sent = after.sent_packets - before.sent_packets
+    dropped = after.dropped - before.dropped
+    return {"bottleneck_sent_mb": (after.sent_bytes - before.sent_bytes) / 1e6,
+            "bottleneck_dropped": float(dropped),
+            "bottleneck_drop_fraction": dropped / (sent + dropped) if sent + dropped else 0.0}
 
 
 def arm_order(arms: list[Arm], repeat: int) -> list[Arm]:
@@ -390,6 +467,26 @@ def arm_order(arms: list[Arm], repeat: int) -> list[Arm]:
 
 def _safe(label: str) -> str:
     return label.replace("@", "-").replace("%", "pct").replace("+", "-")
+
+
+def choose_network(scenario: Scenario, network: str = "auto") -> Scenario:
+    """The scenario on the network asked for: ``in-process`` (loss injected at the
+    endpoints), ``kernel`` (the testbed; ``ValueError`` with the reason if this scenario
+    has no kernel setup or the testbed cannot run here), or ``auto`` (the kernel when the
+    scenario has a kernel setup and the testbed can run, else in-process)."""
+    if network not in NETWORKS:
+        raise ValueError(f"unknown network {network!r}; choose from {', '.join(NETWORKS)}")
+    if network == "in-process" or (network == "auto" and scenario.kernel is None):
+        return scenario
+    kernel = scenario.on_kernel()  # raises for "kernel" without a kernel setup
+    from ..emulate import available
+
+    ok, why = available()
+    if ok:
+        return kernel
+    if network == "kernel":
+        raise ValueError(f"the kernel testbed cannot run here: {why}")
+    return scenario
 
 
 def with_loss(scenario: Scenario, loss_spec: str) -> Scenario:

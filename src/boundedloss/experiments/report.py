@@ -158,8 +158,26 @@ SWEEP_COLUMNS = (
 )
 
 
+#: kernel-testbed runs (incast): no bursts; what the bottleneck's queue did instead
+KERNEL_COLUMNS = (
+    ("policy", "policy", "s"),
+    ("wall_s", "wall s", ".1f"),
+    ("round_ms_p50", "round p50 ms", ".1f"),
+    ("round_ms_p99", "round p99 ms", ".1f"),
+    ("time_reduction_vs_baseline", "time reduction vs baseline", "+.1%"),
+    ("final_metric", "final metric", ".4f"),
+    ("metric_change_vs_reliable", "metric vs reliable", "+.4f"),
+    ("delivered_fraction_mean", "delivered", ".4f"),
+    ("retransmit_rounds_mean", "retx rounds", ".2f"),
+    ("bottleneck_sent_mb", "sent into server MB", ".1f"),
+    ("bottleneck_drop_fraction", "queue drops", ".1%"),
+)
+
+
 def columns_for(scenario: Scenario) -> tuple:
-    return SWEEP_COLUMNS if scenario.is_sweep else TABLE_COLUMNS
+    if scenario.is_sweep:
+        return SWEEP_COLUMNS
+    return KERNEL_COLUMNS if scenario.network == "kernel" else TABLE_COLUMNS
 
 
 def table_cells(row: dict, columns: tuple = TABLE_COLUMNS) -> list[str]:

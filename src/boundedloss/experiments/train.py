@@ -1,6 +1,7 @@
 """`boundedloss train`: data-parallel training with the bounded-loss DDP hook.
 
-Spawns ``workers`` local processes (torch.distributed over Gloo on 127.0.0.1), or, when
+Spawns ``workers`` local processes (torch.distributed over Gloo on 127.0.0.1), or one per
+node of a kernel testbed (``run_training(cfg, testbed)``), or, when
 started by ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR in the environment), runs as
 that one rank. Rank 0 writes, under ``out``:
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -267,42 +269,119 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_training(cfg: TrainConfig) -> dict:
-    """Train under torchrun (one rank) or spawn ``cfg.workers`` local ranks."""
+def run_training(cfg: TrainConfig, testbed=None) -> dict:
+    """Train under torchrun (one rank), in a kernel testbed's namespaces (``testbed``: an
+    up :class:`~boundedloss.emulate.Testbed`; rank 0 in its server node, rank r in
+    worker r-1), or as ``cfg.workers`` local processes."""
     cfg.validate()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    import multiprocessing as mp
+    if testbed is not None:
+        ranks = _start_in_testbed(cfg, testbed)
+    else:
+        import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port), daemon=False)
-             for r in range(cfg.workers)]
-    for p in procs:
-        p.start()
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        ranks = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port),
+                             daemon=False) for r in range(cfg.workers)]
+        for p in ranks:
+            p.start()
+    _supervise(ranks, cfg)
+    failed = [(r, p.exitcode) for r, p in enumerate(ranks) if p.exitcode != 0]
+    if failed:
+        names = ", ".join(f"rank {r} (exit {c})" for r, c in failed)
+        hint = ""
+        if testbed is not None:
+            hint = f"; each rank's output is in {Path(cfg.out) / 'rank<r>.log'}"
+        raise RuntimeError(f"training failed: {names}{hint}")
+    return json.loads((Path(cfg.out) / "summary.json").read_text())
+
+
+def _supervise(ranks: list, cfg: TrainConfig) -> None:
+    """Wait for every rank. Once one fails, the others get two receive deadlines to
+    notice and exit on their own (they should: a dead peer ends their round with
+    PeerFailure); then they are stopped, so a failed run never hangs."""
     from multiprocessing.connection import wait
 
-    # Once a rank fails, the others get two receive deadlines to notice and exit on
-    # their own (they should: a dead peer ends their round with PeerFailure); then they
-    # are stopped, so a failed run never hangs.
     give_up_at = None
     try:
-        while any(p.is_alive() for p in procs):
-            wait([p.sentinel for p in procs if p.is_alive()], timeout=1.0)
-            if give_up_at is None and any(p.exitcode not in (None, 0) for p in procs):
+        while any(p.is_alive() for p in ranks):
+            wait([p.sentinel for p in ranks if p.is_alive()], timeout=1.0)
+            if give_up_at is None and any(p.exitcode not in (None, 0) for p in ranks):
                 give_up_at = time.monotonic() + 2 * cfg.receive_deadline + 10
             if give_up_at is not None and time.monotonic() > give_up_at:
-                for p in procs:
+                for p in ranks:
                     if p.is_alive():
                         p.terminate()
     except KeyboardInterrupt:
-        for p in procs:
+        for p in ranks:
             p.terminate()
         raise
-    for p in procs:
+    for p in ranks:
         p.join()
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        ranks = ", ".join(f"rank {r} (exit {c})" for r, c in failed)
-        raise RuntimeError(f"training failed: {ranks}")
-    return json.loads((Path(cfg.out) / "summary.json").read_text())
+
+
+class _NamespaceRank:
+    """A rank running in a testbed node, with the part of ``multiprocessing.Process``'s
+    interface :func:`_supervise` uses (the sentinel is a pidfd: readable at exit)."""
+
+    def __init__(self, proc, log):
+        self.proc = proc
+        self.log = log
+        self.sentinel = os.pidfd_open(proc.pid)
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def join(self) -> None:
+        self.proc.wait()
+        self.log.close()
+        os.close(self.sentinel)
+
+
+def _start_in_testbed(cfg: TrainConfig, testbed) -> list[_NamespaceRank]:
+    """One ``python -m boundedloss.experiments.train`` per rank, each in its node; the
+    rendezvous is at the server node's address, so Gloo's TCP and our UDP both cross the
+    testbed's links (and its bottleneck into the server)."""
+    nodes = ("server",) + tuple(testbed.workers)
+    if cfg.workers > len(nodes):
+        raise ValueError(f"the testbed has {len(nodes)} nodes; {cfg.workers} ranks asked")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "WORLD_SIZE": str(cfg.workers),
+           "MASTER_ADDR": testbed.addresses["server"], "MASTER_PORT": str(_free_port())}
+    ranks = []
+    for r in range(cfg.workers):
+        log = open(out / f"rank{r}.log", "w")
+        proc = testbed.run(nodes[r], [sys.executable, "-m", "boundedloss.experiments.train",
+                                      json.dumps(asdict(cfg))],
+                           env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT)
+        ranks.append(_NamespaceRank(proc, log))
+    return ranks
+
+
+def _rank_main(argv: list[str]) -> int:
+    """A rank started by :func:`_start_in_testbed`: the config as JSON, rank and rendezvous
+    in the environment."""
+    cfg = TrainConfig(**json.loads(argv[0]))
+    try:
+        train_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    except Exception as e:  # noqa: BLE001 - one clear line per failing rank
+        sys.stderr.write(f"boundedloss train: rank {os.environ['RANK']}: "
+                         f"{type(e).__name__}: {e}\n")
+        if os.environ.get("BOUNDEDLOSS_DEBUG"):
+            traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1:]))
