@@ -8,6 +8,7 @@ which datagram is lost, when a timer fires, and what the destination buffer hold
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 import math
 import struct
 import tracemalloc
@@ -1063,3 +1064,63 @@ def test_acks_arriving_behind_the_first_probe_send_more_copies_at_once() -> None
     copies, res, t = _first_probe_copies(drop, cfg=CFG)
     assert copies == 14  # 1, then 13 more when the ACKs arrived: ceil(log 0.05 / log 0.8)
     assert res.ok and t < CFG.initial_rto  # no PROBE timeout on the way
+
+
+# ------------------------------------------- pacing of retransmission passes
+
+
+def _retransmission_times(cfg: TransportConfig, chunks: int = 200):
+    """3 of every 4 first-pass DATA lost (an incast queue overflowing), nothing after;
+    return the first pass's send times, the retransmissions' and the sender."""
+    net, a, b = pair(cfg, delay=1e-3, drop=lambda src, dst, h, d, nth: (
+        src == "a" and h.kind == Kind.DATA and nth <= chunks and nth % 4 != 0))
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, source_bytes(chunks * CB, 7), net.now)
+    net.run([tx, rx], until=10.0)
+    assert rx.result.complete
+    sent = [t for t, src, _, kind, _ in net.log if src == "a" and kind == Kind.DATA]
+    return sent[:chunks], sent[chunks:], tx, a
+
+
+def test_retransmissions_are_paced_at_the_delivery_rate_the_pass_showed() -> None:
+    """The first pass goes at once; it got 50 of 200 datagrams through in the 2 ms from
+    its first DATA to the answer, so the 150 missing go out at 1.25x that rate (a
+    millisecond's worth at once) - not all at once into the queue that dropped them."""
+    first, retx, tx, _ = _retransmission_times(CFG)
+    size = CB + HEADER_BYTES
+    assert max(first) == 0.0 and len(retx) == 150
+    assert tx.rate_samples[0] == pytest.approx(50 * size / 2e-3)
+    rate = 1.25 * 50 * size / 2e-3
+    burst = int(rate * 1e-3 // size)  # 31 datagrams leave at once
+    assert retx[burst - 1] == retx[0] == pytest.approx(2e-3)
+    assert retx[-1] - retx[0] == pytest.approx((150 - burst) * size / rate, rel=0.02)
+    # without pacing, the whole pass leaves at one instant
+    _, retx, _, _ = _retransmission_times(replace(CFG, retransmit_pacing_gain=None))
+    assert len(retx) == 150 and retx[-1] == retx[0]
+
+
+def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() -> None:
+    """Each answered pass is a sample; the next message to the peer paces its
+    retransmissions from the best of the recent ones, so one pass in a random-loss
+    burst (7 of 8 lost) does not slow the messages after it."""
+    lossy = {ROUND: 4, ROUND + 1: 8}  # round -> 1 in N first-pass DATA arrives
+    counts: dict = {}
+
+    def drop(src, dst, h, d, nth):
+        if src != "a" or h.kind != Kind.DATA or h.round_id not in lossy:
+            return False
+        counts[h.round_id] = counts.get(h.round_id, 0) + 1
+        return counts[h.round_id] <= 200 and counts[h.round_id] % lossy[h.round_id] != 0
+
+    net, a, b = pair(CFG, delay=1e-3, drop=drop)
+    samples = []
+    for r in (ROUND, ROUND + 1):
+        rx = b.start_receive("a", r, MSG, net.now, policy=ReliablePolicy())
+        tx = a.start_send("b", r, MSG, source_bytes(200 * CB, r), net.now)
+        net.run([tx, rx], until=net.now + 10.0)
+        assert rx.result.complete
+        samples.append(tx.rate_samples[0])
+    size = CB + HEADER_BYTES
+    assert samples == [pytest.approx(50 * size / 2e-3), pytest.approx(25 * size / 2e-3)]
+    tx3 = a.start_send("b", ROUND + 2, MSG, source_bytes(10 * CB, 8), net.now)
+    assert tx3._peer_rate == samples[0]

@@ -10,7 +10,7 @@ allocate nothing; a receive must be posted (``start_receive``) to be accepted.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from ..wire import HEADER_BYTES, STOP_PAYLOAD, DropReason, MalformedDatagram
 from .receiver import MessageReceiver
 from .sender import MessageSender
 from .types import TooManyReceives, TransportConfig, TransportError
+
+#: delivery-rate samples kept per peer (a few messages' passes)
+RATE_SAMPLES = 8
 
 
 class _Closed:
@@ -44,6 +47,9 @@ class TransferMux:
         self._outbox: list = []  # control datagrams waiting for poll
         self._finished: list = []  # senders/receivers that finished since pop_finished
         self._rtt: dict = {}  # peer -> (srtt, rttvar) learned by finished sends
+        # peer -> the delivery-rate samples of its latest passes (the best one paces
+        # the next message's retransmissions; old ones age out)
+        self._rates: dict = {}
         self._turn = 0  # rotates which sender polls first, so none always goes first
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
@@ -58,6 +64,7 @@ class TransferMux:
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             payload=payload, config=self.config, now=now, critical=critical,
             rtt=self._rtt.get(peer),
+            delivery_rate=max(self._rates[peer]) if self._rates.get(peer) else None,
         )
         self._senders[key] = sender
         return sender
@@ -225,6 +232,9 @@ class TransferMux:
             del self._senders[key]
             if transfer.rtt_estimate is not None:
                 self._rtt[transfer.peer] = transfer.rtt_estimate
+            if transfer.rate_samples:
+                self._rates.setdefault(transfer.peer, deque(maxlen=RATE_SAMPLES)).extend(
+                    transfer.rate_samples)
             self._finished.append(transfer)
 
     def pop_finished(self) -> list:

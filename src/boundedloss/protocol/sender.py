@@ -35,6 +35,11 @@ def as_bytes_view(array) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8))
 
 
+#: an adaptive pacing rate (bytes/s) above this is no pacing at all: 10 Gbit/s is beyond
+#: what one Python sender can put out, and timers at such rates only cost
+UNPACED_ABOVE = 1.25e9
+
+
 class MessageSender:
     def __init__(
         self,
@@ -48,6 +53,7 @@ class MessageSender:
         now: float,
         critical: np.ndarray | None = None,
         rtt: tuple[float, float] | None = None,
+        delivery_rate: float | None = None,
     ):
         self.peer = peer
         self.round_id = round_id
@@ -120,6 +126,14 @@ class MessageSender:
 
         self._tokens = 0.0
         self._tokens_at = now
+        self._paced_until: float | None = None
+        # Delivery rate (bytes/s): each answered pass gives a sample - what it got
+        # through over the time from its first DATA to the answer; ``delivery_rate`` is
+        # the best sample of recent messages to this peer (a lossy pass alone would
+        # pace a random-loss burst as if it were congestion).
+        self._peer_rate = delivery_rate
+        self.rate_samples: list[float] = []
+        self._pass_started_at: float | None = None
 
         # Flow control: every DATA datagram gets the next transmission sequence; the
         # receiver's ACKs (and probe answers) say how far it has seen, so at most
@@ -150,6 +164,7 @@ class MessageSender:
             return False
         return self._probe_due or self._more_copies > 0 or (
             self._pos < len(self._pending) and self._tseq - self._acked_tseq < self._window
+            and self._paced_until is None
         )
 
     def poll(self, now: float, limit: int, out: list) -> int:
@@ -169,12 +184,16 @@ class MessageSender:
         if avail > 0 and sent < limit:
             room = self._window - (self._tseq - self._acked_tseq)
             k = min(avail, limit - sent, room)
-            if k > 0 and self.config.rate_bps is not None:
+            if k > 0 and self._pacing() is not None:
                 k = self._paced(now, k)  # (waiting for tokens is not a shut window)
+            elif self._paced_until is not None:
+                self._paced_until = None  # (no longer paced: a new pass, say)
             if room <= 0:
                 if self._blocked_since is None:
                     self._blocked_since = now
             elif k > 0:
+                if self._pass_started_at is None:
+                    self._pass_started_at = now
                 batch = pending[pos : pos + k]
                 self._pos = pos + k
                 self._queued[batch] = False
@@ -209,16 +228,38 @@ class MessageSender:
                     self._probe_due = True
         return sent
 
+    def _pacing(self) -> tuple[float, float] | None:
+        """(rate in bytes/s, bucket in bytes) DATA is paced at now, or None."""
+        cfg = self.config
+        if cfg.rate_bps is not None:
+            return cfg.rate_bps / 8.0, max(self.chunk_bytes + HEADER_BYTES, 64 * 1024)
+        if self._first_pass or cfg.retransmit_pacing_gain is None:
+            return None
+        best = max(self.rate_samples, default=0.0)
+        if self._peer_rate is not None and self._peer_rate > best:
+            best = self._peer_rate
+        rate = best * cfg.retransmit_pacing_gain
+        if not 0.0 < rate < UNPACED_ABOVE:
+            return None  # nothing measured yet, or faster than pacing could matter
+        # a millisecond's worth at once, at least 8 datagrams: small enough that the
+        # senders of an incast do not refill the queue in one go, large enough that a
+        # fast path is not slowed by a timer per datagram
+        return rate, max(8 * (self.chunk_bytes + HEADER_BYTES), rate * 1e-3)
+
     def _paced(self, now: float, k: int) -> int:
-        burst = max(self.chunk_bytes + HEADER_BYTES, 64 * 1024)
-        rate = self.config.rate_bps / 8.0
+        """How many of ``k`` datagrams the bucket lets out now; when none, the time it
+        will let one out becomes a timer (``_paced_until``), and until then the sender
+        has no data to offer (a driver would otherwise poll it in a loop)."""
+        rate, burst = self._pacing()
         self._tokens = min(burst, self._tokens + (now - self._tokens_at) * rate)
         self._tokens_at = now
         size = self.chunk_bytes + HEADER_BYTES
-        # (a micro-byte of slack: at the instant next_deadline named, float rounding can
-        # leave the bucket a hair short, and a virtual clock would spin there forever)
-        k = min(k, int((self._tokens + 1e-6) // size))
+        # (a hundredth of a datagram of slack: at the instant next_deadline named, float
+        # rounding can leave the bucket a hair short, and a virtual clock would spin
+        # there forever)
+        k = min(k, int((self._tokens + 0.01 * size) // size))
         self._tokens -= k * size
+        self._paced_until = None if k else now + (size - self._tokens) / rate
         return k
 
     def _send_probe(self, now: float, out: list) -> int:
@@ -312,6 +353,11 @@ class MessageSender:
         # of an RTO - tens of ms when the hosts are busy - every few passes).
         if self._pass_sent:
             self._min_copies = self._copies_for(self._reply_missing / self._pass_sent)
+        got = self._pass_sent - self._reply_missing
+        if got > 0 and self._pass_started_at is not None and now > self._pass_started_at:
+            self.rate_samples.append(got * (self.chunk_bytes + HEADER_BYTES)
+                                     / (now - self._pass_started_at))
+        self._pass_started_at = None
         self._pass_sent = 0
         if self._reply_missing:
             self.retransmit_rounds += 1
@@ -383,10 +429,8 @@ class MessageSender:
             t = self._probe_deadline
         if self._blocked_since is not None and not self._awaiting_reply:
             t = min(t, self._blocked_since + self._rto)
-        if self.config.rate_bps is not None and self._pos < len(self._pending):
-            size = self.chunk_bytes + HEADER_BYTES
-            wait = max(0.0, size - self._tokens) * 8.0 / self.config.rate_bps
-            t = min(t, self._tokens_at + wait)
+        if self._paced_until is not None and self._paced_until < t:
+            t = self._paced_until
         return t
 
     def timer_fired(self, now: float) -> None:
@@ -395,6 +439,8 @@ class MessageSender:
         if now >= self._last_heard + self.config.peer_timeout:
             self._finish(SendStatus.PEER_SILENT, None, now)
             return
+        if self._paced_until is not None and now >= self._paced_until:
+            self._paced_until = None  # the bucket has a datagram's worth again
         if (
             self._blocked_since is not None
             and not self._awaiting_reply

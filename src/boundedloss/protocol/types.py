@@ -61,6 +61,11 @@ class TransportConfig:
     window_bytes: int = 2 << 20
     #: pacing of DATA per sender in bits/s (None: as fast as the window allows)
     rate_bps: float | None = None
+    #: pace retransmission passes at this many times the best delivery rate the peer
+    #: has shown lately (None: unpaced). Under incast every sender's missing chunks
+    #: otherwise go out at once into the queue that just dropped them, and each pass
+    #: loses most of what it sends again; the first pass stays unpaced.
+    retransmit_pacing_gain: float | None = 1.25
     #: datagrams one sender hands out per poll before the next sender's turn
     send_batch: int = 64
 
@@ -68,6 +73,8 @@ class TransportConfig:
         check_chunk_bytes(self.chunk_bytes)
         if not 0 < self.min_rto <= self.initial_rto <= self.max_rto:
             raise ValueError("need 0 < min_rto <= initial_rto <= max_rto")
+        if self.retransmit_pacing_gain is not None and self.retransmit_pacing_gain <= 0:
+            raise ValueError("retransmit_pacing_gain must be > 0 (or None for unpaced)")
         if self.probe_backoff_limit < 1 or self.probe_copies_max < 1:
             raise ValueError("probe_backoff_limit and probe_copies_max must be >= 1")
         if not 0 < self.probe_miss_target < 1:
