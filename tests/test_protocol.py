@@ -1124,3 +1124,17 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
     assert samples == [pytest.approx(50 * size / 2e-3), pytest.approx(25 * size / 2e-3)]
     tx3 = a.start_send("b", ROUND + 2, MSG, source_bytes(10 * CB, 8), net.now)
     assert tx3._peer_rate == samples[0]
+
+
+def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> None:
+    """Its time holds a timeout (here every copy of the first PROBE is lost), not how
+    fast the path drained: pacing the retransmissions by it would crawl."""
+    net, a, b = pair(CFG, delay=1e-3, drop=lambda src, dst, h, d, nth: (
+        src == "a" and ((h.kind == Kind.DATA and nth <= 200 and nth % 4 != 0)
+                        or (h.kind == Kind.PROBE and h.index == 1))))
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
+    tx = a.start_send("b", ROUND, MSG, source_bytes(200 * CB, 7), net.now)
+    net.run([tx, rx], until=10.0)
+    assert rx.result.complete and tx.rate_samples == []
+    retx = [t for t, src, _, kind, _ in net.log if src == "a" and kind == Kind.DATA][200:]
+    assert len(retx) == 150 and retx[-1] == retx[0]  # nothing measured: not paced

@@ -134,6 +134,7 @@ class MessageSender:
         self._peer_rate = delivery_rate
         self.rate_samples: list[float] = []
         self._pass_started_at: float | None = None
+        self._pace_floor = 0.0
 
         # Flow control: every DATA datagram gets the next transmission sequence; the
         # receiver's ACKs (and probe answers) say how far it has seen, so at most
@@ -238,9 +239,11 @@ class MessageSender:
         best = max(self.rate_samples, default=0.0)
         if self._peer_rate is not None and self._peer_rate > best:
             best = self._peer_rate
-        rate = best * cfg.retransmit_pacing_gain
-        if not 0.0 < rate < UNPACED_ABOVE:
-            return None  # nothing measured yet, or faster than pacing could matter
+        if best <= 0.0:
+            return None  # nothing measured yet
+        rate = max(best * cfg.retransmit_pacing_gain, self._pace_floor)
+        if rate >= UNPACED_ABOVE:
+            return None  # faster than pacing could matter
         # a millisecond's worth at once, at least 8 datagrams: small enough that the
         # senders of an incast do not refill the queue in one go, large enough that a
         # fast path is not slowed by a timer per datagram
@@ -343,6 +346,9 @@ class MessageSender:
             self._acked_tseq = self._probe_tseq
             self._blocked_since = None
         self._rtt_sample(now - self._probe_sent_at)
+        # (Karn, as for the RTT: after a repeated PROBE the pass's time also holds the
+        # timeouts - a receive posted late, the answers lost - not how fast it drained)
+        unrepeated = self._unanswered == 0
         self._awaiting_reply = False
         self._more_copies = 0
         self._probe_deadline = None
@@ -354,10 +360,14 @@ class MessageSender:
         if self._pass_sent:
             self._min_copies = self._copies_for(self._reply_missing / self._pass_sent)
         got = self._pass_sent - self._reply_missing
-        if got > 0 and self._pass_started_at is not None and now > self._pass_started_at:
-            self.rate_samples.append(got * (self.chunk_bytes + HEADER_BYTES)
-                                     / (now - self._pass_started_at))
+        size = self.chunk_bytes + HEADER_BYTES
+        if (got > 0 and unrepeated and self._pass_started_at is not None
+                and now > self._pass_started_at):
+            self.rate_samples.append(got * size / (now - self._pass_started_at))
         self._pass_started_at = None
+        # however slow the samples say the peer is, pacing never stretches the pass this
+        # answer starts beyond two RTOs
+        self._pace_floor = (len(self._pending) - self._pos) * size / (2 * self._rto_base)
         self._pass_sent = 0
         if self._reply_missing:
             self.retransmit_rounds += 1
