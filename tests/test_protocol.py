@@ -1069,6 +1069,9 @@ def test_acks_arriving_behind_the_first_probe_send_more_copies_at_once() -> None
 # ------------------------------------------- pacing of retransmission passes
 
 
+PACING = replace(CFG, retransmit_pacing_gain=1.25)
+
+
 def _retransmission_times(cfg: TransportConfig, chunks: int = 200):
     """3 of every 4 first-pass DATA lost (an incast queue overflowing), nothing after;
     return the first pass's send times, the retransmissions' and the sender."""
@@ -1086,7 +1089,7 @@ def test_retransmissions_are_paced_at_the_delivery_rate_the_pass_showed() -> Non
     """The first pass goes at once; it got 50 of 200 datagrams through in the 2 ms from
     its first DATA to the answer, so the 150 missing go out at 1.25x that rate (a
     millisecond's worth at once) - not all at once into the queue that dropped them."""
-    first, retx, tx, _ = _retransmission_times(CFG)
+    first, retx, tx, _ = _retransmission_times(PACING)
     size = CB + HEADER_BYTES
     assert max(first) == 0.0 and len(retx) == 150
     assert tx.rate_samples[0] == pytest.approx(50 * size / 2e-3)
@@ -1095,7 +1098,7 @@ def test_retransmissions_are_paced_at_the_delivery_rate_the_pass_showed() -> Non
     assert retx[burst - 1] == retx[0] == pytest.approx(2e-3)
     assert retx[-1] - retx[0] == pytest.approx((150 - burst) * size / rate, rel=0.02)
     # without pacing, the whole pass leaves at one instant
-    _, retx, _, _ = _retransmission_times(replace(CFG, retransmit_pacing_gain=None))
+    _, retx, _, _ = _retransmission_times(CFG)  # (the default)
     assert len(retx) == 150 and retx[-1] == retx[0]
 
 
@@ -1112,7 +1115,7 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
         counts[h.round_id] = counts.get(h.round_id, 0) + 1
         return counts[h.round_id] <= 200 and counts[h.round_id] % lossy[h.round_id] != 0
 
-    net, a, b = pair(CFG, delay=1e-3, drop=drop)
+    net, a, b = pair(PACING, delay=1e-3, drop=drop)
     samples = []
     for r in (ROUND, ROUND + 1):
         rx = b.start_receive("a", r, MSG, net.now, policy=ReliablePolicy())
@@ -1129,7 +1132,7 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
 def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> None:
     """Its time holds a timeout (here every copy of the first PROBE is lost), not how
     fast the path drained: pacing the retransmissions by it would crawl."""
-    net, a, b = pair(CFG, delay=1e-3, drop=lambda src, dst, h, d, nth: (
+    net, a, b = pair(PACING, delay=1e-3, drop=lambda src, dst, h, d, nth: (
         src == "a" and ((h.kind == Kind.DATA and nth <= 200 and nth % 4 != 0)
                         or (h.kind == Kind.PROBE and h.index == 1))))
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())

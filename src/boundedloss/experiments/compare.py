@@ -15,10 +15,16 @@ nor an arm's place in the sequence favours one arm (measured: on the project's V
 same arm ran 10-20% slower when it always came last). The per-round and
 per-epoch logs are read back and summarised per arm (median over repeats), with ratios
 against the scenario's baseline arm and its reference arm.
+
+A scenario with a kernel setup (``incast``) can run on the real-kernel testbed instead
+of in-process loss (:func:`choose_network`): one testbed for all its arms, every rank in
+its own network namespace, a real tbf in front of the server; each row then also says
+what that queue sent and dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from dataclasses import dataclass, field, replace
@@ -166,11 +172,13 @@ SCENARIOS: dict[str, Scenario] = {
             bottleneck=Bottleneck(rate="100mbit", burst="32kb", limit="64kb"),
             description=(
                 "LTP incast on the kernel testbed: 8 ranks, each in its own network "
-                "namespace behind one bridge; 7 push their digits-MLP gradients at once "
-                "to rank 0 (the parameter server, which also trains) through a real "
-                "bottleneck - a tbf on the switch port into the server, 100 Mbit/s with a "
-                "64 KB queue (about 45 full datagrams), so synchronized pushes overflow it "
-                "every round. No loss is injected: every drop is the kernel's queue. "
+                "namespace behind one bridge; 7 push their digits-MLP gradients (340 KB "
+                "each) at once to rank 0 (the parameter server, which also trains) "
+                "through a real bottleneck - a tbf on the switch port into the server, "
+                "100 Mbit/s with a 64 KB queue (about 45 full datagrams): a round's 2.4 MB "
+                "of pushes is 190 ms of wire time at the least, and the synchronized "
+                "pushes overflow the queue every round. No loss is injected: every drop "
+                "is the kernel's queue. "
                 "Missing gradient is filled by LTP's BubbleFill. gloo (DDP's TCP "
                 "allreduce - a ring, not a parameter server) crosses the same bottleneck."
             ),
@@ -416,8 +424,6 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
 
 def _network(scenario: Scenario, workers: int):
     """The kernel testbed the arms run in (one for all of them), or a null context."""
-    import contextlib
-
     if scenario.network != "kernel":
         return contextlib.nullcontext(None)
     from ..emulate import Testbed, TestbedConfig

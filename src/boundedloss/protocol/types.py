@@ -62,10 +62,13 @@ class TransportConfig:
     #: pacing of DATA per sender in bits/s (None: as fast as the window allows)
     rate_bps: float | None = None
     #: pace retransmission passes at this many times the best delivery rate the peer
-    #: has shown lately (None: unpaced). Under incast every sender's missing chunks
-    #: otherwise go out at once into the queue that just dropped them, and each pass
-    #: loses most of what it sends again; the first pass stays unpaced.
-    retransmit_pacing_gain: float | None = 1.25
+    #: has shown lately (None: unpaced; the first pass is never paced by it). Under
+    #: incast every sender's missing chunks otherwise go out at once into the queue that
+    #: just dropped them. Off by default: on the kernel incast 1.25 halved the
+    #: retransmission passes of the bounded policies but saved no time, and on a fast
+    #: CPU-bound path the samples (which include the round trip) pace below what the
+    #: path can take (BENCHMARKS.md).
+    retransmit_pacing_gain: float | None = None
     #: datagrams one sender hands out per poll before the next sender's turn
     send_batch: int = 64
 
