@@ -1126,7 +1126,7 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
     size = CB + HEADER_BYTES
     assert samples == [pytest.approx(50 * size / 2e-3), pytest.approx(25 * size / 2e-3)]
     tx3 = a.start_send("b", ROUND + 2, MSG, source_bytes(10 * CB, 8), net.now)
-    assert tx3._peer_rate == samples[0]
+    assert tx3._best_rate == samples[0]
 
 
 def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> None:

@@ -181,7 +181,5 @@ def run_kernel_loss_bench(
     return rows
 
 
-
-
 if __name__ == "__main__":
     rank_main()

@@ -159,16 +159,7 @@ SWEEP_COLUMNS = (
 
 
 #: kernel-testbed runs (incast): no bursts; what the bottleneck's queue did instead
-KERNEL_COLUMNS = (
-    ("policy", "policy", "s"),
-    ("wall_s", "wall s", ".1f"),
-    ("round_ms_p50", "round p50 ms", ".1f"),
-    ("round_ms_p99", "round p99 ms", ".1f"),
-    ("time_reduction_vs_baseline", "time reduction vs baseline", "+.1%"),
-    ("final_metric", "final metric", ".4f"),
-    ("metric_change_vs_reliable", "metric vs reliable", "+.4f"),
-    ("delivered_fraction_mean", "delivered", ".4f"),
-    ("retransmit_rounds_mean", "retx rounds", ".2f"),
+KERNEL_COLUMNS = tuple(c for c in TABLE_COLUMNS if "burst" not in c[0]) + (
     ("bottleneck_sent_mb", "sent into server MB", ".1f"),
     ("bottleneck_drop_fraction", "queue drops", ".1%"),
 )

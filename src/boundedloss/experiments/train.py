@@ -250,9 +250,8 @@ class _Progress:
 
 
 # ------------------------------------------------------------------ launch
-def _spawned(rank: int, world: int, cfg: TrainConfig, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _rank_exit_code(cfg: TrainConfig, rank: int, world: int) -> int:
+    """Run one launched rank to the end: 0, or 1 after one clear line on stderr."""
     try:
         train_rank(cfg, rank, world)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank
@@ -260,6 +259,14 @@ def _spawned(rank: int, world: int, cfg: TrainConfig, port: int) -> None:
         if os.environ.get("BOUNDEDLOSS_DEBUG"):
             traceback.print_exc()
         sys.stderr.flush()
+        return 1
+    return 0
+
+
+def _spawned(rank: int, world: int, cfg: TrainConfig, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if _rank_exit_code(cfg, rank, world):
         os._exit(1)
 
 
@@ -372,15 +379,7 @@ def _rank_main(argv: list[str]) -> int:
     """A rank started by :func:`_start_in_testbed`: the config as JSON, rank and rendezvous
     in the environment."""
     cfg = TrainConfig(**json.loads(argv[0]))
-    try:
-        train_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-    except Exception as e:  # noqa: BLE001 - one clear line per failing rank
-        sys.stderr.write(f"boundedloss train: rank {os.environ['RANK']}: "
-                         f"{type(e).__name__}: {e}\n")
-        if os.environ.get("BOUNDEDLOSS_DEBUG"):
-            traceback.print_exc()
-        return 1
-    return 0
+    return _rank_exit_code(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 if __name__ == "__main__":

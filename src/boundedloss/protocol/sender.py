@@ -131,7 +131,7 @@ class MessageSender:
         # through over the time from its first DATA to the answer; ``delivery_rate`` is
         # the best sample of recent messages to this peer (a lossy pass alone would
         # pace a random-loss burst as if it were congestion).
-        self._peer_rate = delivery_rate
+        self._best_rate = delivery_rate or 0.0  # the best of those and this send's own
         self.rate_samples: list[float] = []
         self._pass_started_at: float | None = None
         self._pace_floor = 0.0
@@ -185,10 +185,9 @@ class MessageSender:
         if avail > 0 and sent < limit:
             room = self._window - (self._tseq - self._acked_tseq)
             k = min(avail, limit - sent, room)
-            if k > 0 and self._pacing() is not None:
-                k = self._paced(now, k)  # (waiting for tokens is not a shut window)
-            elif self._paced_until is not None:
-                self._paced_until = None  # (no longer paced: a new pass, say)
+            pacing = self._pacing() if k > 0 else None
+            if pacing is not None:
+                k = self._paced(now, k, *pacing)  # (waiting for tokens is not a shut window)
             if room <= 0:
                 if self._blocked_since is None:
                     self._blocked_since = now
@@ -236,12 +235,9 @@ class MessageSender:
             return cfg.rate_bps / 8.0, max(self.chunk_bytes + HEADER_BYTES, 64 * 1024)
         if self._first_pass or cfg.retransmit_pacing_gain is None:
             return None
-        best = max(self.rate_samples, default=0.0)
-        if self._peer_rate is not None and self._peer_rate > best:
-            best = self._peer_rate
-        if best <= 0.0:
+        if self._best_rate <= 0.0:
             return None  # nothing measured yet
-        rate = max(best * cfg.retransmit_pacing_gain, self._pace_floor)
+        rate = max(self._best_rate * cfg.retransmit_pacing_gain, self._pace_floor)
         if rate >= UNPACED_ABOVE:
             return None  # faster than pacing could matter
         # a millisecond's worth at once, at least 8 datagrams: small enough that the
@@ -249,11 +245,11 @@ class MessageSender:
         # fast path is not slowed by a timer per datagram
         return rate, max(8 * (self.chunk_bytes + HEADER_BYTES), rate * 1e-3)
 
-    def _paced(self, now: float, k: int) -> int:
-        """How many of ``k`` datagrams the bucket lets out now; when none, the time it
-        will let one out becomes a timer (``_paced_until``), and until then the sender
-        has no data to offer (a driver would otherwise poll it in a loop)."""
-        rate, burst = self._pacing()
+    def _paced(self, now: float, k: int, rate: float, burst: float) -> int:
+        """How many of ``k`` datagrams a bucket of ``burst`` bytes filling at ``rate``
+        lets out now; when none, the time it will let one out becomes a timer
+        (``_paced_until``), and until then the sender has no data to offer (a driver
+        would otherwise poll it in a loop)."""
         self._tokens = min(burst, self._tokens + (now - self._tokens_at) * rate)
         self._tokens_at = now
         size = self.chunk_bytes + HEADER_BYTES
@@ -363,7 +359,9 @@ class MessageSender:
         size = self.chunk_bytes + HEADER_BYTES
         if (got > 0 and unrepeated and self._pass_started_at is not None
                 and now > self._pass_started_at):
-            self.rate_samples.append(got * size / (now - self._pass_started_at))
+            sample = got * size / (now - self._pass_started_at)
+            self.rate_samples.append(sample)
+            self._best_rate = max(self._best_rate, sample)
         self._pass_started_at = None
         # however slow the samples say the peer is, pacing never stretches the pass this
         # answer starts beyond two RTOs
