@@ -202,6 +202,7 @@ def test_tcp_between_namespaces(bed):
     assert out.strip() == ",".join(sorted(bed.workers))
     # torch's Gloo must bind eth0 (the host name resolves outside the namespace)
     assert bed.call("w2", ["sh", "-c", "echo $GLOO_SOCKET_IFNAME"]).stdout.strip() == "eth0"
+    assert bed.call("w2", ["sh", "-c", "echo $BOUNDEDLOSS_UDP_GSO"]).stdout.strip() == "0"
     # worker to worker
     p7 = bed.run("w7", [sys.executable, "-c",
                         "import socket\n"

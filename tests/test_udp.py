@@ -11,9 +11,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from boundedloss.net.loss import Bernoulli
-from boundedloss.net.udp import UdpEndpoint
+from boundedloss.net.udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, UdpEndpoint, segment_run
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import CloseReason, SendStatus, TransportConfig, TransportError
 
@@ -157,3 +159,72 @@ def test_close_fails_open_futures():
         fut.result(1)
     with pytest.raises(TransportError):
         ep.send(("127.0.0.1", 9), b"x", message_id=2)
+
+
+# ------------------------------------------------------ UDP segmentation offload
+# stretches of datagrams of one size to one peer, as a sender's passes come out
+_stretch = st.tuples(st.sampled_from([("a", 1), ("b", 2)]),
+                     st.sampled_from([(48, 1400), (48, 700), (60,), (48, 8192), (48, 30000)]),
+                     st.integers(1, 100))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_stretch, min_size=1, max_size=8))
+def test_segment_runs_cover_the_batch_in_runs_the_kernel_takes(stretches):
+    spec = [(peer, sizes) for peer, sizes, n in stretches for _ in range(n)]
+    batch = [(tuple(b"x" * n for n in sizes), peer) for peer, sizes in spec]
+    size_of = [sum(sizes) for _, sizes in spec]
+    pos = 0
+    while pos < len(batch):
+        end, size = segment_run(batch, pos)
+        assert pos < end <= len(batch) and size == size_of[pos]
+        run = range(pos, end)
+        assert all(batch[i][1] == batch[pos][1] for i in run)  # one peer
+        assert all(size_of[i] == size for i in run[:-1]) and size_of[end - 1] <= size
+        assert end - pos <= GSO_MAX_SEGMENTS and sum(size_of[i] for i in run) <= GSO_MAX_BYTES
+        if end < len(batch) and size_of[end - 1] == size:  # a run ends for a reason
+            nxt = end
+            assert (batch[nxt][1] != batch[pos][1] or size_of[nxt] > size
+                    or end - pos == GSO_MAX_SEGMENTS or (end - pos + 1) * size > GSO_MAX_BYTES)
+        pos = end
+
+
+def _transfer(cfg, nbytes=1_000_000, **endpoint_kw):
+    data = np.random.default_rng(11).integers(0, 256, nbytes, dtype=np.uint8)
+    with (UdpEndpoint(session=SESSION, config=cfg, **endpoint_kw) as a,
+          UdpEndpoint(session=SESSION, config=cfg) as b):
+        f_rx = b.receive(a.address, message_id=1, nbytes=nbytes)
+        res_tx = a.send(b.address, data, message_id=1).result(30)
+        res = f_rx.result(30)
+        assert res_tx.ok and res.complete and np.array_equal(res.data, data)
+        return a, res_tx
+
+
+def test_segmented_sends_arrive_as_the_same_datagrams():
+    """With offload, a pass of full chunks leaves in a few system calls (or, where the
+    kernel refuses offload, the endpoint says so and sends datagram by datagram)."""
+    a, tx = _transfer(_cfg(), segmentation_offload=True)
+    counters = a.counters()
+    if counters.get("io_gso_refused"):
+        assert not a.segmentation_offload and counters["sendmsg_calls"] >= tx.stats.datagrams
+    else:
+        assert a.segmentation_offload
+        # 715 datagrams, runs of at most 45 (1,448-byte segments in 64 KB), plus probes
+        assert counters["sendmsg_calls"] < tx.stats.datagrams / 10
+
+
+def test_without_offload_every_datagram_is_its_own_call(monkeypatch):
+    monkeypatch.setenv("BOUNDEDLOSS_UDP_GSO", "0")
+    a, tx = _transfer(_cfg())
+    assert not a.segmentation_offload
+    assert a.counters()["sendmsg_calls"] >= tx.stats.datagrams
+
+
+def test_refused_offload_falls_back_without_losing_a_datagram(monkeypatch):
+    import boundedloss.net.udp as udp
+
+    # the kernel answers an unknown SOL_UDP control message with EINVAL, as it does a
+    # device without offload (EIO) or a segment over the MTU
+    monkeypatch.setattr(udp, "UDP_SEGMENT", 9999)
+    a, tx = _transfer(_cfg(), segmentation_offload=True)
+    assert not a.segmentation_offload and a.counters()["io_gso_refused"] == 1

@@ -744,18 +744,18 @@ class Testbed:
     @staticmethod
     def node_env(env: dict[str, str] | None = None) -> dict[str, str]:
         """The environment a command in a node gets: ``env`` (default: ours) with
-        ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME`` = eth0, the node's one interface.
+        ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME`` = eth0, the node's one interface
         (Gloo otherwise binds to what the host name resolves to - 127.0.0.1 or a root
-        namespace address - and a rendezvous across namespaces times out.) An explicit
-        ``env`` keeps its own values; the inherited environment is overridden."""
+        namespace address - and a rendezvous across namespaces times out), and
+        ``BOUNDEDLOSS_UDP_GSO=0``: a segmented send crosses the veths and the bridge as
+        one packet, so the testbed's netem and tbf would drop runs of up to 45
+        datagrams at once where a switch drops datagrams. An explicit ``env`` keeps its
+        own values; the inherited environment is overridden."""
+        node = dict(GLOO_SOCKET_IFNAME=NODE_IFACE, TP_SOCKET_IFNAME=NODE_IFACE,
+                    BOUNDEDLOSS_UDP_GSO="0")
         if env is None:
-            out = dict(os.environ)
-            out.update(GLOO_SOCKET_IFNAME=NODE_IFACE, TP_SOCKET_IFNAME=NODE_IFACE)
-        else:
-            out = dict(env)
-            out.setdefault("GLOO_SOCKET_IFNAME", NODE_IFACE)
-            out.setdefault("TP_SOCKET_IFNAME", NODE_IFACE)
-        return out
+            return {**os.environ, **node}
+        return {**node, **env}
 
     def run(self, which: str | int, argv: list[str], **popen_kw: Any) -> subprocess.Popen:
         """Start ``argv`` inside a node's namespace (``ip netns exec``); returns the Popen.
