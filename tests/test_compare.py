@@ -100,7 +100,7 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     sc = SCENARIOS["microburst"]
 
     def run(label, lat, phases=None):
-        rounds = [{"round": i, "epoch": 0, "round_ms": v,
+        rounds = [{"round": i, "epoch": 0, "round_ms": v, "round_comm_ms": v / 2,
                    **({"phase": phases[i]} if phases else {})} for i, v in enumerate(lat)]
         return RunResult(label, 0, str(tmp_path), rounds, [],
                          {"wall_s": sum(lat) / 1e3, "final_metric": 0.9,
@@ -117,6 +117,9 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     assert by["baseline"]["burst_round_ms_mean_outside_clr"] == 400.0
     assert by["dblp"]["speedup_burst_round_vs_baseline"] == pytest.approx(500 / 275)
     assert by["dblp"]["speedup_burst_round_outside_clr_vs_baseline"] == pytest.approx(8.0)
+    assert by["dblp"]["burst_comm_ms_mean_outside_clr"] == 25.0
+    assert by["dblp"]["speedup_burst_comm_vs_baseline"] == pytest.approx(500 / 275)
+    assert by["dblp"]["speedup_burst_comm_outside_clr_vs_baseline"] == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize("args, hint", [
@@ -269,7 +272,8 @@ def test_a_rounds_latency_is_its_slowest_ranks_step(tmp_path):
     (tmp_path / "rounds.jsonl").write_text("".join(
         json.dumps({"round": i, "epoch": 0, "step_ms": v}) + "\n" for i, v in enumerate([5, 7, 9])))
     (tmp_path / "rounds.rank1.jsonl").write_text("".join(
-        json.dumps({"round": i, "step_ms": v}) + "\n" for i, v in enumerate([6, 3, 30])))
+        json.dumps({"round": i, "step_ms": v, "comm_ms": v - 2}) + "\n"
+        for i, v in enumerate([6, 3, 30])))
     (tmp_path / "rounds.rank2.jsonl").write_text(json.dumps({"round": 0, "step_ms": 8}) + "\n")
     (tmp_path / "epochs.jsonl").write_text("")
     (tmp_path / "summary.json").write_text(json.dumps(
@@ -278,6 +282,13 @@ def test_a_rounds_latency_is_its_slowest_ranks_step(tmp_path):
     assert [r["round_ms"] for r in res.rounds] == [8, 7, 30]
     assert res.burst == {2}
     assert res.stats()["burst_round_ms_mean"] == 30
+    # communication: rank 0 logged none (a gloo run), so there is none to take
+    assert "round_comm_ms" not in res.rounds[0] and res.stats()["burst_comm_ms_mean"] is None
+    rounds0 = [{"round": i, "epoch": 0, "step_ms": v, "comm_ms": v - 4} for i, v in enumerate([5, 7, 9])]
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds0))
+    res = read_run("mlt", 0, str(tmp_path), "burst:rate=0.8,rounds=2")
+    assert [r["round_comm_ms"] for r in res.rounds] == [4, 3, 28]
+    assert res.stats()["burst_comm_ms_mean"] == 28
 
 
 def test_repeats_alternate_the_order_of_the_arms():

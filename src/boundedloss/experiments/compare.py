@@ -301,18 +301,25 @@ class RunResult:
         """Summary figures; ``outside``: rounds to leave out of the outside-CLR burst
         mean (the reference DBLP run's critical rounds)."""
         lat = np.array([r["round_ms"] for r in self.rounds], dtype=float)
-        burst_lat = [r["round_ms"] for r in self.rounds if r["round"] in self.burst]
-        quiet = [r["round_ms"] for r in self.rounds
-                 if r["round"] in self.burst and outside is not None
-                 and r["round"] not in outside]
+
+        def bursts(key: str, outside_clr: bool) -> float | None:
+            vals = [r[key] for r in self.rounds
+                    if r["round"] in self.burst and r.get(key) is not None
+                    and (not outside_clr or (outside is not None and r["round"] not in outside))]
+            return float(np.mean(vals)) if vals else None
+
         deliv = [r["delivered_fraction"] for r in self.rounds if "delivered_fraction" in r]
         retx = [r["retransmit_rounds"] for r in self.rounds if "retransmit_rounds" in r]
         return {
             "wall_s": float(self.summary["wall_s"]),
             "round_ms_p50": float(np.percentile(lat, 50)) if lat.size else None,
             "round_ms_p99": float(np.percentile(lat, 99)) if lat.size else None,
-            "burst_round_ms_mean": float(np.mean(burst_lat)) if burst_lat else None,
-            "burst_round_ms_mean_outside_clr": float(np.mean(quiet)) if quiet else None,
+            "burst_round_ms_mean": bursts("round_ms", False),
+            "burst_round_ms_mean_outside_clr": bursts("round_ms", True),
+            # the communication part alone (DBLP's figure is single-round communication);
+            # None for gloo, whose allreduce runs inside DDP's backward
+            "burst_comm_ms_mean": bursts("round_comm_ms", False),
+            "burst_comm_ms_mean_outside_clr": bursts("round_comm_ms", True),
             "final_metric": float(self.summary["final_metric"]),
             # gloo has no comm fields: everything arrives, nothing is retransmitted by us
             "delivered_fraction_mean": float(np.mean(deliv)) if deliv else 1.0,
@@ -330,13 +337,19 @@ def read_run(policy: str, repeat: int, out: str, loss_spec: str,
     d = Path(out)
     rounds = _read_jsonl(d / "rounds.jsonl")
     # A round's latency is its slowest rank's step (rank 0, the server, may be done
-    # with a round while a worker still waits for the broadcast).
+    # with a round while a worker still waits for the broadcast); its communication
+    # time likewise the slowest rank's (a worker's: its push out until the broadcast in).
     slowest: dict[int, float] = {}
+    slowest_comm: dict[int, float] = {}
     for path in d.glob("rounds.rank*.jsonl"):
         for e in _read_jsonl(path):
             slowest[e["round"]] = max(slowest.get(e["round"], 0.0), e["step_ms"])
+            if e.get("comm_ms") is not None:
+                slowest_comm[e["round"]] = max(slowest_comm.get(e["round"], 0.0), e["comm_ms"])
     for r in rounds:
         r["round_ms"] = max(r["step_ms"], slowest.get(r["round"], 0.0))
+        if r.get("comm_ms") is not None:
+            r["round_comm_ms"] = max(r["comm_ms"], slowest_comm.get(r["round"], 0.0))
     res = RunResult(policy=policy, repeat=repeat, out=out, rounds=rounds,
                     epochs=_read_jsonl(d / "epochs.jsonl"),
                     summary=json.loads((d / "summary.json").read_text()), arm=arm)
@@ -371,7 +384,8 @@ def summarise(label: str, runs: list[RunResult], scenario: Scenario,
 def add_ratios(rows: list[dict], baseline: str = "baseline",
                reference: str = "reliable") -> list[dict]:
     """Fill, in place, ``speedup_burst_round_vs_baseline`` (mean burst-round latency of
-    the baseline arm over this arm's; also over the bursts outside DBLP's CLR),
+    the baseline arm over this arm's; also over the bursts outside DBLP's CLR, and
+    both for the rounds' communication time alone: ``speedup_burst_comm_...``),
     ``time_reduction_vs_baseline`` (1 - wall / baseline wall), and
     ``metric_change_vs_reliable`` (final metric minus the reference arm's; also
     relative); None where a reference is missing."""
@@ -383,11 +397,11 @@ def add_ratios(rows: list[dict], baseline: str = "baseline",
         return num / den if num is not None and den else None
 
     for r in rows:
-        r["speedup_burst_round_vs_baseline"] = ratio(
-            base.get("burst_round_ms_mean") if base else None, r.get("burst_round_ms_mean"))
-        r["speedup_burst_round_outside_clr_vs_baseline"] = ratio(
-            base.get("burst_round_ms_mean_outside_clr") if base else None,
-            r.get("burst_round_ms_mean_outside_clr"))
+        for what in ("round", "comm"):
+            for suffix in ("", "_outside_clr"):
+                key = f"burst_{what}_ms_mean{suffix}"
+                r[f"speedup_burst_{what}{suffix}_vs_baseline"] = ratio(
+                    base.get(key) if base else None, r.get(key))
         b_wall = base.get("wall_s") if base else None
         r["time_reduction_vs_baseline"] = 1.0 - r["wall_s"] / b_wall if b_wall else None
         if ref is not None:

@@ -139,6 +139,7 @@ TABLE_COLUMNS = (
     ("burst_round_ms_mean", "burst round ms", ".1f"),
     ("speedup_burst_round_vs_baseline", "burst speedup vs baseline", ".2f"),
     ("speedup_burst_round_outside_clr_vs_baseline", "burst speedup outside CLR", ".2f"),
+    ("speedup_burst_comm_outside_clr_vs_baseline", "burst comm speedup outside CLR", ".2f"),
     ("time_reduction_vs_baseline", "time reduction vs baseline", "+.1%"),
     ("final_metric", "final metric", ".4f"),
     ("metric_change_vs_reliable", "metric vs reliable", "+.4f"),

@@ -109,7 +109,12 @@ def _build(cfg: TrainConfig, rank: int, world: int):
 
 
 def _per_round(log: list[dict], round_id: int) -> dict:
-    entries = [e for e in log if e["round"] == round_id]
+    entries = []
+    for e in reversed(log):  # this round's entries are the last ones (a log grows by rounds)
+        if e["round"] < round_id:
+            break
+        if e["round"] == round_id:
+            entries.append(e)
     if not entries:
         return {}
     return {
@@ -182,8 +187,10 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
                         rec.update(_per_round(state.round_log, round_id))
                     writer[0].write(json.dumps(rec) + "\n")
                 else:
-                    rank_log.write(json.dumps({"round": round_id, "step_ms": round(step_ms, 3)})
-                                   + "\n")
+                    rec = {"round": round_id, "step_ms": round(step_ms, 3)}
+                    if state is not None:  # a worker's own wait: push out, broadcast in
+                        rec["comm_ms"] = _per_round(state.round_log, round_id).get("comm_ms")
+                    rank_log.write(json.dumps(rec) + "\n")
                 round_id += 1
                 progress.step(epoch, loss_v.item())
             sched.step()  # first, so that an LR change marks the coming epoch critical
