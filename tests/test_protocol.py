@@ -1141,3 +1141,107 @@ def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> N
     assert rx.result.complete and tx.rate_samples == []
     retx = [t for t, src, _, kind, _ in net.log if src == "a" and kind == Kind.DATA][200:]
     assert len(retx) == 150 and retx[-1] == retx[0]  # nothing measured: not paced
+
+
+# ------------------------------------------------- runs of datagrams (UDP GRO) at once
+def _corrupt(d: bytes, how: int) -> bytes:
+    """The same length, something wrong: what the run path must leave to the one-by-one
+    path (which counts and drops it)."""
+    b = bytearray(d)
+    if how == 0:
+        b[0] ^= 0xFF  # magic
+    elif how == 1:
+        struct.pack_into("<I", b, 24, 10_000)  # index past the message
+    elif how == 2:
+        struct.pack_into("<Q", b, 8, SESSION ^ 1)  # a foreign session
+    elif how == 3:
+        struct.pack_into("<I", b, 20, MSG + 1)  # a message nobody posted
+    elif how == 5:  # a whole chunk's payload as the (short) last chunk
+        count = struct.unpack_from("<I", b, 28)[0]
+        struct.pack_into("<I", b, 24, count - 1)
+    else:
+        struct.pack_into("<H", b, 4, int(Flag.CRITICAL))  # flags differ: harmless
+    return bytes(b)
+
+
+def _receive(seq, nbytes, crit, runs=None):
+    """Feed ``seq`` to a fresh receive one by one, or (``runs``: lengths to cut at) in
+    runs of consecutive equal-sized datagrams with every fifth one marked lost; the
+    receive's end state, and whether it wrote outside its destination."""
+    mux = TransferMux(SESSION, CFG)
+    big = np.full(G + nbytes + G, SENTINEL, np.uint8)
+    out = big[G:G + nbytes]
+    rx = mux.start_receive("a", ROUND, MSG, 0.0, policy=FixedBoundPolicy(0.5), out=out,
+                           critical=crit)
+    if runs is None:
+        for d in seq:
+            mux.datagram_received(d, "a", 1.0)
+    else:
+        i, c = 0, 0
+        while i < len(seq):
+            j = i + 1
+            while j < len(seq) and j - i < runs[c % len(runs)] and len(seq[j]) == len(seq[i]):
+                j += 1
+            mux.run_received(b"".join(seq[i:j]), len(seq[i]), "a", 1.0,
+                             [k % 5 != 4 for k in range(i, j)])
+            i, c = j, c + 1
+    # the sender's FINAL probe: a met bound (every critical chunk in) closes the receive
+    mux.datagram_received(control(Kind.PROBE, nbytes, flags=Flag.FINAL), "a", 2.0)
+    assert (big[:G] == SENTINEL).all() and (big[G + nbytes:] == SENTINEL).all()
+    res = rx.result
+    delivered = (res.delivered if res is not None
+                 else np.frombuffer(bytes(rx._delivered), np.uint8).astype(bool))
+    return (res.close_reason if res is not None else None, delivered, out.copy(),
+            {r: n for r, n in mux.drops.items() if r != DropReason.STALE})
+
+
+@PROPERTY
+@given(
+    nbytes=st.integers(1, 40 * CB),
+    seed=st.integers(0, 2**16),
+    deliver=st.lists(st.tuples(st.integers(0, 39), st.sampled_from([-1] * 12 + [0, 1, 2, 3, 4, 5])),
+                     min_size=1, max_size=120),
+    runs=st.lists(st.integers(1, 12), min_size=1, max_size=40),
+    critical=st.booleans(),
+)
+def test_a_run_taken_at_once_ends_where_one_by_one_does(nbytes, seed, deliver, runs, critical):
+    """Any sequence of datagrams (lost, repeated, reordered, some malformed) taken in
+    runs, then the sender's FINAL probe, ends as the same sequence taken one by one:
+    the same chunks delivered, the same bytes in the same places, nothing written
+    outside the destination, the same close (a bound of 50%, critical chunks waited
+    for) and the same malformed datagrams counted. (Datagrams behind the one that
+    completes a receive are a duplicate to the run and stale one by one.)"""
+    src = source_bytes(nbytes, seed)
+    count = wire.chunk_count(nbytes, CB)
+    crit = (np.arange(count) == 1) if critical and count > 1 else None  # one, often in
+    dgrams = data_datagrams(src, critical=crit)
+    full = nbytes // CB
+    seq = [_corrupt(dgrams[i % count], how) if how >= 0 and (how != 5 or i % count < full < count)
+           else dgrams[i % count] for i, how in deliver]
+    reason, delivered, out, drops = _receive(seq, nbytes, crit, runs)
+    kept = [d for k, d in enumerate(seq) if k % 5 != 4]
+    e_reason, e_delivered, e_out, e_drops = _receive(kept, nbytes, crit)
+    assert reason == e_reason and drops == e_drops
+    assert np.array_equal(delivered, e_delivered) and np.array_equal(out, e_out)
+    assert chunks_equal(src, out, CB)[delivered].all()
+
+
+def test_a_run_draws_the_acks_its_datagrams_would_have():
+    """The sender reads reverse loss from how many ACKs come back: a run of n datagrams
+    draws n // ack_every of them (carried over between runs), with the highest
+    transmission sequence seen."""
+    nbytes = 100 * CB
+    dgrams = data_datagrams(source_bytes(nbytes, 3))
+    every = CFG.ack_every
+    # transmission sequences 1000.. in sending order
+    dgrams = [d[:44] + struct.pack("<I", 1000 + i) + d[48:] for i, d in enumerate(dgrams)]
+    mux = TransferMux(SESSION, CFG)
+    mux.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy(), nbytes=nbytes)
+    acks = []
+    for lo, hi in ((0, 45), (45, 90)):
+        mux.run_received(b"".join(dgrams[lo:hi]), len(dgrams[0]), "a", 1.0)
+        acks += [wire.parse(b"".join(bytes(p) for p in parts))
+                 for parts, _ in mux.poll(1.0, 1000)]
+    acks = [a for a in acks if a[0] == Kind.ACK]
+    assert len(acks) == 90 // every
+    assert acks[-1][10] == 1089  # the highest tseq seen

@@ -13,9 +13,11 @@ Runs of equal-sized datagrams to one peer (a pass of full chunks) go out as one
 ``sendmsg`` with Linux's UDP segmentation offload (``UDP_SEGMENT``): the kernel (or the
 NIC) cuts the gathered buffer into the same datagrams, each with its own header, at a
 quarter of the cost of a system call per datagram. Where the kernel refuses it the
-endpoint falls back to one call per datagram. ``BOUNDEDLOSS_UDP_GSO=0`` turns it off
-(the emulator's nodes do: a qdisc sees a segmented run as one packet, so netem's loss
-and a tbf's queue would drop whole runs instead of datagrams).
+endpoint falls back to one call per datagram. On receive (``UDP_GRO``) the kernel hands
+such a run over in one ``recvmsg`` and the mux takes a run of DATA in whole-array steps
+(``TransferMux.run_received``). ``BOUNDEDLOSS_UDP_GSO=0`` turns both off (the
+emulator's nodes do: a qdisc sees a segmented run as one packet, so netem's loss and a
+tbf's queue would drop whole runs instead of datagrams).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ DEFAULT_SOCKET_BUFFER = 64 << 20
 # UDP segmentation offload (linux/udp.h); Python 3.11's socket module names neither.
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
 UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+UDP_GRO = getattr(socket, "UDP_GRO", 104)
 GSO_MAX_SEGMENTS = 64  # UDP_MAX_SEGMENTS
 GSO_MAX_BYTES = 65507  # one IPv4 datagram's worth of UDP payload
 # what a refused segmented send fails with: no offload for the route's device, a segment
@@ -137,6 +140,14 @@ class UdpEndpoint:
         self.config = config
         self.mux = TransferMux(session, config)
         self.sock.bind((host, port))
+        #: runs of datagrams arrive coalesced (UDP_GRO); False where the kernel has none
+        self.receive_offload = False
+        if self.segmentation_offload:
+            try:
+                self.sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+                self.receive_offload = True
+            except OSError:
+                pass
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -243,8 +254,12 @@ class UdpEndpoint:
     def _run(self) -> None:
         sock = self.sock
         recv = sock.recvfrom_into
+        recvmsg = sock.recvmsg_into
+        gro = self.receive_offload
+        gro_space = socket.CMSG_SPACE(4)
         sendmsg = sock.sendmsg
         buf = bytearray(65536)
+        bufs = [buf]
         mv = memoryview(buf)
         mux = self.mux
         loss = self.loss
@@ -261,19 +276,37 @@ class UdpEndpoint:
             with self._lock:
                 now = monotonic()
                 for _ in range(RECV_BURST):
+                    size = 0
                     try:
-                        n, addr = recv(buf)
+                        if gro:
+                            n, anc, _, addr = recvmsg(bufs, gro_space)
+                            if anc and anc[0][1] == UDP_GRO:
+                                size = int.from_bytes(anc[0][2][:4], sys.byteorder)
+                        else:
+                            n, addr = recv(buf)
                     except BlockingIOError:
                         break
                     except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP
                         self.io_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
                         continue
+                    start = 0
+                    if 0 < size < n:  # a coalesced run: whole datagrams of size, then a rest
+                        start = n - n % size
+                        keep = None
+                        if loss is not None:
+                            keep = [not loss.drop(now, peek_round(mv[o : o + size])
+                                                  if loss_needs_round else -1)
+                                    for o in range(0, start, size)]
+                            drops[DropReason.INJECTED_LOSS] += keep.count(False)
+                        mux.run_received(mv[:start], size, addr, now, keep)
+                        if start == n:
+                            continue
                     if loss is not None and loss.drop(
-                        now, peek_round(mv[:n]) if loss_needs_round else -1
+                        now, peek_round(mv[start:n]) if loss_needs_round else -1
                     ):
                         drops[DropReason.INJECTED_LOSS] += 1
                         continue
-                    mux.datagram_received(mv[:n], addr, now)
+                    mux.datagram_received(mv[start:n], addr, now)
                 now = monotonic()
                 deadline = mux.next_deadline()
                 if deadline is not None and deadline <= now:

@@ -147,6 +147,52 @@ class TransferMux:
                 tx.stop_received(idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
                 self._reap(tx, now)
 
+    def run_received(self, data, size: int, peer, now: float, keep=None) -> None:
+        """Datagrams that arrived back to back in ``data``, every one ``size`` bytes (a
+        run coalesced by the kernel: UDP GRO); ``keep``: bool per datagram, False for
+        those a loss model dropped. A run of DATA for one open receive - what a
+        sender's pass is - is taken in whole-array steps; anything else datagram by
+        datagram, exactly as ``datagram_received``."""
+        n = len(data) // size
+        rows = np.frombuffer(data, dtype=np.uint8, count=n * size).reshape(n, size)
+        if keep is not None:
+            rows = rows[np.asarray(keep, dtype=bool)]
+            n = rows.shape[0]
+        if n and not self._take_run(rows, peer, now):
+            for row in rows:
+                self.datagram_received(row.data, peer, now)
+
+    def _take_run(self, rows: np.ndarray, peer, now: float) -> bool:
+        """Take ``rows`` as one run of DATA if that is what they are; False if not (nothing
+        done). Every row shares its header with the first but for flags, index and tseq
+        (a sender's pass), so checking the first checks them all but those."""
+        n, size = rows.shape
+        if n < 2 or size <= HEADER_BYTES:
+            return False
+        head = rows[0]
+        if not ((rows[1:, :4] == head[:4]).all() and (rows[1:, 6:24] == head[6:24]).all()
+                and (rows[1:, 28:44] == head[28:44]).all()):
+            return False
+        try:
+            kind, _, plen, session, rnd, msg, _, cnt, mbytes, cbytes, _ = wire.parse(head.data)
+        except MalformedDatagram:
+            return False
+        if kind != 1 or session != self.session or plen != cbytes:
+            return False  # (a run of full chunks has every payload a whole chunk)
+        rx = self._receivers.get((peer, rnd, msg))
+        if rx is None or rx.result is not None or mbytes != rx.nbytes or cbytes != rx.chunk_bytes:
+            return False
+        fields = rows[:, HEADER_BYTES - 24 :].copy().view("<u4")  # index, count, .. tseq
+        index, tseq = fields[:, 0], fields[:, 5]
+        full = mbytes // cbytes  # chunks that are a whole cbytes long
+        if int(index.max()) >= full:
+            return False  # not a chunk of full length: parse() says why, one by one
+        self.datagrams_in += n
+        rx.data_run(index, tseq, rows, now, self._outbox)
+        if rx.result is not None:
+            self._reap(rx, now)
+        return True
+
     def _answer_closed(self, key, kind: int, now: float) -> None:
         closed = self._closed.get(key)
         if closed is None:
