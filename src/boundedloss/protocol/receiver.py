@@ -18,6 +18,10 @@ from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
 from .sender import as_bytes_view, stop_datagram
 from .types import CloseReason, ReceiveResult, TransferStats, TransportConfig
 
+#: the most datagrams ``data_run`` takes at once (its duplicate marks are uint8 > 1)
+RUN_MAX = 250
+_MARKS = np.arange(2, 2 + RUN_MAX, dtype=np.uint8)
+
 
 class MessageReceiver:
     def __init__(
@@ -87,8 +91,10 @@ class MessageReceiver:
         self._delivered = bytearray(count)
         # numpy twins of the two, for runs of datagrams taken at once (data_run)
         self._delivered_np = np.frombuffer(self._delivered, dtype=np.uint8)
-        full = nbytes // cb
-        self._full_rows = np.frombuffer(self._dest, dtype=np.uint8, count=full * cb).reshape(full, cb)
+        # (as items of cb bytes: numpy copies a uint8 row byte by byte, an item at once)
+        self._full_chunks = np.frombuffer(self._dest, dtype=f"V{cb}", count=nbytes // cb)
+        self._payload_item = np.dtype({"names": ["p"], "formats": [f"V{cb}"],
+                                       "offsets": [HEADER_BYTES], "itemsize": HEADER_BYTES + cb})
         crit = self._critical_arg
         if crit is not None:
             crit = np.asarray(crit, dtype=bool)
@@ -156,9 +162,11 @@ class MessageReceiver:
     def data_run(self, index: np.ndarray, tseq: np.ndarray, rows: np.ndarray, now: float,
                  out: list) -> None:
         """A run of validated DATA datagrams of full chunks at once (``rows[i]`` is the
-        whole datagram of chunk ``index[i]``): the same outcome as ``data_received`` on
-        each in turn, in whole-array steps - except that a met plan is checked once, at
-        the end of the run, and the ACKs the run is due go out together behind it."""
+        whole datagram of chunk ``index[i]``, at most RUN_MAX of them): the same outcome
+        as ``data_received`` on each in turn, in whole-array steps - except that a met
+        plan is checked once, at the end of the run, the ACKs the run is due go out
+        together behind it, and of a chunk repeated within the run the last copy is
+        kept (a sender's copies are the same bytes)."""
         if self.first_heard is None:
             self._heard(now)
         k = index.size
@@ -168,23 +176,27 @@ class MessageReceiver:
         top = int(tseq.max())
         if top > self._max_tseq:
             self._max_tseq = top
-        chunks, first = np.unique(index, return_index=True)
-        fresh = self._delivered_np[chunks] == 0
-        new = chunks[fresh]
-        self.duplicates += k - new.size
-        if new.size:
-            self._full_rows[new] = rows[first[fresh], HEADER_BYTES : HEADER_BYTES + cb]
-            self._delivered_np[new] = 1
+        flags = self._delivered_np
+        pos = np.flatnonzero(flags[index] == 0)  # datagrams of chunks not yet delivered
+        if pos.size:
+            # A chunk twice in the run: mark each datagram's chunk with its position;
+            # the last mark written survives, once per chunk.
+            marks = _MARKS[: pos.size]
+            flags[index[pos]] = marks
+            pos = pos[flags[index[pos]] == marks]
+            new = index[pos]
+            self._full_chunks[new] = rows.view(self._payload_item)["p"][pos, 0]
+            flags[new] = 1
             self.delivered_count += new.size
             if self._critical is not None:
                 self._critical_missing -= int(
                     np.frombuffer(self._critical, dtype=np.uint8)[new].sum())
+        self.duplicates += k - pos.size
         acks, self._unacked = divmod(self._unacked + k, self._ack_every)
         if acks:
             # (an ACK holds what was delivered before the datagram that drew it: the
             # sender reads forward loss from it, and reverse loss from how many came)
-            at = np.searchsorted(chunks, index[-1])
-            last_new = bool(fresh[at]) and first[at] == k - 1
+            last_new = bool(pos.size) and pos[-1] == k - 1
             ack = wire.encode(_with(self._header, 0, Flag.NONE, Kind.ACK, self._max_tseq),
                               STOP_PAYLOAD.pack(self.delivered_count - last_new))
             out.extend([((ack,), self.peer)] * acks)

@@ -277,9 +277,10 @@ class MessageSender:
         if self._unmeasured():
             # No BITMAP has measured the loss yet, but the ACKs may have (a microburst
             # would otherwise cost an RTO right here).
-            self._min_copies = max(self._min_copies, self._copies_from_acks())
-        copies = min(self.config.probe_copies_max,
-                     max(self._min_copies, 1 << min(self._unanswered, 16)))
+            self._min_copies = max(self._min_copies, self._copies_from_acks(now))
+        # a repeated PROBE goes in twice the copies of the one that went unanswered
+        grow = 2 * self._copies_sent if self._unanswered else 1
+        copies = min(self.config.probe_copies_max, max(self._min_copies, grow))
         out.extend([((datagram,), self.peer)] * copies)
         self._probe_datagram = datagram
         self._copies_sent = copies
@@ -330,7 +331,7 @@ class MessageSender:
             # The pass was shorter than a round trip, so its PROBE went out before these
             # ACKs could say how lossy the path is; if they call for more copies, send
             # them now rather than wait an RTO for the one that was probably lost.
-            self._more_copies = max(0, self._copies_from_acks() - self._copies_sent)
+            self._more_copies = max(0, self._copies_from_acks(now) - self._copies_sent)
         if tseq_seen + 1 > self._acked_tseq:
             self._acked_tseq = min(tseq_seen + 1, self._tseq)
             self._blocked_since = None
@@ -350,11 +351,14 @@ class MessageSender:
         self._probe_deadline = None
         self._unanswered = 0
         # The pass just answered lost a fraction q of its DATA; the PROBEs that follow
-        # cross the same path, so send enough copies that all are lost with chance
-        # <= probe_miss_target (q = 0.8 in a microburst: 14 copies of 48 bytes instead
-        # of an RTO - tens of ms when the hosts are busy - every few passes).
+        # cross the same path, and their answers the way back (a microburst at *our*
+        # receiver loses them: the broadcast's answers from a worker), so send enough
+        # copies that all or all their answers are lost with chance <= probe_miss_target
+        # (0.8 either way: 14 copies of 48 bytes instead of an RTO - tens of ms when
+        # the hosts are busy - every few passes).
         if self._pass_sent:
-            self._min_copies = self._copies_for(self._reply_missing / self._pass_sent)
+            q = self._reply_missing / self._pass_sent
+            self._min_copies = self._copies_for(1.0 - (1.0 - q) * (1.0 - self._reverse_loss()))
         got = self._pass_sent - self._reply_missing
         size = self.chunk_bytes + HEADER_BYTES
         if (got > 0 and unrepeated and self._pass_started_at is not None
@@ -393,7 +397,7 @@ class MessageSender:
             return self.config.probe_copies_max
         return min(self.config.probe_copies_max, math.ceil(math.log(target) / math.log(q)))
 
-    def _copies_from_acks(self) -> int:
+    def _copies_from_acks(self, now: float) -> int:
         """PROBE copies for the end of the first pass, from the ACKs it drew.
 
         The receiver ACKs every ``ack_every`` DATA datagrams, with the highest
@@ -402,15 +406,28 @@ class MessageSender:
         Reverse loss: up to that one the receiver sent ``(delivered + 1) // ack_every``
         ACKs, we heard ``acks_heard`` (ACKs still in flight come after it, so they do not
         count as lost). A PROBE is answered when it and its answer both get through."""
-        every = self.config.ack_every
         if not self._acks_heard:
+            every = self.config.ack_every
+            if (self._srtt is not None and self._pass_started_at is not None
+                    and now - self._pass_started_at > self._srtt
+                    and self._pass_sent >= 2 * every):
+                # The pass lasted a round trip and owed us ACKs, yet none came: fewer
+                # than ack_every of its datagrams (or none of the ACKs) got through -
+                # a microburst of 90% loss, where one copy would cost RTO after RTO.
+                return self._copies_for(1.0 - every / self._pass_sent)
             # Nothing to go on: a short message, or the ACKs are still on their way
-            # (the pass took less than a round trip), or every one was lost.
+            # (the pass took less than a round trip).
             return 1
-        arrived = self._ack_delivered + 1
-        q_fwd = 1.0 - min(1.0, arrived / (self._ack_tseq + 1))
-        q_rev = 1.0 - min(1.0, self._acks_heard / max(1, arrived // every))
-        return self._copies_for(1.0 - (1.0 - q_fwd) * (1.0 - q_rev))
+        q_fwd = 1.0 - min(1.0, (self._ack_delivered + 1) / (self._ack_tseq + 1))
+        return self._copies_for(1.0 - (1.0 - q_fwd) * (1.0 - self._reverse_loss()))
+
+    def _reverse_loss(self) -> float:
+        """The loss on the way back, from the ACKs heard so far (see _copies_from_acks);
+        0 before any was heard."""
+        if not self._acks_heard:
+            return 0.0
+        sent = max(1, (self._ack_delivered + 1) // self.config.ack_every)
+        return 1.0 - min(1.0, self._acks_heard / sent)
 
     def stop_received(self, reason: int, delivered: int, now: float) -> None:
         if self.result is not None:

@@ -42,10 +42,12 @@ class TransportConfig:
     probe_backoff_limit: float = 2.0
     #: each unanswered PROBE doubles the copies of the next one, up to this many: under
     #: heavy random loss (a microburst) one more copy is far cheaper than one more RTO
-    probe_copies_max: int = 16
+    #: (32: the miss target below holds up to 87% loss)
+    probe_copies_max: int = 32
     #: after a pass that lost a fraction q, the next PROBE goes in enough copies that
-    #: all of them (or all their answers) are lost with at most this chance
-    probe_miss_target: float = 0.05
+    #: all of them (or all their answers) are lost with at most this chance (a copy is
+    #: 48 bytes; a miss costs an RTO, at least min_rto - many round trips in a LAN)
+    probe_miss_target: float = 0.01
     #: a sender that hears nothing from its receiver for this long gives up
     peer_timeout: float = 10.0
     #: a receive closes with whatever it has this long after it was posted

@@ -1,0 +1,130 @@
+"""`boundedloss bench burst`: one parameter-server round inside a microburst, simulated.
+
+The same TransferMux cores as the real endpoints, driven by FakeNetwork on a virtual
+clock: workers push a gradient to a server whose receiver loses ``rate`` of everything
+(DBLP's microburst: 60-90% loss at one receiver for one round, on top of 1% random loss
+everywhere), then the server broadcasts the result back reliably. The round ends when
+every worker has the result and its push is acknowledged (what a worker waits for).
+Each transfer takes its links' serialisation time and the path's delay, and *no CPU
+time*: this is the protocol on a line-rate data path, where a retransmission pass costs
+a round trip - unlike our loopback runs (`compare --scenario microburst`), where a
+Python endpoint spends microseconds per datagram and the passes are bound by that.
+
+A few lossless rounds come first so that every peer's round-trip estimate is learned,
+as it is in training; only the burst round is measured. Arms: the fixed-bound baseline
+(P = P_low) against DBLP outside a critical regime (P = P_low + k).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..net.fake import FakeNetwork, NodeProfile, PathProfile
+from ..net.loss import Bernoulli, parse_loss_spec
+from ..policy import FixedBoundPolicy, PhaseAwarePolicy, ReliablePolicy
+from ..protocol.mux import TransferMux
+from ..protocol.types import TransportConfig
+
+SESSION = 0xB0B5
+WARMUP_ROUNDS = 3
+BASE_LOSS = 0.01
+
+
+@dataclass(frozen=True)
+class BurstRow:
+    burst_loss: float
+    message_mb: float
+    link_gbps: float
+    rtt_us: float
+    workers: int
+    seeds: int
+    baseline_round_ms: float  # median over seeds
+    dblp_round_ms: float
+    speedup: float  # baseline / DBLP, of the medians
+    baseline_passes: float  # retransmission passes the server's receives took (median)
+    dblp_passes: float
+    baseline_datagrams: float  # DATA datagrams the workers sent in the round (median)
+    dblp_datagrams: float
+    normal_round_ms: float  # a round of the same arm outside the burst (1% loss), baseline
+
+
+def _round(net: FakeNetwork, server: TransferMux, workers: list[TransferMux], names: list[str],
+           round_id: int, msg: np.ndarray, bound: float) -> tuple[float, int, int]:
+    """One PS round from now: (its duration, the most retransmission passes a push took,
+    the DATA datagrams the pushes sent)."""
+    t0 = net.now
+    nbytes = msg.nbytes
+    pushes_in = [server.start_receive(n, round_id, 0, t0, policy=FixedBoundPolicy(bound),
+                                      nbytes=nbytes) for n in names]
+    results = [w.start_receive("server", round_id, 1, t0, policy=ReliablePolicy(), nbytes=nbytes)
+               for w in workers]
+    pushes = [w.start_send("server", round_id, 0, msg, t0) for w in workers]
+    t = net.run_until_done(pushes_in)
+    for n in names:  # the server does not wait for its broadcasts to be acknowledged
+        server.start_send(n, round_id, 1, msg, t)
+    end = net.run_until_done(results + pushes)
+    passes = max(r.result.stats.retransmit_rounds for r in pushes_in)
+    sent = sum(p.result.stats.datagrams for p in pushes)
+    return end - t0, passes, sent
+
+
+def simulate_round(burst_loss: float, bound: float, *, seed: int, message_bytes: int,
+                   link_bps: float, rtt: float, workers: int,
+                   config: TransportConfig | None = None) -> dict:
+    """The burst round of one seed under one bound, after the warm-up rounds."""
+    cfg = config or TransportConfig()
+    net = FakeNetwork(seed=seed, path=PathProfile(delay=rtt / 2))
+    burst_round = WARMUP_ROUNDS + 1
+    server_loss = parse_loss_spec(
+        f"bernoulli:{BASE_LOSS}+burst:rate={burst_loss},rounds={burst_round}", seed=seed)
+    server = net.attach("server", TransferMux(SESSION, cfg),
+                        NodeProfile(up_bps=link_bps, down_bps=link_bps, loss=server_loss))
+    names = [f"w{i}" for i in range(workers)]
+    muxes = [net.attach(n, TransferMux(SESSION, cfg),
+                        NodeProfile(up_bps=link_bps, down_bps=link_bps,
+                                    loss=Bernoulli(BASE_LOSS, seed=seed * 100 + i)))
+             for i, n in enumerate(names)]
+    msg = np.random.default_rng(seed).standard_normal(message_bytes // 4).astype(np.float32)
+    normal = None
+    for r in range(burst_round + 1):
+        took, passes, sent = _round(net, server, muxes, names, r, msg, bound)
+        if r == burst_round - 1:
+            normal = took
+        net.run(until=net.now + 10 * rtt)  # the gap between rounds (compute)
+    return {"round_s": took, "passes": passes, "datagrams": sent, "normal_s": normal}
+
+
+def run_burst_bench(*, rates: list[float], message_mb: float, link_gbps: float, rtt_us: float,
+                    workers: int, seeds: int,
+                    progress: Callable[[str], None] | None = None) -> list[BurstRow]:
+    dblp = PhaseAwarePolicy()  # its defaults: P_low, and P_low + k outside a CLR
+    low, high = dblp.p_low, round(dblp.p_low + dblp.k, 12)
+    nbytes = int(message_mb * 1e6) // 4 * 4
+    rows = []
+    for q in rates:
+        got: dict[float, list[dict]] = {low: [], high: []}
+        for s in range(seeds):
+            if progress:
+                progress(f"burst loss {q:.0%}: seed {s + 1}/{seeds}")
+            for bound in (low, high):
+                got[bound].append(simulate_round(
+                    q, bound, seed=s, message_bytes=nbytes, link_bps=link_gbps * 1e9,
+                    rtt=rtt_us * 1e-6, workers=workers))
+
+        def med(bound: float, key: str) -> float:
+            return float(statistics.median(g[key] for g in got[bound]))
+
+        base, dblp = med(low, "round_s"), med(high, "round_s")
+        rows.append(BurstRow(
+            burst_loss=q, message_mb=message_mb, link_gbps=link_gbps, rtt_us=rtt_us,
+            workers=workers, seeds=seeds, baseline_round_ms=base * 1e3,
+            dblp_round_ms=dblp * 1e3, speedup=base / dblp,
+            baseline_passes=med(low, "passes"), dblp_passes=med(high, "passes"),
+            baseline_datagrams=med(low, "datagrams"), dblp_datagrams=med(high, "datagrams"),
+            normal_round_ms=med(low, "normal_s") * 1e3,
+        ))
+    return rows
