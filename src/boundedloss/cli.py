@@ -204,6 +204,48 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
     console.print(f"rows written to {json_path}")
 
 
+@bench.command("burst")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              help="Write the rows here (a JSON list).")
+@click.option("--rates", default="0.6,0.7,0.8,0.9", show_default=True,
+              help="Loss at the server's receiver during the burst round.")
+@click.option("--message-mb", default=0.34, show_default=True,
+              type=click.FloatRange(0.001, 1024), help="Each worker's push (0.34: the digits MLP).")
+@click.option("--link-gbps", default=10.0, show_default=True, type=click.FloatRange(0.001, 1e4))
+@click.option("--rtt-us", default=100.0, show_default=True, type=click.FloatRange(0, 1e6))
+@click.option("--workers", default=3, show_default=True, type=click.IntRange(1, 256))
+@click.option("--seeds", default=20, show_default=True, type=click.IntRange(1, 10_000),
+              help="Rounds simulated per arm; the median is reported.")
+def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds) -> None:
+    """A parameter-server round inside a microburst, simulated on a virtual clock: the
+    protocol's own burst speedup (DBLP outside a CLR against P = P_low) on a line-rate
+    network, where a datagram costs no CPU."""
+    from .bench import write_json
+    from .bench.burst import run_burst_bench
+
+    rates_t = _parse_list(rates, float, "--rates")
+    if any(not 0 <= q < 1 for q in rates_t):
+        raise click.BadParameter("burst loss rates must be in [0, 1)", param_hint="--rates")
+    with console.status("simulating...") as status:
+        rows = run_burst_bench(rates=list(rates_t), message_mb=message_mb, link_gbps=link_gbps,
+                               rtt_us=rtt_us, workers=workers, seeds=seeds,
+                               progress=lambda m: status.update(m))
+    t = Table(title=f"PS round in a microburst, simulated: {workers} workers x "
+                    f"{message_mb:g} MB, {link_gbps:g} Gb/s, RTT {rtt_us:g} us "
+                    f"(median of {seeds})")
+    for col in ("burst loss", "normal round ms", "baseline ms", "dblp ms", "speedup",
+                "passes (baseline/dblp)", "datagrams (baseline/dblp)"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(f"{r.burst_loss:.0%}", f"{r.normal_round_ms:.2f}", f"{r.baseline_round_ms:.2f}",
+                  f"{r.dblp_round_ms:.2f}", f"{r.speedup:.2f}x",
+                  f"{r.baseline_passes:g} / {r.dblp_passes:g}",
+                  f"{r.baseline_datagrams:,.0f} / {r.dblp_datagrams:,.0f}")
+    console.print(t)
+    write_json(rows, json_path)
+    console.print(f"rows written to {json_path}")
+
+
 @cli.command()
 @click.option("--policy", type=click.Choice(["gloo", "reliable", "mlt", "ltp", "dblp"]),
               default="dblp", show_default=True,
