@@ -67,11 +67,13 @@ def test_two_process_transfer_is_bit_exact():
     assert datagrams >= res.stats.chunks
 
 
-def test_reliable_under_injected_loss_and_bounded_meets_bound():
+@pytest.mark.parametrize("chunk_bytes", [1400, 8192])  # long runs and short ones (offload)
+def test_reliable_under_injected_loss_and_bounded_meets_bound(chunk_bytes):
     data = np.random.default_rng(1).standard_normal(400_000).astype(np.float32)
     with (
-        UdpEndpoint(session=SESSION, config=_cfg()) as a,
-        UdpEndpoint(session=SESSION, config=_cfg(), loss=Bernoulli(0.05, seed=2)) as b,
+        UdpEndpoint(session=SESSION, config=_cfg(chunk_bytes=chunk_bytes)) as a,
+        UdpEndpoint(session=SESSION, config=_cfg(chunk_bytes=chunk_bytes),
+                    loss=Bernoulli(0.05, seed=2)) as b,
     ):
         out = np.zeros_like(data)
         f_rx = b.receive(a.address, message_id=1, out=out, policy=ReliablePolicy())

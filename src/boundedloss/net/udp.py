@@ -4,8 +4,8 @@ Many concurrent messages to and from many peers share the socket; the mux
 demultiplexes them by header. ``send`` and ``receive`` return
 ``concurrent.futures.Future`` objects that resolve to SendResult / ReceiveResult.
 
-The I/O thread drains the socket in bursts with ``recvfrom_into`` into one reusable
-buffer (the receiver copies each payload once, into the destination), sends with
+The I/O thread drains the socket in bursts (``recvfrom_into``, or ``recvmsg_into``
+with offload) into one reusable buffer (the receiver copies each payload once, into the destination), sends with
 ``sendmsg`` gathering header and payload views (no copy in Python), and sleeps in
 ``select`` until the socket is readable, a caller wakes it, or the mux's next deadline.
 
@@ -59,7 +59,8 @@ _GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.ENOPROTOOPT, errn
 
 
 def gso_enabled_by_env() -> bool:
-    return os.environ.get("BOUNDEDLOSS_UDP_GSO", "1").strip().lower() not in ("0", "no", "off", "false")
+    flag = os.environ.get("BOUNDEDLOSS_UDP_GSO", "1").strip().lower()
+    return flag not in ("0", "no", "off", "false")
 
 
 def segment_run(batch: list, start: int) -> tuple[int, int]:
@@ -121,8 +122,8 @@ class UdpEndpoint:
     ):
         config = config or TransportConfig()
         self.loss = loss
-        #: send runs of datagrams with UDP_SEGMENT (None: unless BOUNDEDLOSS_UDP_GSO=0);
-        #: cleared if the kernel refuses it
+        #: send runs of datagrams with UDP_SEGMENT and take them in with UDP_GRO (None:
+        #: unless BOUNDEDLOSS_UDP_GSO=0); cleared if the kernel refuses a segmented send
         if segmentation_offload is None:
             segmentation_offload = gso_enabled_by_env()
         self.segmentation_offload = bool(segmentation_offload) and sys.platform.startswith("linux")
@@ -289,8 +290,9 @@ class UdpEndpoint:
                     except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP
                         self.io_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
                         continue
-                    start = 0
-                    if 0 < size < n:  # a coalesced run: whole datagrams of size, then a rest
+                    if 0 < size < n and n // size >= mux.run_min:
+                        # a coalesced run long enough to take at once: whole datagrams of
+                        # size, then (a short last one) what is left
                         start = n - n % size
                         keep = None
                         if loss is not None:
@@ -299,14 +301,18 @@ class UdpEndpoint:
                                     for o in range(0, start, size)]
                             drops[DropReason.INJECTED_LOSS] += keep.count(False)
                         mux.run_received(mv[:start], size, addr, now, keep)
-                        if start == n:
+                        offsets = (start,) if start < n else ()
+                    else:  # one datagram, or a run too short to gain by: one by one
+                        offsets = range(0, n, size) if 0 < size < n else (0,)
+                        size = size or n
+                    for o in offsets:
+                        view = mv[o : min(o + size, n)]
+                        if loss is not None and loss.drop(
+                            now, peek_round(view) if loss_needs_round else -1
+                        ):
+                            drops[DropReason.INJECTED_LOSS] += 1
                             continue
-                    if loss is not None and loss.drop(
-                        now, peek_round(mv[start:n]) if loss_needs_round else -1
-                    ):
-                        drops[DropReason.INJECTED_LOSS] += 1
-                        continue
-                    mux.datagram_received(mv[start:n], addr, now)
+                        mux.datagram_received(view, addr, now)
                 now = monotonic()
                 deadline = mux.next_deadline()
                 if deadline is not None and deadline <= now:

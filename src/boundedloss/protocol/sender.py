@@ -354,7 +354,7 @@ class MessageSender:
         # cross the same path, and their answers the way back (a microburst at *our*
         # receiver loses them: the broadcast's answers from a worker), so send enough
         # copies that all or all their answers are lost with chance <= probe_miss_target
-        # (0.8 either way: 14 copies of 48 bytes instead of an RTO - tens of ms when
+        # (0.8 either way: 21 copies of 48 bytes instead of an RTO - tens of ms when
         # the hosts are busy - every few passes).
         if self._pass_sent:
             q = self._reply_missing / self._pass_sent
@@ -408,12 +408,15 @@ class MessageSender:
         count as lost). A PROBE is answered when it and its answer both get through."""
         if not self._acks_heard:
             every = self.config.ack_every
-            if (self._srtt is not None and self._pass_started_at is not None
+            if (not self._first_pass and self._srtt is not None
+                    and self._pass_started_at is not None
                     and now - self._pass_started_at > self._srtt
                     and self._pass_sent >= 2 * every):
-                # The pass lasted a round trip and owed us ACKs, yet none came: fewer
-                # than ack_every of its datagrams (or none of the ACKs) got through -
-                # a microburst of 90% loss, where one copy would cost RTO after RTO.
+                # The whole pass is out, it lasted a round trip and owed us ACKs, yet
+                # none came: fewer than ack_every of its datagrams (or none of the ACKs)
+                # got through - a microburst of 90% loss, where one copy would cost RTO
+                # after RTO. (Not so for a PROBE sent because the window is shut: there
+                # the silence says the receiver is behind, and copies only load it.)
                 return self._copies_for(1.0 - every / self._pass_sent)
             # Nothing to go on: a short message, or the ACKs are still on their way
             # (the pass took less than a round trip).
