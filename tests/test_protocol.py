@@ -1354,3 +1354,28 @@ def test_a_run_with_one_stranger_goes_one_by_one(offset, fmt, value):
                 mux.datagram_received(d, "a", 1.0)
         got.append((dict(mux.drops), rx.delivered_count))
     assert got[0] == got[1] and got[0][1] == 11 and sum(got[0][0].values()) == 1
+
+
+def test_a_send_takes_the_loss_its_receive_from_that_peer_saw() -> None:
+    """A microburst at a's receiver loses 4 in 5 of b's datagrams; a's next send to b
+    gets its PROBE answers back along that way. Too short to draw an ACK, it cannot see
+    that for itself: its first PROBE goes in the copies the loss a's receive saw calls
+    for, not one."""
+    probes = []
+
+    def drop(src, dst, h, d, nth):
+        if h.kind == Kind.PROBE and src == "a":
+            probes.append((h.round_id, h.index))
+        return src == "b" and h.kind == Kind.DATA and nth % 5 != 0
+
+    net, a, b = pair(drop=drop)
+    rx = a.start_receive("b", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.9))
+    tx = b.start_send("a", ROUND, MSG, source_bytes(200 * CB, 1), net.now)
+    net.run([tx, rx])
+    seen = rx.loss_seen()
+    assert seen == pytest.approx(0.8, abs=0.02)
+    tx2 = a.start_send("b", ROUND + 1, MSG, source_bytes(20 * CB, 2), net.now)
+    rx2 = b.start_receive("a", ROUND + 1, MSG, net.now, policy=ReliablePolicy())
+    net.run([tx2, rx2])
+    assert rx2.result.complete
+    assert probes.count((ROUND + 1, 1)) == tx2._copies_for(seen) > 1

@@ -23,6 +23,9 @@ from .types import TooManyReceives, TransportConfig, TransportError
 
 #: delivery-rate samples kept per peer (a few messages' passes)
 RATE_SAMPLES = 8
+#: how long the loss a receive from a peer saw stands for the way back of sends to it
+#: (a microburst lasts a round or so)
+LOSS_MEMORY = 0.5
 #: a run shorter than this goes datagram by datagram: the whole-array steps cost about
 #: as much as 16 datagrams one by one (8,192-byte chunks make runs of 7)
 RUN_MIN = 16
@@ -54,6 +57,7 @@ class TransferMux:
         self._closed: OrderedDict[tuple, _Closed] = OrderedDict()
         self._outbox: list = []  # control datagrams waiting for poll
         self.run_min = RUN_MIN  # (a tuning; the tests lower it to try every run length)
+        self._loss_from: dict = {}  # peer -> (loss our last receive from it saw, when)
         self._finished: list = []  # senders/receivers that finished since pop_finished
         self._rtt: dict = {}  # peer -> (srtt, rttvar) learned by finished sends
         # peer -> the delivery-rate samples of its latest passes (the best one paces
@@ -74,6 +78,7 @@ class TransferMux:
             payload=payload, config=self.config, now=now, critical=critical,
             rtt=self._rtt.get(peer),
             delivery_rate=max(self._rates[peer]) if self._rates.get(peer) else None,
+            reverse_loss=self._loss_from_peer(peer, now),
         )
         self._senders[key] = sender
         return sender
@@ -155,6 +160,15 @@ class TransferMux:
             else:
                 tx.stop_received(idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
                 self._reap(tx, now)
+
+    def _loss_from_peer(self, peer, now: float) -> float | None:
+        """The loss our last receive from ``peer`` saw, if it closed lately: a send to
+        that peer gets its answers back along that way (a microburst at our receiver
+        loses them), which its own ACKs may not show in time for its first PROBE."""
+        seen = self._loss_from.get(peer)
+        if seen is None or now - seen[1] > LOSS_MEMORY:
+            return None
+        return seen[0]
 
     def run_received(self, data, size: int, peer, now: float, keep=None) -> None:
         """Datagrams that arrived back to back in ``data``, every one ``size`` bytes (a
@@ -290,6 +304,9 @@ class TransferMux:
                     while len(self._closed) > self.config.closed_memory:
                         self._closed.popitem(last=False)
                 self._finished.append(transfer)
+                loss = transfer.loss_seen()
+                if loss is not None:
+                    self._loss_from[transfer.peer] = (loss, now)
         elif self._senders.get(key) is transfer:
             del self._senders[key]
             if transfer.rtt_estimate is not None:

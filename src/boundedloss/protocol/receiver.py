@@ -203,6 +203,15 @@ class MessageReceiver:
         if self.delivered_count >= self._need and not self._critical_missing and self._may_stop():
             self._close(self._reason_when_met(), now, out)
 
+    def loss_seen(self) -> float | None:
+        """The fraction of the sender's DATA transmissions that never arrived, as far as
+        their sequence numbers tell (None: too few to tell). It is the loss on the way
+        from that peer - the way *our* answers to its PROBEs take when we send to it."""
+        sent = self._max_tseq + 1
+        if sent < 2 * self._ack_every:
+            return None
+        return max(0.0, 1.0 - self.datagrams / sent)
+
     def probe_received(self, seq: int, flags: int, now: float, out: list) -> None:
         """Answer with the BITMAP segments that still hold missing chunks - or, once the
         sender has sent everything once and the plan is met, with STOP."""

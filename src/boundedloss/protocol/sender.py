@@ -54,8 +54,12 @@ class MessageSender:
         critical: np.ndarray | None = None,
         rtt: tuple[float, float] | None = None,
         delivery_rate: float | None = None,
+        reverse_loss: float | None = None,
     ):
         self.peer = peer
+        # the loss a receive from this peer saw lately: the way back of our PROBEs'
+        # answers, before this send's own ACKs can tell
+        self._reverse_hint = reverse_loss or 0.0
         self.round_id = round_id
         self.message_id = message_id
         self.config = config
@@ -408,6 +412,7 @@ class MessageSender:
         count as lost). A PROBE is answered when it and its answer both get through."""
         if not self._acks_heard:
             every = self.config.ack_every
+            copies = self._copies_for(self._reverse_hint) if self._reverse_hint else 1
             if (not self._first_pass and self._srtt is not None
                     and self._pass_started_at is not None
                     and now - self._pass_started_at > self._srtt
@@ -417,20 +422,22 @@ class MessageSender:
                 # got through - a microburst of 90% loss, where one copy would cost RTO
                 # after RTO. (Not so for a PROBE sent because the window is shut: there
                 # the silence says the receiver is behind, and copies only load it.)
-                return self._copies_for(1.0 - every / self._pass_sent)
-            # Nothing to go on: a short message, or the ACKs are still on their way
-            # (the pass took less than a round trip).
-            return 1
+                copies = max(copies, self._copies_for(1.0 - every / self._pass_sent))
+            # (else nothing to go on but the hint: a short message, or the ACKs are
+            # still on their way - the pass took less than a round trip)
+            return copies
         q_fwd = 1.0 - min(1.0, (self._ack_delivered + 1) / (self._ack_tseq + 1))
         return self._copies_for(1.0 - (1.0 - q_fwd) * (1.0 - self._reverse_loss()))
 
     def _reverse_loss(self) -> float:
-        """The loss on the way back, from the ACKs heard so far (see _copies_from_acks);
-        0 before any was heard."""
+        """The loss on the way back: from the ACKs heard so far (see _copies_from_acks),
+        or what a receive from this peer saw lately, whichever is higher. (The ACKs
+        alone read low when the one heard last came early in the pass.)"""
+        hint = self._reverse_hint
         if not self._acks_heard:
-            return 0.0
+            return hint
         sent = max(1, (self._ack_delivered + 1) // self.config.ack_every)
-        return 1.0 - min(1.0, self._acks_heard / sent)
+        return max(hint, 1.0 - min(1.0, self._acks_heard / sent))
 
     def stop_received(self, reason: int, delivered: int, now: float) -> None:
         if self.result is not None:
