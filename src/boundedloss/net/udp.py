@@ -272,6 +272,14 @@ class UdpEndpoint:
         calls = 0
         gso_cmsg: dict[int, list] = {}  # segment size -> its UDP_SEGMENT control message
         rlist = [sock, self._wake_r]
+
+        def lost(view) -> bool:
+            """Did the loss model drop this datagram (counted if so)?"""
+            if loss is None or not loss.drop(now, peek_round(view) if loss_needs_round else -1):
+                return False
+            drops[DropReason.INJECTED_LOSS] += 1
+            return True
+
         while not self._closing:
             blocked = False
             with self._lock:
@@ -294,12 +302,8 @@ class UdpEndpoint:
                         # a coalesced run long enough to take at once: whole datagrams of
                         # size, then (a short last one) what is left
                         start = n - n % size
-                        keep = None
-                        if loss is not None:
-                            keep = [not loss.drop(now, peek_round(mv[o : o + size])
-                                                  if loss_needs_round else -1)
-                                    for o in range(0, start, size)]
-                            drops[DropReason.INJECTED_LOSS] += keep.count(False)
+                        keep = (None if loss is None else
+                                [not lost(mv[o : o + size]) for o in range(0, start, size)])
                         mux.run_received(mv[:start], size, addr, now, keep)
                         offsets = (start,) if start < n else ()
                     else:  # one datagram, or a run too short to gain by: one by one
@@ -307,12 +311,8 @@ class UdpEndpoint:
                         size = size or n
                     for o in offsets:
                         view = mv[o : min(o + size, n)]
-                        if loss is not None and loss.drop(
-                            now, peek_round(view) if loss_needs_round else -1
-                        ):
-                            drops[DropReason.INJECTED_LOSS] += 1
-                            continue
-                        mux.datagram_received(view, addr, now)
+                        if not lost(view):
+                            mux.datagram_received(view, addr, now)
                 now = monotonic()
                 deadline = mux.next_deadline()
                 if deadline is not None and deadline <= now:

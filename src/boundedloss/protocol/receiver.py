@@ -141,8 +141,7 @@ class MessageReceiver:
         self._unacked += 1
         if self._unacked >= self._ack_every:
             self._unacked = 0
-            ack = _with(self._header, 0, Flag.NONE, Kind.ACK, self._max_tseq)
-            out.append(((wire.encode(ack, STOP_PAYLOAD.pack(self.delivered_count)),), self.peer))
+            out.append(((self._ack(self.delivered_count),), self.peer))
         delivered = self._delivered
         if delivered[index]:
             self.duplicates += 1
@@ -197,11 +196,13 @@ class MessageReceiver:
             # (an ACK holds what was delivered before the datagram that drew it: the
             # sender reads forward loss from it, and reverse loss from how many came)
             last_new = bool(pos.size) and pos[-1] == k - 1
-            ack = wire.encode(_with(self._header, 0, Flag.NONE, Kind.ACK, self._max_tseq),
-                              STOP_PAYLOAD.pack(self.delivered_count - last_new))
-            out.extend([((ack,), self.peer)] * acks)
-        if self.delivered_count >= self._need and not self._critical_missing and self._may_stop():
-            self._close(self._reason_when_met(), now, out)
+            out.extend([((self._ack(self.delivered_count - last_new),), self.peer)] * acks)
+        self._check_done(now, out)
+
+    def _ack(self, delivered: int) -> bytes:
+        """An ACK: the highest transmission sequence seen, and ``delivered``."""
+        return wire.encode(_with(self._header, 0, Flag.NONE, Kind.ACK, self._max_tseq),
+                           STOP_PAYLOAD.pack(delivered))
 
     def loss_seen(self) -> float | None:
         """The fraction of the sender's DATA transmissions that never arrived, as far as

@@ -412,7 +412,7 @@ class MessageSender:
         count as lost). A PROBE is answered when it and its answer both get through."""
         if not self._acks_heard:
             every = self.config.ack_every
-            copies = self._copies_for(self._reverse_hint) if self._reverse_hint else 1
+            copies = self._copies_for(self._reverse_loss())  # (no ACK: just the hint)
             if (not self._first_pass and self._srtt is not None
                     and self._pass_started_at is not None
                     and now - self._pass_started_at > self._srtt
