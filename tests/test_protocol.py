@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundedloss import wire
-from boundedloss.policy import ClosePlan, FixedBoundPolicy, MessageInfo, Policy, ReliablePolicy
+from boundedloss.policy import ClosePlan, EarlyClosePolicy, FixedBoundPolicy, MessageInfo, Policy, ReliablePolicy
 from boundedloss.protocol import (
     CloseReason,
     SendStatus,
@@ -1099,6 +1099,23 @@ def test_a_stop_answering_the_final_probe_measures_the_round_trip() -> None:
     assert tx.result.stats.retransmit_rounds == 0 and tx.result.stats.rtt == pytest.approx(2e-3)
     tx2 = a.start_send("b", ROUND + 1, MSG, source_bytes(50 * CB, 5), net.now)
     assert tx2._rto == pytest.approx(2e-3 + 4 * 1e-3)  # srtt + 4 rttvar, not initial_rto
+
+
+def test_a_stop_sent_by_the_acceptance_deadline_is_not_a_round_trip() -> None:
+    """A receive closed by its acceptance deadline STOPs the sender whenever the timer
+    fires, answering no PROBE; a sender waiting on a PROBE the queue dropped must not
+    take that wait for a round trip (it taught LTP's senders 150 ms on a 3 ms path,
+    hence RTOs of 0.5 s). Here every PROBE is lost: the STOP is all the sender hears."""
+    net, a, b = pair(delay=1e-3, drop=lambda src, dst, h, d, nth: (
+        h.kind == Kind.PROBE or (h.kind == Kind.DATA and nth % 2 == 0)))
+    deadline = 0.03  # inside the sender's 50 ms initial RTO: the PROBE is still awaited
+    ltp = EarlyClosePolicy(min_deadline=deadline, max_deadline=deadline)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ltp)
+    tx = a.start_send("b", ROUND, MSG, source_bytes(100 * CB, 6), net.now)
+    net.run([tx, rx])
+    assert rx.result.close_reason == CloseReason.ACCEPT_DEADLINE
+    assert tx.result.close_reason == CloseReason.ACCEPT_DEADLINE
+    assert tx.result.stats.probes == 1 and tx.result.stats.rtt is None  # not ~30 ms
 
 
 def test_acks_arriving_behind_the_first_probe_send_more_copies_at_once() -> None:

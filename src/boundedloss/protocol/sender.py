@@ -443,16 +443,20 @@ class MessageSender:
         if self.result is not None:
             return
         self.reported_delivered = delivered
-        if self._awaiting_reply and not self._first_pass and self._unanswered == 0:
-            # The answer to the FINAL PROBE when a bound was met (or, a hair early, the
-            # STOP of a message that completed as the PROBE went out): the round trip
-            # for the next message to this peer - bounded transfers may never see a
-            # BITMAP, and would keep the conservative initial RTO for good.
-            self._rtt_sample(now - self._probe_sent_at)
         try:
             close_reason = CloseReason(reason)
         except ValueError:
             close_reason = None
+        if (self._awaiting_reply and not self._first_pass and self._unanswered == 0
+                and close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)):
+            # The answer to the FINAL PROBE when a bound was met (or, a hair early, the
+            # STOP of a message that completed as the PROBE went out): the round trip
+            # for the next message to this peer - bounded transfers may never see a
+            # BITMAP, and would keep the conservative initial RTO for good. Not a STOP
+            # sent by a receiver's timer (an acceptance or hard deadline): it answers no
+            # PROBE, and taken as one it made a round trip of the deadline's wait
+            # (LTP under incast: 150 ms learned on a 3 ms path, so RTOs of 0.5 s).
+            self._rtt_sample(now - self._probe_sent_at)
         self._finish(SendStatus.STOPPED, close_reason, now)
 
     # ------------------------------------------------------------------- timers
