@@ -107,3 +107,44 @@ def test_state_pickles_without_runtime_and_keeps_memory():
     assert clone.rounds == {0: 7} and clone.topology == "allreduce"
     assert np.array_equal(clone._memory[(0, "shard")], np.arange(5, dtype=np.float32))
     assert clone.policy.bound == policy.bound and clone.phase == state.phase
+
+
+def test_digits_are_scikit_learns_load_digits_without_importing_it(monkeypatch):
+    """The bundled CSV read directly is exactly ``load_digits()`` (images, labels); and
+    should the file move, the loader falls back to ``load_digits`` itself."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from boundedloss.workloads import digits
+
+    ref = load_digits()
+    images, target = digits._bundled_digits()
+    np.testing.assert_array_equal(images, ref.images)
+    np.testing.assert_array_equal(target, ref.target)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    images, target = digits._bundled_digits()
+    np.testing.assert_array_equal(images, ref.images)
+    np.testing.assert_array_equal(target, ref.target)
+
+
+def test_local_ranks_see_the_launching_processs_environment_now(tmp_path):
+    """Ranks fork from a server that imported torch once; they must still run with the
+    launching process's environment at each launch, not the server's at its start:
+    a second run of one process with BOUNDEDLOSS_UDP_GSO=0 runs without offload."""
+    code = (
+        "import json, os, sys\n"
+        "from boundedloss.experiments.train import TrainConfig, run_training\n"
+        "def run(name):\n"
+        f"    cfg = TrainConfig(policy='reliable', workers=2, epochs=1, steps_per_epoch=3, "
+        f"out=os.path.join({str(tmp_path)!r}, name))\n"
+        "    return run_training(cfg)['udp_segmentation_offload']\n"
+        "first = run('a')\n"
+        "os.environ['BOUNDEDLOSS_UDP_GSO'] = '0'\n"
+        "print(json.dumps([first, run('b')]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "BOUNDEDLOSS_UDP_GSO"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first in (True, False) and second is False

@@ -8,7 +8,8 @@ that one rank. Rank 0 writes, under ``out``:
 - ``rounds.jsonl``  one line per training round (iteration): step time, communication
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
-- ``summary.json``  the configuration, final metric and wall time.
+- ``summary.json``  the configuration, final metric, wall time and whether the UDP
+  endpoints used segmentation offload.
 """
 
 from __future__ import annotations
@@ -141,6 +142,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
     model, batches, evaluate, metric_name, _ = _build(cfg, rank, world)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     state = None
+    offload = None  # UDP segmentation offload in use at the end (None: gloo)
     if cfg.policy != "gloo":
         from .. import torch as bl_torch
 
@@ -218,9 +220,12 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
         else:
             rank_log.close()
         if state is not None:
+            # (read last: a kernel that refuses a segmented send turns it off mid-run)
+            offload = state.endpoint is not None and state.endpoint.segmentation_offload
             state.close()
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": metric_name, "final_metric": metric,
-               "wall_s": wall, "rounds": round_id, "world_size": world}
+               "wall_s": wall, "rounds": round_id, "world_size": world,
+               "udp_segmentation_offload": offload}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.destroy_process_group()
@@ -270,7 +275,11 @@ def _rank_exit_code(cfg: TrainConfig, rank: int, world: int) -> int:
     return 0
 
 
-def _spawned(rank: int, world: int, cfg: TrainConfig, port: int) -> None:
+def _spawned(rank: int, world: int, cfg: TrainConfig, port: int, env: dict) -> None:
+    # the launching process's environment now, not the fork server's at its start
+    # (e.g. BOUNDEDLOSS_UDP_GSO set between two runs of one process)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if _rank_exit_code(cfg, rank, world):
@@ -283,6 +292,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: what every rank imports before it can train: preloaded once in the fork server
+RANK_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
+                "boundedloss.torch", "boundedloss.experiments.train")
+
+
+def _rank_context():
+    """Where local ranks are started from: a fork server that has imported torch once
+    (``RANK_IMPORTS``) and forks a fresh process per rank, where it is available; else
+    spawned interpreters. A rank spawned from scratch spends ~4 s of CPU importing torch
+    (and torch._dynamo, which DDP's constructor loads) - with 8 ranks on 2 cores, most of
+    a short run - and a comparison pays it for every arm. (Not ``fork``: the parent may
+    have threads by then, and a forked thread's locks can deadlock the child.)"""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_IMPORTS))
+    return ctx
+
+
 def run_training(cfg: TrainConfig, testbed=None) -> dict:
     """Train under torchrun (one rank), in a kernel testbed's namespaces (``testbed``: an
     up :class:`~boundedloss.emulate.Testbed`; rank 0 in its server node, rank r in
@@ -293,12 +323,11 @@ def run_training(cfg: TrainConfig, testbed=None) -> dict:
     if testbed is not None:
         ranks = _start_in_testbed(cfg, testbed)
     else:
-        import multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         port = _free_port()
-        ranks = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port),
-                             daemon=False) for r in range(cfg.workers)]
+        env = dict(os.environ)
+        ranks = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port, env), daemon=False)
+                 for r in range(cfg.workers)]
         for p in ranks:
             p.start()
     _supervise(ranks, cfg)
