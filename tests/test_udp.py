@@ -230,3 +230,26 @@ def test_refused_offload_falls_back_without_losing_a_datagram(monkeypatch):
     monkeypatch.setattr(udp, "UDP_SEGMENT", 9999)
     a, tx = _transfer(_cfg(), segmentation_offload=True)
     assert not a.segmentation_offload and a.counters()["io_gso_refused"] == 1
+
+
+def test_a_bug_in_the_io_thread_fails_every_caller_at_once_with_its_cause():
+    """A policy whose ``observe`` raises kills the endpoint's I/O thread; the receive
+    waiting on it, and every later call, must fail with that error at once - not wait
+    out a timeout and read as a dead peer - and the endpoint must still close."""
+
+    class BrokenPolicy(ReliablePolicy):
+        def observe(self, outcome):
+            raise ZeroDivisionError("a bug in the policy")
+
+    with UdpEndpoint(session=SESSION, config=_cfg()) as tx, \
+            UdpEndpoint(session=SESSION, config=_cfg()) as rx:
+        got = rx.receive(tx.address, message_id=1, nbytes=40_000, policy=BrokenPolicy())
+        tx.send(rx.address, np.ones(10_000, np.float32), message_id=1)
+        with pytest.raises(TransportError, match="ZeroDivisionError: a bug in the policy") as e:
+            got.result(timeout=30)  # (raises at once; the timeout is only a backstop)
+        assert isinstance(e.value.__cause__, ZeroDivisionError)
+        with pytest.raises(TransportError, match="a bug in the policy"):
+            rx.receive(tx.address, message_id=2, nbytes=40_000)
+        with pytest.raises(TransportError, match="a bug in the policy"):
+            rx.send(tx.address, np.ones(10, np.float32), message_id=3)
+    assert rx.sock.fileno() == -1  # closed all the same

@@ -154,7 +154,9 @@ class UdpEndpoint:
         self._wake_w.setblocking(False)
         self._lock = threading.Lock()
         self._futures: dict[int, tuple[object, Future]] = {}
-        self._closing = False
+        self._closing = False  # the I/O loop stops, and new calls are refused
+        self._closed = False
+        self._failure: BaseException | None = None  # what killed the I/O thread, if anything
         self.io_errors: Counter[str] = Counter()
         self.sendmsg_calls = 0  # system calls that sent datagrams (one per segmented run)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -211,9 +213,9 @@ class UdpEndpoint:
         return d
 
     def close(self) -> None:
-        if self._closing:
+        if self._closed:
             return
-        self._closing = True
+        self._closed = self._closing = True
         self._wake()
         self._thread.join(timeout=5)
         with self._lock:
@@ -233,8 +235,32 @@ class UdpEndpoint:
 
     # --------------------------------------------------------------- internals
     def _check_open(self) -> None:
+        if self._failure is not None:
+            raise self._failed_error() from self._failure
         if self._closing:
             raise TransportError("endpoint is closed")
+
+    def _failed_error(self) -> TransportError:
+        e = self._failure
+        return TransportError(f"the endpoint's I/O thread failed: {type(e).__name__}: {e}")
+
+    def _run(self) -> None:
+        try:
+            self._io_loop()
+        except BaseException as e:  # noqa: BLE001 - nothing may die silently here
+            # A bug below the API (a policy's observe raising, say): every operation
+            # waiting on this endpoint, and every later call, fails with it at once -
+            # rather than the thread dying alone and its callers waiting out their
+            # timeouts, then blaming the peer.
+            self._failure = e
+            self._closing = True
+            with self._lock:
+                for _, fut in self._futures.values():
+                    if not fut.done():
+                        error = self._failed_error()
+                        error.__cause__ = e
+                        fut.set_exception(error)
+                self._futures.clear()
 
     def _wake(self) -> None:
         try:
@@ -252,7 +278,7 @@ class UdpEndpoint:
             if isinstance(result, (ReceiveResult, SendResult)) and not fut.done():
                 fut.set_result(result)
 
-    def _run(self) -> None:
+    def _io_loop(self) -> None:
         sock = self.sock
         recv = sock.recvfrom_into
         recvmsg = sock.recvmsg_into
