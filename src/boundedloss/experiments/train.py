@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -128,8 +129,10 @@ def _per_round(log: list[dict], round_id: int) -> dict:
     }
 
 
-def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
-    """Run one rank to the end; rank 0 writes the logs and returns the summary."""
+def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None = None) -> dict:
+    """Run one rank to the end; rank 0 writes the logs and returns the summary.
+    ``keep_alive``: a list that gets the DDP model (and with it the process group), for
+    a caller that ends the process without tearing them down (:func:`_run_rank`)."""
     import torch
     import torch.distributed as dist
     from datetime import timedelta
@@ -141,6 +144,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int) -> dict:
                             timeout=timedelta(seconds=cfg.receive_deadline * 3 + 30))
     model, batches, evaluate, metric_name, _ = _build(cfg, rank, world)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if keep_alive is not None:
+        keep_alive.append(ddp)
     state = None
     offload = None  # UDP segmentation offload in use at the end (None: gloo)
     if cfg.policy != "gloo":
@@ -262,17 +267,28 @@ class _Progress:
 
 
 # ------------------------------------------------------------------ launch
-def _rank_exit_code(cfg: TrainConfig, rank: int, world: int) -> int:
-    """Run one launched rank to the end: 0, or 1 after one clear line on stderr."""
+def _run_rank(cfg: TrainConfig, rank: int, world: int) -> NoReturn:
+    """Run one launched rank to the end and exit: 0, or 1 after one clear line on stderr.
+
+    The process ends with ``os._exit``, its results written and its streams flushed,
+    without tearing torch.distributed down: ProcessGroupGloo's destructor joins its
+    worker threads while holding the GIL, and a worker still releasing its last work's
+    Python state waits for that GIL (pytorch/pytorch#56297) - a deadlock that left a
+    finished rank hanging, and its comparison with it, about once in 12 gloo runs here.
+    The model (and its process group) stays referenced until the exit; the OS reclaims
+    the rest."""
+    keep: list = []
+    code = 0
     try:
-        train_rank(cfg, rank, world)
+        train_rank(cfg, rank, world, keep_alive=keep)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank
         sys.stderr.write(f"boundedloss train: rank {rank}: {type(e).__name__}: {e}\n")
         if os.environ.get("BOUNDEDLOSS_DEBUG"):
             traceback.print_exc()
-        sys.stderr.flush()
-        return 1
-    return 0
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _spawned(rank: int, world: int, cfg: TrainConfig, port: int, env: dict) -> None:
@@ -282,8 +298,7 @@ def _spawned(rank: int, world: int, cfg: TrainConfig, port: int, env: dict) -> N
     os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    if _rank_exit_code(cfg, rank, world):
-        os._exit(1)
+    _run_rank(cfg, rank, world)
 
 
 def _free_port() -> int:
@@ -411,12 +426,12 @@ def _start_in_testbed(cfg: TrainConfig, testbed) -> list[_NamespaceRank]:
     return ranks
 
 
-def _rank_main(argv: list[str]) -> int:
+def _rank_main(argv: list[str]) -> NoReturn:
     """A rank started by :func:`_start_in_testbed`: the config as JSON, rank and rendezvous
     in the environment."""
     cfg = TrainConfig(**json.loads(argv[0]))
-    return _rank_exit_code(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    _run_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1:]))
+    _rank_main(sys.argv[1:])
