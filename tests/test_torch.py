@@ -148,3 +148,24 @@ def test_local_ranks_see_the_launching_processs_environment_now(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first, second = json.loads(proc.stdout.strip().splitlines()[-1])
     assert first in (True, False) and second is False
+
+
+def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():
+    """A rank that never exits (a hang in teardown, say) must not hang the run once
+    another rank has ended: it is stopped after the grace period and named."""
+    import multiprocessing as mp
+    import time
+
+    from boundedloss.experiments.train import _failure_report, _supervise
+
+    ctx = mp.get_context("spawn")
+    # (30 s, not forever: a supervisor that waits for it fails this test, not the suite)
+    ranks = [ctx.Process(target=time.sleep, args=(0,)), ctx.Process(target=time.sleep, args=(30,))]
+    for p in ranks:
+        p.start()
+    t0 = time.monotonic()
+    stopped = _supervise(ranks, grace=1.0)
+    assert time.monotonic() - t0 < 20
+    assert stopped == {1} and ranks[0].exitcode == 0 and not ranks[1].is_alive()
+    assert _failure_report(ranks, stopped, 1.0) == (
+        "rank 1 (stopped: still running 1 s after another ended)")

@@ -345,10 +345,10 @@ def run_training(cfg: TrainConfig, testbed=None) -> dict:
                  for r in range(cfg.workers)]
         for p in ranks:
             p.start()
-    _supervise(ranks, cfg)
-    failed = [(r, p.exitcode) for r, p in enumerate(ranks) if p.exitcode != 0]
-    if failed:
-        names = ", ".join(f"rank {r} (exit {c})" for r, c in failed)
+    grace = 2 * cfg.receive_deadline + 10  # (two receive deadlines: see _supervise)
+    stopped = _supervise(ranks, grace)
+    names = _failure_report(ranks, stopped, grace)
+    if names:
         hint = ""
         if testbed is not None:
             hint = f"; each rank's output is in {Path(cfg.out) / 'rank<r>.log'}"
@@ -356,28 +356,40 @@ def run_training(cfg: TrainConfig, testbed=None) -> dict:
     return json.loads((Path(cfg.out) / "summary.json").read_text())
 
 
-def _supervise(ranks: list, cfg: TrainConfig) -> None:
-    """Wait for every rank. Once one fails, the others get two receive deadlines to
-    notice and exit on their own (they should: a dead peer ends their round with
-    PeerFailure); then they are stopped, so a failed run never hangs."""
+def _supervise(ranks: list, grace: float) -> set[int]:
+    """Wait for every rank; return the ranks that had to be stopped. Once one has ended
+    (failed, or finished its work), the others get ``grace`` seconds to end too - a
+    failed peer ends their round with PeerFailure, and finished ranks end together - and
+    are then stopped: a run never hangs."""
     from multiprocessing.connection import wait
 
     give_up_at = None
+    stopped: set[int] = set()
     try:
         while any(p.is_alive() for p in ranks):
-            wait([p.sentinel for p in ranks if p.is_alive()], timeout=1.0)
-            if give_up_at is None and any(p.exitcode not in (None, 0) for p in ranks):
-                give_up_at = time.monotonic() + 2 * cfg.receive_deadline + 10
+            wait([p.sentinel for p in ranks if p.is_alive()], timeout=min(1.0, grace))
+            if give_up_at is None and any(p.exitcode is not None for p in ranks):
+                give_up_at = time.monotonic() + grace
             if give_up_at is not None and time.monotonic() > give_up_at:
-                for p in ranks:
+                for r, p in enumerate(ranks):
                     if p.is_alive():
                         p.terminate()
+                        stopped.add(r)
     except KeyboardInterrupt:
         for p in ranks:
             p.terminate()
         raise
     for p in ranks:
         p.join()
+    return stopped
+
+
+def _failure_report(ranks: list, stopped: set[int], grace: float) -> str:
+    """``rank 1 (exit 17), rank 2 (stopped: still running 50 s after another ended)``."""
+    return ", ".join(
+        f"rank {r} (stopped: still running {grace:.0f} s after another ended)" if r in stopped
+        else f"rank {r} (exit {p.exitcode})"
+        for r, p in enumerate(ranks) if p.exitcode != 0 or r in stopped)
 
 
 class _NamespaceRank:
