@@ -1,6 +1,6 @@
 """`boundedloss train`: data-parallel training with the bounded-loss DDP hook.
 
-Spawns ``workers`` local processes (torch.distributed over Gloo on 127.0.0.1), or one per
+Starts ``workers`` local processes (torch.distributed over Gloo on 127.0.0.1), or one per
 node of a kernel testbed (``run_training(cfg, testbed)``), or, when
 started by ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR in the environment), runs as
 that one rank. Rank 0 writes, under ``out``:
@@ -315,7 +315,7 @@ RANK_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynam
 def _rank_context():
     """Where local ranks are started from: a fork server that has imported torch once
     (``RANK_IMPORTS``) and forks a fresh process per rank, where it is available; else
-    spawned interpreters. A rank spawned from scratch spends ~4 s of CPU importing torch
+    spawned interpreters. A rank spawned from scratch spends 3-4 s of CPU importing torch
     (and torch._dynamo, which DDP's constructor loads) - with 8 ranks on 2 cores, most of
     a short run - and a comparison pays it for every arm. (Not ``fork``: the parent may
     have threads by then, and a forked thread's locks can deadlock the child.)"""

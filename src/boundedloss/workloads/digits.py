@@ -28,7 +28,7 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
 
     Read straight from the installed package: importing ``sklearn.datasets`` costs
     about 2 s of CPU (scipy and friends), paid by every rank of every run - 8 ranks
-    sharing 2 cores wait ~10 s for it. Falls back to ``load_digits`` should the file
+    sharing 2 cores wait ~8 s for it. Falls back to ``load_digits`` should the file
     move."""
     import gzip
     from importlib.util import find_spec
