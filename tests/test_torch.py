@@ -169,3 +169,24 @@ def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():
     assert stopped == {1} and ranks[0].exitcode == 0 and not ranks[1].is_alive()
     assert _failure_report(ranks, stopped, 1.0) == (
         "rank 1 (stopped: still running 1 s after another ended)")
+
+
+def test_train_runs_as_one_rank_per_process_under_torchrun(tmp_path):
+    """`boundedloss train` started once per rank with torchrun's environment (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT): each process runs its rank and exits 0, rank 0
+    reports and writes the logs; a bad argument is still one line, exit 2."""
+    out = tmp_path / "run"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_port()), "COLUMNS": "120"}
+    cmd = [sys.executable, "-m", "boundedloss.cli", "train", "--policy", "dblp", "--workers", "2",
+           "--epochs", "1", "--steps-per-epoch", "4", "--loss", "bernoulli:0.05", "--out", str(out)]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "final accuracy" in outputs[0] and "final accuracy" not in outputs[1]
+    rounds = (out / "rounds.jsonl").read_text().splitlines()
+    assert len(rounds) == 4 and json.loads((out / "summary.json").read_text())["world_size"] == 2
+    bad = subprocess.run(cmd[:-2] + ["--epochs", "0"], env={**env, "RANK": "0"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

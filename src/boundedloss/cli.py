@@ -279,7 +279,7 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (spawns local workers,
     or runs as one rank under torchrun)."""
-    from .experiments.train import TrainConfig, run_training
+    from .experiments.train import TrainConfig, run_rank_and_exit, run_training
     from .net.loss import parse_loss_spec
 
     try:
@@ -294,11 +294,17 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       batch_size=batch_size, lr=lr, chunk_bytes=chunk_bytes,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch)
-    summary = run_training(cfg)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return  # under torchrun: rank 0 reports
-    console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
-                  f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
+    def report(summary: dict) -> None:
+        console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
+                      f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # one rank under torchrun: exits like every launched rank (see run_rank_and_exit)
+        cfg.validate()
+        rank = int(os.environ["RANK"])
+        run_rank_and_exit(cfg, rank, int(os.environ["WORLD_SIZE"]),
+                          report=report if rank == 0 else None)
+    report(run_training(cfg))
 
 
 def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: str,

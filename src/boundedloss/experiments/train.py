@@ -23,7 +23,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import numpy as np
 
@@ -132,7 +132,7 @@ def _per_round(log: list[dict], round_id: int) -> dict:
 def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None = None) -> dict:
     """Run one rank to the end; rank 0 writes the logs and returns the summary.
     ``keep_alive``: a list that gets the DDP model (and with it the process group), for
-    a caller that ends the process without tearing them down (:func:`_run_rank`)."""
+    a caller that ends the process without tearing them down (:func:`run_rank_and_exit`)."""
     import torch
     import torch.distributed as dist
     from datetime import timedelta
@@ -267,8 +267,11 @@ class _Progress:
 
 
 # ------------------------------------------------------------------ launch
-def _run_rank(cfg: TrainConfig, rank: int, world: int) -> NoReturn:
-    """Run one launched rank to the end and exit: 0, or 1 after one clear line on stderr.
+def run_rank_and_exit(cfg: TrainConfig, rank: int, world: int,
+                      report: Callable[[dict], None] | None = None) -> NoReturn:
+    """Run one launched rank to the end and exit: 0 (after ``report(summary)``, if
+    given), or 1 after one clear line on stderr. What every rank process runs: local
+    ranks, testbed ranks, and ``boundedloss train`` under torchrun.
 
     The process ends with ``os._exit``, its results written and its streams flushed,
     without tearing torch.distributed down: ProcessGroupGloo's destructor joins its
@@ -280,7 +283,9 @@ def _run_rank(cfg: TrainConfig, rank: int, world: int) -> NoReturn:
     keep: list = []
     code = 0
     try:
-        train_rank(cfg, rank, world, keep_alive=keep)
+        summary = train_rank(cfg, rank, world, keep_alive=keep)
+        if report is not None:
+            report(summary)
     except Exception as e:  # noqa: BLE001 - one clear line per failing rank
         sys.stderr.write(f"boundedloss train: rank {rank}: {type(e).__name__}: {e}\n")
         if os.environ.get("BOUNDEDLOSS_DEBUG"):
@@ -298,7 +303,7 @@ def _spawned(rank: int, world: int, cfg: TrainConfig, port: int, env: dict) -> N
     os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    _run_rank(cfg, rank, world)
+    run_rank_and_exit(cfg, rank, world)
 
 
 def _free_port() -> int:
@@ -442,7 +447,7 @@ def _rank_main(argv: list[str]) -> NoReturn:
     """A rank started by :func:`_start_in_testbed`: the config as JSON, rank and rendezvous
     in the environment."""
     cfg = TrainConfig(**json.loads(argv[0]))
-    _run_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    run_rank_and_exit(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
 if __name__ == "__main__":
