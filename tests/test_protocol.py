@@ -21,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundedloss import wire
-from boundedloss.policy import ClosePlan, EarlyClosePolicy, FixedBoundPolicy, MessageInfo, Policy, ReliablePolicy
+from boundedloss.policy import (
+    ClosePlan,
+    EarlyClosePolicy,
+    FixedBoundPolicy,
+    MessageInfo,
+    Policy,
+    ReliablePolicy,
+)
 from boundedloss.protocol import (
     CloseReason,
     SendStatus,

@@ -277,7 +277,7 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds)
 @click.option("--out", default="runs/train", show_default=True, type=click.Path(file_okay=False))
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch, out) -> None:
-    """Data-parallel training with the bounded-loss DDP hook (spawns local workers,
+    """Data-parallel training with the bounded-loss DDP hook (starts local workers,
     or runs as one rank under torchrun)."""
     from .experiments.train import TrainConfig, run_rank_and_exit, run_training
     from .net.loss import parse_loss_spec
