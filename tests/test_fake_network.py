@@ -368,6 +368,22 @@ def test_a_microburst_round_simulated_is_deterministic_and_dblp_recovers_in_fewe
     assert row.speedup == pytest.approx(row.baseline_round_ms / row.dblp_round_ms)
 
 
+def test_a_burst_round_without_probe_copies_pays_timeouts():
+    """One PROBE copy (a protocol that recovers by timeouts): the PROBEs and answers the
+    burst takes cost RTOs, so the baseline's burst round - many passes - slows far more
+    than DBLP's few; with copies (the default) neither pays them."""
+    from boundedloss.bench.burst import simulate_round
+    from boundedloss.protocol.types import TransportConfig
+
+    kw = dict(seed=3, message_bytes=100_000, link_bps=10e9, rtt=100e-6, workers=2)
+    one = TransportConfig(probe_copies_max=1)
+    base, base1 = (simulate_round(0.8, 0.008, **kw, config=c) for c in (None, one))
+    dblp, dblp1 = (simulate_round(0.8, 0.408, **kw, config=c) for c in (None, one))
+    assert base1["round_s"] > 2 * base["round_s"]
+    assert base1["round_s"] - base["round_s"] > dblp1["round_s"] - dblp["round_s"]
+    assert base1["round_s"] / dblp1["round_s"] > base["round_s"] / dblp["round_s"]
+
+
 def test_bench_burst_rejects_a_loss_rate_of_one_or_more(capsys, tmp_path):
     from boundedloss.cli import main
 

@@ -216,7 +216,11 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
 @click.option("--workers", default=3, show_default=True, type=click.IntRange(1, 256))
 @click.option("--seeds", default=20, show_default=True, type=click.IntRange(1, 10_000),
               help="Rounds simulated per arm; the median is reported.")
-def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds) -> None:
+@click.option("--probe-copies-max", default=None, type=click.IntRange(1, 1024),
+              help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a "
+                   "lost PROBE or answer costs a retransmission timeout.")
+def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
+                probe_copies_max) -> None:
     """A parameter-server round inside a microburst, simulated on a virtual clock: the
     protocol's own burst speedup (DBLP outside a CLR against P = P_low) on a line-rate
     network, where a datagram costs no CPU."""
@@ -229,16 +233,20 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds)
     with console.status("simulating...") as status:
         rows = run_burst_bench(rates=list(rates_t), message_mb=message_mb, link_gbps=link_gbps,
                                rtt_us=rtt_us, workers=workers, seeds=seeds,
+                               probe_copies_max=probe_copies_max,
                                progress=lambda m: status.update(m))
+    copies = "" if probe_copies_max is None else f", PROBE copies <= {probe_copies_max}"
     t = Table(title=f"PS round in a microburst, simulated: {workers} workers x "
-                    f"{message_mb:g} MB, {link_gbps:g} Gb/s, RTT {rtt_us:g} us "
+                    f"{message_mb:g} MB, {link_gbps:g} Gb/s, RTT {rtt_us:g} us{copies} "
                     f"(median of {seeds})")
     for col in ("burst loss", "normal round ms", "baseline ms", "dblp ms", "speedup",
+                "pushes alone ms (baseline/dblp)", "push speedup",
                 "passes (baseline/dblp)", "datagrams (baseline/dblp)"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(f"{r.burst_loss:.0%}", f"{r.normal_round_ms:.2f}", f"{r.baseline_round_ms:.2f}",
                   f"{r.dblp_round_ms:.2f}", f"{r.speedup:.2f}x",
+                  f"{r.baseline_push_ms:.2f} / {r.dblp_push_ms:.2f}", f"{r.push_speedup:.2f}x",
                   f"{r.baseline_passes:g} / {r.dblp_passes:g}",
                   f"{r.baseline_datagrams:,.0f} / {r.dblp_datagrams:,.0f}")
     console.print(t)

@@ -13,6 +13,10 @@ Python endpoint spends microseconds per datagram and the passes are bound by tha
 A few lossless rounds come first so that every peer's round-trip estimate is learned,
 as it is in training; only the burst round is measured. Arms: the fixed-bound baseline
 (P = P_low) against DBLP outside a critical regime (P = P_low + k).
+
+``probe_copies_max=1`` takes away the PROBE copies: a PROBE (or its answer) lost in the
+burst then costs a retransmission timeout, as in a protocol that recovers by timeouts -
+what the published baseline's burst rounds appear to have paid.
 """
 
 from __future__ import annotations
@@ -45,17 +49,22 @@ class BurstRow:
     baseline_round_ms: float  # median over seeds
     dblp_round_ms: float
     speedup: float  # baseline / DBLP, of the medians
+    baseline_push_ms: float  # the round's pushes alone: until the server closed them all
+    dblp_push_ms: float
+    push_speedup: float
     baseline_passes: float  # retransmission passes the server's receives took (median)
     dblp_passes: float
     baseline_datagrams: float  # DATA datagrams the workers sent in the round (median)
     dblp_datagrams: float
     normal_round_ms: float  # a round of the same arm outside the burst (1% loss), baseline
+    probe_copies_max: int  # TransportConfig.probe_copies_max of both arms
 
 
 def _round(net: FakeNetwork, server: TransferMux, workers: list[TransferMux], names: list[str],
-           round_id: int, msg: np.ndarray, bound: float) -> tuple[float, int, int]:
-    """One PS round from now: (its duration, the most retransmission passes a push took,
-    the DATA datagrams the pushes sent)."""
+           round_id: int, msg: np.ndarray, bound: float) -> tuple[float, float, int, int]:
+    """One PS round from now: (its duration, the pushes' part of it - until the server
+    has closed every push -, the most retransmission passes a push took, the DATA
+    datagrams the pushes sent)."""
     t0 = net.now
     nbytes = msg.nbytes
     pushes_in = [server.start_receive(n, round_id, 0, t0, policy=FixedBoundPolicy(bound),
@@ -69,7 +78,7 @@ def _round(net: FakeNetwork, server: TransferMux, workers: list[TransferMux], na
     end = net.run_until_done(results + pushes)
     passes = max(r.result.stats.retransmit_rounds for r in pushes_in)
     sent = sum(p.result.stats.datagrams for p in pushes)
-    return end - t0, passes, sent
+    return end - t0, t - t0, passes, sent
 
 
 def simulate_round(burst_loss: float, bound: float, *, seed: int, message_bytes: int,
@@ -91,16 +100,19 @@ def simulate_round(burst_loss: float, bound: float, *, seed: int, message_bytes:
     msg = np.random.default_rng(seed).standard_normal(message_bytes // 4).astype(np.float32)
     normal = None
     for r in range(burst_round + 1):
-        took, passes, sent = _round(net, server, muxes, names, r, msg, bound)
+        took, push, passes, sent = _round(net, server, muxes, names, r, msg, bound)
         if r == burst_round - 1:
             normal = took
         net.run(until=net.now + 10 * rtt)  # the gap between rounds (compute)
-    return {"round_s": took, "passes": passes, "datagrams": sent, "normal_s": normal}
+    return {"round_s": took, "push_s": push, "passes": passes, "datagrams": sent,
+            "normal_s": normal}
 
 
 def run_burst_bench(*, rates: list[float], message_mb: float, link_gbps: float, rtt_us: float,
-                    workers: int, seeds: int,
+                    workers: int, seeds: int, probe_copies_max: int | None = None,
                     progress: Callable[[str], None] | None = None) -> list[BurstRow]:
+    config = TransportConfig() if probe_copies_max is None else TransportConfig(
+        probe_copies_max=probe_copies_max)
     dblp = PhaseAwarePolicy()  # its defaults: P_low, and P_low + k outside a CLR
     low, high = dblp.p_low, round(dblp.p_low + dblp.k, 12)
     nbytes = int(message_mb * 1e6) // 4 * 4
@@ -113,7 +125,7 @@ def run_burst_bench(*, rates: list[float], message_mb: float, link_gbps: float, 
             for bound in (low, high):
                 got[bound].append(simulate_round(
                     q, bound, seed=s, message_bytes=nbytes, link_bps=link_gbps * 1e9,
-                    rtt=rtt_us * 1e-6, workers=workers))
+                    rtt=rtt_us * 1e-6, workers=workers, config=config))
 
         def med(bound: float, key: str) -> float:
             return float(statistics.median(g[key] for g in got[bound]))
@@ -123,8 +135,11 @@ def run_burst_bench(*, rates: list[float], message_mb: float, link_gbps: float, 
             burst_loss=q, message_mb=message_mb, link_gbps=link_gbps, rtt_us=rtt_us,
             workers=workers, seeds=seeds, baseline_round_ms=base * 1e3,
             dblp_round_ms=dblp * 1e3, speedup=base / dblp,
+            baseline_push_ms=med(low, "push_s") * 1e3, dblp_push_ms=med(high, "push_s") * 1e3,
+            push_speedup=med(low, "push_s") / med(high, "push_s"),
             baseline_passes=med(low, "passes"), dblp_passes=med(high, "passes"),
             baseline_datagrams=med(low, "datagrams"), dblp_datagrams=med(high, "datagrams"),
             normal_round_ms=med(low, "normal_s") * 1e3,
+            probe_copies_max=config.probe_copies_max,
         ))
     return rows
