@@ -70,6 +70,9 @@ def test_baseline_is_mlt_at_p_low_and_gloo_runs_lossless():
     cfg = make_config(sc, arms["mlt"], out="x", epochs=2, workers=2, seed=0)
     assert (cfg.policy, cfg.mlt_p) == ("mlt", None)
     assert make_config(sc, arms["gloo"], out="x", epochs=2, workers=2, seed=0).loss == "none"
+    assert cfg.probe_copies_max is None  # the transport's default unless asked
+    assert make_config(sc, arms["dblp"], out="x", epochs=2, workers=2, seed=0,
+                       probe_copies_max=1).probe_copies_max == 1
     assert [a.label for a in sc.arms()] == list(sc.default_policies)
     assert parse_policies(" DBLP,baseline,dblp ") == ("dblp", "baseline")
     with pytest.raises(ValueError):

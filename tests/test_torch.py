@@ -190,3 +190,15 @@ def test_train_runs_as_one_rank_per_process_under_torchrun(tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--epochs", "0"], env={**env, "RANK": "0"},
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_probe_copies_reach_the_transport(tmp_path):
+    """`--probe-copies-max 1` (a what-if: recovery by timeouts) is what the endpoints
+    run with, and summary.json says so; without it, the transport's default."""
+    from boundedloss.protocol import TransportConfig
+
+    for flag, want in ((["--probe-copies-max", "1"], 1), ([], TransportConfig().probe_copies_max)):
+        proc, out = _train(tmp_path / str(want), "--policy", "dblp", "--workers", "2",
+                           "--epochs", "1", "--steps-per-epoch", "3", *flag)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert json.loads((out / "summary.json").read_text())["probe_copies_max"] == want

@@ -282,9 +282,14 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
               help="Default: one pass over each rank's share (charlm: 40).")
+@click.option("--probe-copies-max", default=None, type=click.IntRange(1, 1024),
+              help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a "
+                   "PROBE or answer that is lost costs a retransmission timeout, as in a "
+                   "transport that recovers by timeouts (what-if runs).")
 @click.option("--out", default="runs/train", show_default=True, type=click.Path(file_okay=False))
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
-          stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch, out) -> None:
+          stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
+          probe_copies_max, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (starts local workers,
     or runs as one rank under torchrun)."""
     from .experiments.train import TrainConfig, run_rank_and_exit, run_training
@@ -301,7 +306,8 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       epochs=epochs, seed=seed, loss=loss_spec, out=out, aggregator=aggregator,
                       batch_size=batch_size, lr=lr, chunk_bytes=chunk_bytes,
                       receive_deadline=deadline, hadamard=hadamard,
-                      stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch)
+                      stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
+                      probe_copies_max=probe_copies_max)
     def report(summary: dict) -> None:
         console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
                       f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
@@ -318,7 +324,7 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
 def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: str,
                  repeats: int, epochs: int | None, workers: int | None, seed: int,
                  steps_per_epoch: int | None, loss_spec: str | None, command: str,
-                 network: str = "auto") -> None:
+                 network: str = "auto", probe_copies_max: int | None = None) -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the table, write JSON and the report."""
     from .experiments.compare import (SCENARIOS, choose_network, parse_policies, run_compare,
@@ -383,7 +389,8 @@ def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: s
                   f"epochs, {repeats} repeat(s), {sc.network} network")
     rows, runs = run_compare(sc, arms, out_dir, repeats=repeats, epochs=n_epochs,
                              workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
-                             progress=done, starting=starting)
+                             probe_copies_max=probe_copies_max, progress=done,
+                             starting=starting)
     columns = columns_for(sc)
     t = Table(title=f"{sc.name}: {n_workers} workers, {n_epochs} epochs "
                     f"(median of {repeats})")
@@ -438,15 +445,20 @@ def _command_line(default: str) -> str:
                    "(incast): kernel = the namespace testbed's real bottleneck (root), "
                    "in-process = loss injected at the endpoints; auto = kernel when it "
                    "can run here.")
+@click.option("--probe-copies-max", default=None, type=click.IntRange(1, 1024),
+              help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a "
+                   "PROBE or answer that is lost costs a retransmission timeout, as in a "
+                   "transport that recovers by timeouts (what-if runs).")
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec, network) -> None:
+            steps_per_epoch, loss_spec, network, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
     default = (f"boundedloss compare --scenario {scenario} --json {json_path} "
                f"--out {out_dir} --repeats {repeats} --seed {seed}")
     _run_compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-                 steps_per_epoch, loss_spec, _command_line(default), network=network)
+                 steps_per_epoch, loss_spec, _command_line(default), network=network,
+                 probe_copies_max=probe_copies_max)
 
 
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`

@@ -250,11 +250,13 @@ def parse_policies(text: str) -> tuple[str, ...]:
 
 
 def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers: int,
-                seed: int, steps_per_epoch: int | None = None) -> TrainConfig:
+                seed: int, steps_per_epoch: int | None = None,
+                probe_copies_max: int | None = None) -> TrainConfig:
     return TrainConfig(policy=arm.policy, topology=scenario.topology, workers=workers,
                        model=scenario.model, epochs=epochs, seed=seed, loss=arm.loss,
                        out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
-                       steps_per_epoch=steps_per_epoch, mlt_p=arm.mlt_p)
+                       steps_per_epoch=steps_per_epoch, mlt_p=arm.mlt_p,
+                       probe_copies_max=probe_copies_max)
 
 
 # ------------------------------------------------------------------ burst rounds
@@ -416,21 +418,24 @@ def add_ratios(rows: list[dict], baseline: str = "baseline",
 def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
                 repeats: int = 1, epochs: int | None = None, workers: int | None = None,
                 seed: int = 0, steps_per_epoch: int | None = None,
+                probe_copies_max: int | None = None,
                 progress: Callable[[RunResult], None] | None = None,
                 starting: Callable[[Arm, int], None] | None = None,
                 ) -> tuple[list[dict], dict[str, list[RunResult]]]:
     """Train every arm ``repeats`` times (interleaved); return the rows (with ratios)
-    and the runs per arm."""
+    and the runs per arm. ``probe_copies_max``: the transport's PROBE copies for every
+    arm (None: its default)."""
     epochs = epochs or scenario.epochs
     workers = workers or scenario.workers
     with _network(scenario, workers) as testbed:
         runs = _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed,
-                         steps_per_epoch, progress, starting, testbed)
+                         steps_per_epoch, probe_copies_max, progress, starting, testbed)
     dblp = runs.get("dblp")
     clr = [r.critical_rounds() for r in dblp] if dblp else None
     rows = [summarise(a.label, runs[a.label], scenario, clr) for a in arms]
     for row in rows:
         row["network"] = scenario.network
+        row["probe_copies_max"] = probe_copies_max
     return add_ratios(rows, scenario.baseline, scenario.reference), runs
 
 
@@ -444,7 +449,7 @@ def _network(scenario: Scenario, workers: int):
 
 
 def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per_epoch,
-              progress, starting, testbed) -> dict[str, list[RunResult]]:
+              probe_copies_max, progress, starting, testbed) -> dict[str, list[RunResult]]:
     runs: dict[str, list[RunResult]] = {a.label: [] for a in arms}
     for k in range(repeats):
         for arm in arm_order(arms, k):
@@ -452,7 +457,8 @@ def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per
                 starting(arm, k)
             out = str(Path(out_dir) / "runs" / f"{_safe(arm.label)}-r{k}")
             cfg = make_config(scenario, arm, out=out, epochs=epochs, workers=workers,
-                              seed=seed, steps_per_epoch=steps_per_epoch)
+                              seed=seed, steps_per_epoch=steps_per_epoch,
+                              probe_copies_max=probe_copies_max)
             before = testbed.qdisc_stats() if testbed is not None else None
             run_training(cfg, testbed=testbed)
             # every arm marks the scenario's burst rounds (gloo's too, though its TCP

@@ -8,8 +8,8 @@ that one rank. Rank 0 writes, under ``out``:
 - ``rounds.jsonl``  one line per training round (iteration): step time, communication
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
-- ``summary.json``  the configuration, final metric, wall time and whether the UDP
-  endpoints used segmentation offload.
+- ``summary.json``  the configuration, final metric, wall time, whether the UDP
+  endpoints used segmentation offload and the most copies a PROBE went in.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class TrainConfig:
     steps_per_epoch: int | None = None  # default: one pass over this rank's share
     die_at_round: int | None = None  # testing: rank 1 exits abruptly at this round
     mlt_p: float | None = None  # policy "mlt" only: its fixed bound P (default: make_policy's)
+    probe_copies_max: int | None = None  # the transport's PROBE copies (None: its default)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -147,7 +148,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     if keep_alive is not None:
         keep_alive.append(ddp)
     state = None
-    offload = None  # UDP segmentation offload in use at the end (None: gloo)
+    offload = copies = None  # UDP offload in use at the end, PROBE copies (None: gloo)
     if cfg.policy != "gloo":
         from .. import torch as bl_torch
 
@@ -157,6 +158,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             chunk_bytes=cfg.chunk_bytes, receive_deadline=cfg.receive_deadline,
             hadamard=cfg.hadamard, stale_broadcast=cfg.stale_broadcast,
             loss=None if loss.describe().startswith("none") else loss,
+            probe_copies_max=cfg.probe_copies_max,
             **({"p": cfg.mlt_p} if cfg.policy == "mlt" and cfg.mlt_p is not None else {}),
         )
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
@@ -227,10 +229,11 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
         if state is not None:
             # (read last: a kernel that refuses a segmented send turns it off mid-run)
             offload = state.endpoint is not None and state.endpoint.segmentation_offload
+            copies = state.endpoint.config.probe_copies_max if state.endpoint else None
             state.close()
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": metric_name, "final_metric": metric,
                "wall_s": wall, "rounds": round_id, "world_size": world,
-               "udp_segmentation_offload": offload}
+               "udp_segmentation_offload": offload, "probe_copies_max": copies}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.destroy_process_group()

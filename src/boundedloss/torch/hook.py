@@ -48,6 +48,9 @@ class BoundedLossState:
     receive_deadline: float = 30.0
     stale_broadcast: bool = False
     hadamard: bool = False
+    #: most copies a PROBE goes in (None: the transport's default; 1: lost PROBEs cost
+    #: retransmission timeouts, as in a transport without copies)
+    probe_copies_max: int | None = None
     rounds: dict[int, int] = field(default_factory=dict)  # bucket index -> next round id
     round_log: list[dict] = field(default_factory=list)
     epoch: int = 0
@@ -192,6 +195,7 @@ def register(
     stale_broadcast: bool = False,
     hadamard: bool = False,
     loss: LossModel | None = None,
+    probe_copies_max: int | None = None,
     process_group=None,
     state: BoundedLossState | None = None,
     **policy_kw,
@@ -211,6 +215,7 @@ def register(
             aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
             topology=topology, chunk_bytes=chunk_bytes, receive_deadline=receive_deadline,
             stale_broadcast=stale_broadcast, hadamard=hadamard,
+            probe_copies_max=probe_copies_max,
         )
     rank = dist.get_rank(process_group)
     world = dist.get_world_size(process_group)
@@ -221,8 +226,10 @@ def register(
     if rank == 0:
         store.set(f"{prefix}/session", str(secrets.randbits(64)))
     session = int(store.get(f"{prefix}/session").decode())
+    copies = {} if state.probe_copies_max is None else {"probe_copies_max": state.probe_copies_max}
     config = TransportConfig(chunk_bytes=state.chunk_bytes, receive_deadline=state.receive_deadline,
-                             peer_timeout=state.receive_deadline, max_open_receives=4096)
+                             peer_timeout=state.receive_deadline, max_open_receives=4096,
+                             **copies)
     endpoint = UdpEndpoint(_local_ip(), 0, session=session, config=config, loss=loss,
                            name=f"boundedloss-udp-r{rank}")
     host, port = endpoint.address
