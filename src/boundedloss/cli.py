@@ -204,6 +204,14 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
     console.print(f"rows written to {json_path}")
 
 
+#: what-if runs against transports that recover by timeouts (train, compare, bench burst)
+probe_copies_option = click.option(
+    "--probe-copies-max", default=None, type=click.IntRange(1, 1024),
+    help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a PROBE or answer "
+         "that is lost costs a retransmission timeout, as in a transport that recovers by "
+         "timeouts (what-if runs).")
+
+
 @bench.command("burst")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
               help="Write the rows here (a JSON list).")
@@ -216,9 +224,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
 @click.option("--workers", default=3, show_default=True, type=click.IntRange(1, 256))
 @click.option("--seeds", default=20, show_default=True, type=click.IntRange(1, 10_000),
               help="Rounds simulated per arm; the median is reported.")
-@click.option("--probe-copies-max", default=None, type=click.IntRange(1, 1024),
-              help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a "
-                   "lost PROBE or answer costs a retransmission timeout.")
+@probe_copies_option
 def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
                 probe_copies_max) -> None:
     """A parameter-server round inside a microburst, simulated on a virtual clock: the
@@ -282,10 +288,7 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1, 4096))
 @click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
               help="Default: one pass over each rank's share (charlm: 40).")
-@click.option("--probe-copies-max", default=None, type=click.IntRange(1, 1024),
-              help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a "
-                   "PROBE or answer that is lost costs a retransmission timeout, as in a "
-                   "transport that recovers by timeouts (what-if runs).")
+@probe_copies_option
 @click.option("--out", default="runs/train", show_default=True, type=click.Path(file_okay=False))
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
@@ -308,6 +311,7 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
                       probe_copies_max=probe_copies_max)
+
     def report(summary: dict) -> None:
         console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
                       f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
@@ -445,10 +449,7 @@ def _command_line(default: str) -> str:
                    "(incast): kernel = the namespace testbed's real bottleneck (root), "
                    "in-process = loss injected at the endpoints; auto = kernel when it "
                    "can run here.")
-@click.option("--probe-copies-max", default=None, type=click.IntRange(1, 1024),
-              help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a "
-                   "PROBE or answer that is lost costs a retransmission timeout, as in a "
-                   "transport that recovers by timeouts (what-if runs).")
+@probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
             steps_per_epoch, loss_spec, network, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
