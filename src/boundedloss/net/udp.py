@@ -5,9 +5,11 @@ demultiplexes them by header. ``send`` and ``receive`` return
 ``concurrent.futures.Future`` objects that resolve to SendResult / ReceiveResult.
 
 The I/O thread drains the socket in bursts (``recvfrom_into``, or ``recvmsg_into``
-with offload) into one reusable buffer (the receiver copies each payload once, into the destination), sends with
-``sendmsg`` gathering header and payload views (no copy in Python), and sleeps in
-``select`` until the socket is readable, a caller wakes it, or the mux's next deadline.
+with offload) into one reusable buffer (the receiver copies each payload once, into the
+destination), sends with ``sendmsg`` gathering header and payload views (no copy in
+Python), and sleeps in ``select`` until the socket is readable, a caller wakes it, or
+the mux's next deadline. An exception in that thread (a bug, say in a policy) fails
+every pending and later call with it as the cause.
 
 Runs of equal-sized datagrams to one peer (a pass of full chunks) go out as one
 ``sendmsg`` with Linux's UDP segmentation offload (``UDP_SEGMENT``): the kernel (or the

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import wire
 from ..policy.base import Policy
-from ..wire import HEADER_BYTES, STOP_PAYLOAD, DropReason, MalformedDatagram
+from ..wire import HEADER_BYTES, STOP_PAYLOAD, DropReason, Kind, MalformedDatagram
 from .receiver import RUN_MAX, MessageReceiver
 from .sender import MessageSender
 from .types import TooManyReceives, TransportConfig, TransportError
@@ -200,7 +200,7 @@ class TransferMux:
             kind, _, plen, session, rnd, msg, _, cnt, mbytes, cbytes, _ = wire.parse(head.data)
         except MalformedDatagram:
             return False
-        if kind != 1 or session != self.session or plen != cbytes:
+        if kind != Kind.DATA or session != self.session or plen != cbytes:
             return False  # (a run of full chunks has every payload a whole chunk)
         rx = self._receivers.get((peer, rnd, msg))
         if rx is None or rx.result is not None or mbytes != rx.nbytes or cbytes != rx.chunk_bytes:
