@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from ..net.loss import Bernoulli
-from ..net.udp import DEFAULT_SOCKET_BUFFER, UdpEndpoint, _set_buffer
+from ..net.udp import DEFAULT_SOCKET_BUFFER, UdpEndpoint, set_socket_buffer
 from ..policy import FixedBoundPolicy, ReliablePolicy
 from ..protocol.types import TransportConfig
 from ..wire import HEADER_BYTES
@@ -95,8 +95,8 @@ def _worker(conn) -> None:
             if raw is not None:
                 raw.close()
             raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            _set_buffer(raw, "RCV", DEFAULT_SOCKET_BUFFER)
-            _set_buffer(raw, "SND", DEFAULT_SOCKET_BUFFER)
+            set_socket_buffer(raw, "RCV", DEFAULT_SOCKET_BUFFER)
+            set_socket_buffer(raw, "SND", DEFAULT_SOCKET_BUFFER)
             raw.bind(("127.0.0.1", 0))
             conn.send(raw.getsockname())
         elif cmd == "raw_recv":  # (count, datagram_bytes): count what arrives

@@ -91,7 +91,7 @@ def segment_run(batch: list, start: int) -> tuple[int, int]:
 _FORCE = {"SND": 32, "RCV": 33} if sys.platform.startswith("linux") else {}
 
 
-def _set_buffer(sock: socket.socket, which: str, size: int) -> int:
+def set_socket_buffer(sock: socket.socket, which: str, size: int) -> int:
     """Ask for a big kernel buffer; with CAP_NET_ADMIN, past net.core.[rw]mem_max."""
     force = getattr(socket, f"SO_{which}BUFFORCE", _FORCE.get(which))
     plain = getattr(socket, f"SO_{which}BUF")
@@ -131,8 +131,8 @@ class UdpEndpoint:
         self.segmentation_offload = bool(segmentation_offload) and sys.platform.startswith("linux")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
-        self.rcvbuf = _set_buffer(self.sock, "RCV", socket_buffer)
-        self.sndbuf = _set_buffer(self.sock, "SND", socket_buffer)
+        self.rcvbuf = set_socket_buffer(self.sock, "RCV", socket_buffer)
+        self.sndbuf = set_socket_buffer(self.sock, "SND", socket_buffer)
         # The flow-control window must fit the kernel's receive buffer, or the kernel
         # drops what does not: getsockopt reports twice the usable bytes, and a queued
         # datagram costs up to twice its size, hence a quarter. (Peers of one job run on
