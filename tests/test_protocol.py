@@ -134,7 +134,7 @@ def test_lossless_transfer_is_exact(nbytes: int, dtype) -> None:
     assert a.open_sends == 0 and b.open_receives == 0
     # the only drops: the PROBE sent behind the data, and the second STOP it draws
     assert set(a.drops) <= {DropReason.STALE} and set(b.drops) <= {DropReason.STALE}
-    assert set(a.pop_finished()) == {tx} and set(b.pop_finished()) == {rx}
+    assert a.pop_finished() == [tx.result] and b.pop_finished() == [rx.result]
     assert a.pop_finished() == []
 
 
@@ -341,7 +341,7 @@ def test_max_open_receives_is_enforced() -> None:
     with pytest.raises(TransportError):  # TooManyReceives is a TransportError
         mux.start_receive("b", 9, 9, 0.0, policy=ReliablePolicy())
     assert mux.open_receives == 4
-    mux.cancel(rxs[0], 0.1)
+    mux.cancel_receive(rxs[0], 0.1)
     assert rxs[0].result.close_reason == CloseReason.CANCELLED
     assert mux.open_receives == 3
     mux.start_receive("a", 0, 4, 0.1, policy=ReliablePolicy(), nbytes=100)
@@ -587,7 +587,7 @@ def test_unmutated_datagrams_are_accepted() -> None:
     assert g.tx.result.status == SendStatus.STOPPED
     # once closed: further answers are stale, and a late DATA for a closed receive too
     g.feed(good["stop"])
-    g.mux.cancel(g.rx, 0.002)
+    g.mux.cancel_receive(g.rx, 0.002)
     assert g.rx.result.close_reason == CloseReason.CANCELLED
     g.feed(good["data0"])
     assert g.mux.drops[DropReason.STALE] == 2
@@ -1046,7 +1046,7 @@ def test_a_silent_first_pass_probes_in_copies_once_the_round_trip_is_known() -> 
         net.run([tx, rx], until=net.now + 60.0)
         assert tx.result.ok
     # no ACK for 64 datagrams: at least 1 - every/64 of them (or of the ACKs) lost
-    assert CFG.ack_every == 32 and probes.count(1) == tx._copies_for(1 - 32 / 64) == 7
+    assert CFG.ack_every == 32 and probes.count(1) == tx.recovery.copies_for(1 - 32 / 64) == 7
     assert probes.count(2) == 14  # the repeat: twice the copies
 
 
@@ -1105,7 +1105,7 @@ def test_a_stop_answering_the_final_probe_measures_the_round_trip() -> None:
     assert rx.result.close_reason == CloseReason.BOUND_MET
     assert tx.result.stats.retransmit_rounds == 0 and tx.result.stats.rtt == pytest.approx(2e-3)
     tx2 = a.start_send("b", ROUND + 1, MSG, source_bytes(50 * CB, 5), net.now)
-    assert tx2._rto == pytest.approx(2e-3 + 4 * 1e-3)  # srtt + 4 rttvar, not initial_rto
+    assert tx2.recovery.rto == pytest.approx(2e-3 + 4 * 1e-3)  # srtt + 4 rttvar, not initial_rto
 
 
 def test_a_stop_sent_by_the_acceptance_deadline_is_not_a_round_trip() -> None:
@@ -1168,7 +1168,7 @@ def test_retransmissions_are_paced_at_the_delivery_rate_the_pass_showed() -> Non
     first, retx, tx, _ = _retransmission_times(PACING)
     size = CB + HEADER_BYTES
     assert max(first) == 0.0 and len(retx) == 150
-    assert tx.rate_samples[0] == pytest.approx(50 * size / 2e-3)
+    assert tx.pacer.rate_samples[0] == pytest.approx(50 * size / 2e-3)
     rate = 1.25 * 50 * size / 2e-3
     burst = int(rate * 1e-3 // size)  # 31 datagrams leave at once
     assert retx[burst - 1] == retx[0] == pytest.approx(2e-3)
@@ -1198,11 +1198,11 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
         tx = a.start_send("b", r, MSG, source_bytes(200 * CB, r), net.now)
         net.run([tx, rx], until=net.now + 10.0)
         assert rx.result.complete
-        samples.append(tx.rate_samples[0])
+        samples.append(tx.pacer.rate_samples[0])
     size = CB + HEADER_BYTES
     assert samples == [pytest.approx(50 * size / 2e-3), pytest.approx(25 * size / 2e-3)]
     tx3 = a.start_send("b", ROUND + 2, MSG, source_bytes(10 * CB, 8), net.now)
-    assert tx3._best_rate == samples[0]
+    assert tx3.pacer.best_rate == samples[0]
 
 
 def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> None:
@@ -1214,7 +1214,7 @@ def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> N
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, source_bytes(200 * CB, 7), net.now)
     net.run([tx, rx], until=10.0)
-    assert rx.result.complete and tx.rate_samples == []
+    assert rx.result.complete and tx.pacer.rate_samples == []
     retx = [t for t, src, _, kind, _ in net.log if src == "a" and kind == Kind.DATA][200:]
     assert len(retx) == 150 and retx[-1] == retx[0]  # nothing measured: not paced
 
@@ -1267,7 +1267,7 @@ def _receive(seq, nbytes, crit, runs=None):
     assert (big[:G] == SENTINEL).all() and (big[G + nbytes:] == SENTINEL).all()
     res = rx.result
     delivered = (res.delivered if res is not None
-                 else np.frombuffer(bytes(rx._delivered), np.uint8).astype(bool))
+                 else rx.delivered_mask())
     return (res.close_reason if res is not None else None, delivered, out.copy(),
             {r: n for r, n in mux.drops.items() if r != DropReason.STALE})
 
@@ -1402,4 +1402,4 @@ def test_a_send_takes_the_loss_its_receive_from_that_peer_saw() -> None:
     rx2 = b.start_receive("a", ROUND + 1, MSG, net.now, policy=ReliablePolicy())
     net.run([tx2, rx2])
     assert rx2.result.complete
-    assert probes.count((ROUND + 1, 1)) == tx2._copies_for(seen) > 1
+    assert probes.count((ROUND + 1, 1)) == tx2.recovery.copies_for(seen) > 1

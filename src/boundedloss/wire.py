@@ -36,6 +36,7 @@ Payloads per kind:
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
 from dataclasses import dataclass
 
@@ -44,37 +45,64 @@ import numpy as np
 MAGIC = 0x4C42
 VERSION = 1
 
-HEADER = struct.Struct("<HBBHHQIIIIQII")
-HEADER_BYTES = HEADER.size
-assert HEADER_BYTES == 48
-
-#: numpy twin of HEADER, used to build every DATA header of a message at once.
-HEADER_DTYPE = np.dtype(
-    [
-        ("magic", "<u2"),
-        ("version", "u1"),
-        ("kind", "u1"),
-        ("flags", "<u2"),
-        ("plen", "<u2"),
-        ("session", "<u8"),
-        ("round", "<u4"),
-        ("message", "<u4"),
-        ("index", "<u4"),
-        ("count", "<u4"),
-        ("mbytes", "<u8"),
-        ("cbytes", "<u4"),
-        ("tseq", "<u4"),
-    ]
+#: the header's fields in order, as (name, struct code): the one definition of the
+#: layout - the struct, its numpy twin and every field offset derive from it
+HEADER_FIELDS: tuple[tuple[str, str], ...] = (
+    ("magic", "H"),
+    ("version", "B"),
+    ("kind", "B"),
+    ("flags", "H"),
+    ("plen", "H"),
+    ("session", "Q"),
+    ("round", "I"),
+    ("message", "I"),
+    ("index", "I"),
+    ("count", "I"),
+    ("mbytes", "Q"),
+    ("cbytes", "I"),
+    ("tseq", "I"),
 )
-assert HEADER_DTYPE.itemsize == HEADER_BYTES
+_NUMPY_TYPE = {"B": "u1", "H": "<u2", "I": "<u4", "Q": "<u8"}
+HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
+HEADER_BYTES = HEADER.size
+#: numpy twin of HEADER, used to build every DATA header of a message at once
+HEADER_DTYPE = np.dtype([(name, _NUMPY_TYPE[code]) for name, code in HEADER_FIELDS])
+#: size and byte offset of each header field (the layout has no padding)
+FIELD_BYTES: dict[str, int] = {name: struct.calcsize(code) for name, code in HEADER_FIELDS}
+OFFSET: dict[str, int] = dict(
+    zip(FIELD_BYTES, itertools.accumulate(FIELD_BYTES.values(), initial=0)))
+assert HEADER_DTYPE.itemsize == HEADER_BYTES == 48
 
 DEFAULT_CHUNK_BYTES = 1400  # fits a 1,500-byte MTU with IP/UDP headers and ours
 MAX_CHUNK_BYTES = 65_000  # a single UDP datagram on loopback (65,507 minus our header)
 MAX_MESSAGE_BYTES = 1 << 40
 MAX_CHUNKS = (1 << 32) - 1
 
+TSEQ_OFFSET = OFFSET["tseq"]
+ROUND_SLICE = slice(OFFSET["round"], OFFSET["round"] + FIELD_BYTES["round"])
+
+#: the fields that differ between the DATA datagrams of one sender's pass; every other
+#: header byte is the same in all of them
+PASS_VARYING_FIELDS = ("flags", "index", "tseq")
+
+
+def _pass_invariant_mask() -> np.ndarray:
+    """The header as little-endian u64 words, with bits set where every DATA datagram of
+    one pass carries the same bytes (a run of them is checked against its first)."""
+    mask = np.full(HEADER_BYTES, 0xFF, dtype=np.uint8)
+    for name in PASS_VARYING_FIELDS:
+        start = OFFSET[name]
+        mask[start : start + FIELD_BYTES[name]] = 0
+    return mask.view("<u8")
+
+
+PASS_INVARIANT_MASK = _pass_invariant_mask()
+#: the index and tseq fields as u32 words of a header (for a run viewed as ``<u4``)
+INDEX_WORD = OFFSET["index"] // 4
+TSEQ_WORD = OFFSET["tseq"] // 4
+assert HEADER_BYTES % 8 == 0 and OFFSET["index"] % 4 == 0 and OFFSET["tseq"] % 4 == 0
+
 BITMAP_PREFIX = struct.Struct("<II")
-TSEQ_OFFSET = HEADER_BYTES - 4
 TSEQ = struct.Struct("<I")
 STOP_PAYLOAD = struct.Struct("<I")
 
@@ -85,6 +113,11 @@ class Kind(enum.IntEnum):
     BITMAP = 3
     STOP = 4
     ACK = 5
+
+
+# plain ints of the kinds, for the per-datagram comparisons in parse()
+_DATA, _PROBE, _BITMAP, _STOP, _ACK = (
+    int(Kind.DATA), int(Kind.PROBE), int(Kind.BITMAP), int(Kind.STOP), int(Kind.ACK))
 
 
 class Flag(enum.IntFlag):
@@ -174,21 +207,22 @@ def parse(data) -> tuple:
         or mbytes > MAX_MESSAGE_BYTES
         or cnt != (-(-mbytes // cbytes) or 1)
     ):
-        raise MalformedDatagram(DropReason.BAD_GEOMETRY, f"count {cnt} mbytes {mbytes} cbytes {cbytes}")
-    if kind == 1:  # DATA
+        raise MalformedDatagram(
+            DropReason.BAD_GEOMETRY, f"count {cnt} mbytes {mbytes} cbytes {cbytes}")
+    if kind == _DATA:
         if idx >= cnt:
             raise MalformedDatagram(DropReason.BAD_GEOMETRY, f"index {idx} of {cnt}")
         if plen != (cbytes if idx < cnt - 1 else mbytes - cbytes * (cnt - 1)):
             raise MalformedDatagram(DropReason.BAD_LENGTH, f"chunk {idx} with {plen} bytes")
-    elif kind == 2:  # PROBE
+    elif kind == _PROBE:
         if plen:
             raise MalformedDatagram(DropReason.BAD_LENGTH, "probe with payload")
-    elif kind == 3:  # BITMAP
+    elif kind == _BITMAP:
         if idx >= cnt or idx & 7:
             raise MalformedDatagram(DropReason.BAD_GEOMETRY, f"bitmap from {idx} of {cnt}")
         if plen < 8 or plen - 8 > ((cnt - idx + 7) >> 3):
             raise MalformedDatagram(DropReason.BAD_LENGTH, f"bitmap of {plen} bytes")
-    elif kind == 4 or kind == 5:  # STOP / ACK
+    elif kind == _STOP or kind == _ACK:
         if plen != 4:
             raise MalformedDatagram(DropReason.BAD_LENGTH, "stop/ack payload")
     else:
@@ -200,7 +234,7 @@ def peek_round(data) -> int:
     """Round id of a datagram long enough to hold a header, else -1 (for loss models)."""
     if len(data) < HEADER_BYTES:
         return -1
-    return int.from_bytes(data[16:20], "little")
+    return int.from_bytes(data[ROUND_SLICE], "little")
 
 
 def encode(header: Header, payload=b"") -> bytes:
@@ -222,6 +256,32 @@ def encode(header: Header, payload=b"") -> bytes:
         header.tseq,
     )
     return head + bytes(payload)
+
+
+def control_datagram(message: Header, kind: Kind, index: int, payload=b"",
+                     flags: Flag = Flag.NONE, tseq: int = 0) -> bytes:
+    """A PROBE, BITMAP, STOP or ACK about the message ``message`` describes (its session,
+    round, id and geometry), with this datagram's own kind, index, flags and tseq."""
+    return encode(
+        Header(kind, message.session, message.round_id, message.message_id, index,
+               message.count, message.message_bytes, message.chunk_bytes, flags, 0, tseq),
+        payload,
+    )
+
+
+def stop_datagram(message: Header, reason: CloseReason, delivered: int) -> bytes:
+    """STOP: the receive closed for ``reason`` with ``delivered`` chunks."""
+    return control_datagram(message, Kind.STOP, int(reason), STOP_PAYLOAD.pack(delivered))
+
+
+def as_bytes_view(array) -> memoryview:
+    """A flat byte view of a C-contiguous buffer (numpy array, bytes, bytearray...)."""
+    if isinstance(array, bytes):  # np.asarray(b"") is one NUL byte of dtype S1
+        array = np.frombuffer(array, dtype=np.uint8)
+    arr = np.asarray(array)
+    if not arr.flags.c_contiguous:
+        raise ValueError("message buffers must be C-contiguous")
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def decode(data) -> tuple[Header, memoryview]:

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -41,6 +42,8 @@ import numpy as np
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
 from ..protocol.mux import TransferMux
+from ..protocol.receiver import MessageReceiver
+from ..protocol.sender import MessageSender
 from ..protocol.types import ReceiveResult, SendResult, TransportConfig, TransportError
 from ..wire import DropReason, peek_round
 from .loss import LossModel
@@ -155,7 +158,8 @@ class UdpEndpoint:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._lock = threading.Lock()
-        self._futures: dict[int, tuple[object, Future]] = {}
+        # transfer_id -> (its MessageSender or MessageReceiver, the future it resolves)
+        self._futures: dict[int, tuple[MessageSender | MessageReceiver, Future]] = {}
         self._closing = False  # the I/O loop stops, and new calls are refused
         self._closed = False
         self._failure: BaseException | None = None  # what killed the I/O thread, if anything
@@ -178,7 +182,7 @@ class UdpEndpoint:
             self._check_open()
             tx = self.mux.start_send(peer, round_id, message_id, payload, time.monotonic(),
                                      critical=critical)
-            self._futures[id(tx)] = (tx, fut)
+            self._futures[tx.transfer_id] = (tx, fut)
         self._wake()
         return fut
 
@@ -193,7 +197,7 @@ class UdpEndpoint:
             rx = self.mux.start_receive(peer, round_id, message_id, time.monotonic(),
                                         policy=policy or ReliablePolicy(), out=out,
                                         nbytes=nbytes, critical=critical)
-            self._futures[id(rx)] = (rx, fut)
+            self._futures[rx.transfer_id] = (rx, fut)
             self._resolve(self.mux.pop_finished())
         self._wake()
         return fut
@@ -202,9 +206,13 @@ class UdpEndpoint:
         """Cancel a send or receive: it resolves with a CANCELLED result. A cancelled
         receive sends no STOP, so a receive posted again for the message takes over."""
         with self._lock:
-            for obj, fut in list(self._futures.values()):
-                if fut is future and obj.result is None:
-                    self.mux.cancel(obj, time.monotonic())
+            for transfer, fut in list(self._futures.values()):
+                if fut is not future or transfer.result is not None:
+                    continue
+                if isinstance(transfer, MessageSender):
+                    self.mux.cancel_send(transfer, time.monotonic())
+                else:
+                    self.mux.cancel_receive(transfer, time.monotonic())
             self._resolve(self.mux.pop_finished())
 
     def counters(self) -> dict[str, int]:
@@ -221,7 +229,7 @@ class UdpEndpoint:
         self._wake()
         self._thread.join(timeout=5)
         with self._lock:
-            for obj, fut in self._futures.values():
+            for _, fut in self._futures.values():
                 if not fut.done():
                     fut.set_exception(TransportError("endpoint closed"))
             self._futures.clear()
@@ -270,15 +278,11 @@ class UdpEndpoint:
         except (BlockingIOError, OSError):
             pass  # already awake, or closing
 
-    def _resolve(self, finished: list) -> None:
-        for obj in finished:
-            entry = self._futures.pop(id(obj), None)
-            if entry is None:
-                continue
-            fut = entry[1]
-            result = obj.result
-            if isinstance(result, (ReceiveResult, SendResult)) and not fut.done():
-                fut.set_result(result)
+    def _resolve(self, finished: list[SendResult | ReceiveResult]) -> None:
+        for result in finished:
+            entry = self._futures.pop(result.transfer_id, None)
+            if entry is not None and not entry[1].done():
+                entry[1].set_result(result)
 
     def _io_loop(self) -> None:
         sock = self.sock
@@ -324,7 +328,7 @@ class UdpEndpoint:
                     except BlockingIOError:
                         break
                     except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP
-                        self.io_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
+                        self.io_errors[errno.errorcode.get(e.errno or 0, str(e.errno))] += 1
                         continue
                     if 0 < size < n and n // size >= mux.run_min:
                         # a coalesced run long enough to take at once: whole datagrams of
@@ -333,7 +337,7 @@ class UdpEndpoint:
                         keep = (None if loss is None else
                                 [not lost(mv[o : o + size]) for o in range(0, start, size)])
                         mux.run_received(mv[:start], size, addr, now, keep)
-                        offsets = (start,) if start < n else ()
+                        offsets: Sequence[int] = (start,) if start < n else ()
                     else:  # one datagram, or a run too short to gain by: one by one
                         offsets = range(0, n, size) if 0 < size < n else (0,)
                         size = size or n
@@ -357,7 +361,8 @@ class UdpEndpoint:
                         if end - pos > 1:
                             cmsg = gso_cmsg.get(size)
                             if cmsg is None:
-                                cmsg = gso_cmsg[size] = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
+                                cmsg = gso_cmsg[size] = [
+                                    (SOL_UDP, UDP_SEGMENT, struct.pack("=H", size))]
                             sendmsg([b for parts, _ in batch[pos:end] for b in parts], cmsg, 0,
                                     batch[pos][1])
                         else:
@@ -375,7 +380,7 @@ class UdpEndpoint:
                             self.io_errors["gso_refused"] += 1
                             continue
                         # unreachable peer, ...: those datagrams are lost
-                        self.io_errors[errno.errorcode.get(e.errno, str(e.errno))] += 1
+                        self.io_errors[errno.errorcode.get(e.errno or 0, str(e.errno))] += 1
                         pos = end
                         if e.errno == errno.ENOBUFS:
                             blocked = True

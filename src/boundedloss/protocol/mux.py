@@ -10,30 +10,38 @@ allocate nothing; a receive must be posted (``start_receive``) to be accepted.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Hashable
 
 import numpy as np
 
 from .. import wire
 from ..policy.base import Policy
-from ..wire import HEADER_BYTES, STOP_PAYLOAD, DropReason, Kind, MalformedDatagram
+from ..wire import (
+    HEADER_BYTES,
+    INDEX_WORD,
+    PASS_INVARIANT_MASK,
+    STOP_PAYLOAD,
+    TSEQ_WORD,
+    DropReason,
+    Kind,
+    MalformedDatagram,
+)
+from .path import PeerPath
 from .receiver import RUN_MAX, MessageReceiver
 from .sender import MessageSender
-from .types import TooManyReceives, TransportConfig, TransportError
+from .types import (
+    ReceiveResult,
+    SendResult,
+    TooManyReceives,
+    TransportConfig,
+    TransportError,
+)
 
-#: delivery-rate samples kept per peer (a few messages' passes)
-RATE_SAMPLES = 8
-#: how long the loss a receive from a peer saw stands for the way back of sends to it
-#: (a microburst lasts a round or so)
-LOSS_MEMORY = 0.5
 #: a run shorter than this goes datagram by datagram: the whole-array steps cost about
-#: as much as 16 datagrams one by one (8,192-byte chunks make runs of 7)
+#: as much as 16 datagrams one by one
 RUN_MIN = 16
-#: a run's header words that every datagram of a pass shares (all but the flags, the
-#: chunk index and the transmission sequence), as masks of its six little-endian u64s
-_ALL = (1 << 64) - 1
-_RUN_SAME = np.array([0xFFFF_0000_FFFF_FFFF, _ALL, _ALL, 0xFFFF_FFFF_0000_0000, _ALL,
-                      0x0000_0000_FFFF_FFFF], dtype="<u8")
 
 
 class _Closed:
@@ -57,17 +65,21 @@ class TransferMux:
         self._closed: OrderedDict[tuple, _Closed] = OrderedDict()
         self._outbox: list = []  # control datagrams waiting for poll
         self.run_min = RUN_MIN  # (a tuning; the tests lower it to try every run length)
-        self._loss_from: dict = {}  # peer -> (loss our last receive from it saw, when)
-        self._finished: list = []  # senders/receivers that finished since pop_finished
-        self._rtt: dict = {}  # peer -> (srtt, rttvar) learned by finished sends
-        # peer -> the delivery-rate samples of its latest passes (the best one paces
-        # the next message's retransmissions; old ones age out)
-        self._rates: dict = {}
+        self._paths: dict[Hashable, PeerPath] = {}
+        self._finished: list[SendResult | ReceiveResult] = []  # since pop_finished
+        self._transfer_ids = itertools.count(1)
         self._turn = 0  # rotates which sender polls first, so none always goes first
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
 
     # ---------------------------------------------------------------- posting
+    def path(self, peer: Hashable) -> PeerPath:
+        """What this endpoint has learned about the path to and from ``peer``."""
+        path = self._paths.get(peer)
+        if path is None:
+            path = self._paths[peer] = PeerPath(peer)
+        return path
+
     def start_send(self, peer, round_id: int, message_id: int, payload, now: float, *,
                    critical: np.ndarray | None = None) -> MessageSender:
         key = (peer, round_id, message_id)
@@ -76,9 +88,7 @@ class TransferMux:
         sender = MessageSender(
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             payload=payload, config=self.config, now=now, critical=critical,
-            rtt=self._rtt.get(peer),
-            delivery_rate=max(self._rates[peer]) if self._rates.get(peer) else None,
-            reverse_loss=self._loss_from_peer(peer, now),
+            path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         self._senders[key] = sender
         return sender
@@ -101,19 +111,20 @@ class TransferMux:
         receiver = MessageReceiver(
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             policy=policy, config=self.config, now=now, out=out, nbytes=nbytes,
-            critical=critical,
+            critical=critical, path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         self._receivers[key] = receiver
-        receiver._check_done(now, self._outbox)  # a plan that needs nothing is met at once
-        self._reap(receiver, now)
+        receiver.close_if_done(now, self._outbox)  # a plan that needs nothing is met at once
+        self._reap_receive(receiver, now)
         return receiver
 
-    def cancel(self, transfer, now: float) -> None:
-        if isinstance(transfer, MessageReceiver):
-            transfer.cancel(now, self._outbox)
-        else:
-            transfer.cancel(now)
-        self._reap(transfer, now)
+    def cancel_send(self, sender: MessageSender, now: float) -> None:
+        sender.cancel(now)
+        self._reap_send(sender)
+
+    def cancel_receive(self, receiver: MessageReceiver, now: float) -> None:
+        receiver.cancel(now, self._outbox)
+        self._reap_receive(receiver, now)
 
     # --------------------------------------------------------------- incoming
     def datagram_received(self, data, peer, now: float) -> None:
@@ -127,7 +138,7 @@ class TransferMux:
             self.drops[DropReason.FOREIGN_SESSION] += 1
             return
         key = (peer, rnd, msg)
-        if kind == 1 or kind == 2:  # DATA / PROBE: for one of our receives
+        if kind == Kind.DATA or kind == Kind.PROBE:  # for one of our receives
             rx = self._receivers.get(key)
             if rx is None:
                 self._answer_closed(key, kind, now)
@@ -138,12 +149,12 @@ class TransferMux:
                 self.drops[DropReason.GEOMETRY_MISMATCH] += 1
                 return
             if rx.result is None:
-                if kind == 1:
+                if kind == Kind.DATA:
                     rx.data_received(idx, plen, tseq, data, now, self._outbox)
                 else:
                     rx.probe_received(idx, flags, now, self._outbox)
             if rx.result is not None:
-                self._reap(rx, now)
+                self._reap_receive(rx, now)
         else:  # BITMAP / STOP / ACK: for one of our sends
             tx = self._senders.get(key)
             if tx is None:
@@ -153,22 +164,13 @@ class TransferMux:
                 self.drops[DropReason.GEOMETRY_MISMATCH] += 1
                 return
             payload = memoryview(data)[HEADER_BYTES:]
-            if kind == 3:
+            if kind == Kind.BITMAP:
                 tx.bitmap_received(flags, idx, payload, now)
-            elif kind == 5:
+            elif kind == Kind.ACK:
                 tx.ack_received(tseq, STOP_PAYLOAD.unpack_from(payload)[0], now)
             else:
                 tx.stop_received(idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
-                self._reap(tx, now)
-
-    def _loss_from_peer(self, peer, now: float) -> float | None:
-        """The loss our last receive from ``peer`` saw, if it closed lately: a send to
-        that peer gets its answers back along that way (a microburst at our receiver
-        loses them), which its own ACKs may not show in time for its first PROBE."""
-        seen = self._loss_from.get(peer)
-        if seen is None or now - seen[1] > LOSS_MEMORY:
-            return None
-        return seen[0]
+                self._reap_send(tx)
 
     def run_received(self, data, size: int, peer, now: float, keep=None) -> None:
         """Datagrams that arrived back to back in ``data``, every one ``size`` bytes (a
@@ -192,8 +194,8 @@ class TransferMux:
         n, size = rows.shape
         if n < max(2, self.run_min) or size <= HEADER_BYTES:
             return False
-        heads = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view("<u8")  # 6 words a row
-        if ((heads[1:] ^ heads[0]) & _RUN_SAME).any():
+        heads = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view("<u8")
+        if ((heads[1:] ^ heads[0]) & PASS_INVARIANT_MASK).any():
             return False
         head = rows[0]
         try:
@@ -206,7 +208,7 @@ class TransferMux:
         if rx is None or rx.result is not None or mbytes != rx.nbytes or cbytes != rx.chunk_bytes:
             return False
         words = heads.view("<u4")
-        index, tseq = words[:, 6], words[:, 11]
+        index, tseq = words[:, INDEX_WORD], words[:, TSEQ_WORD]
         full = mbytes // cbytes  # chunks that are a whole cbytes long
         if int(index.max()) >= full:
             return False  # not a chunk of full length: parse() says why, one by one
@@ -220,7 +222,7 @@ class TransferMux:
                     self.datagram_received(row.data, peer, now)
                 break
         if rx.result is not None:
-            self._reap(rx, now)
+            self._reap_receive(rx, now)
         return True
 
     def _answer_closed(self, key, kind: int, now: float) -> None:
@@ -232,7 +234,7 @@ class TransferMux:
         # The sender has not heard our STOP: say it again - at once to a PROBE, at most
         # once per min_rto to the DATA still streaming in behind the first STOP.
         if closed.stop is not None and (
-            kind == 2 or now - closed.last_sent >= self.config.min_rto
+            kind == Kind.PROBE or now - closed.last_sent >= self.config.min_rto
         ):
             closed.last_sent = now
             self._outbox.append(((closed.stop,), key[0]))
@@ -240,12 +242,12 @@ class TransferMux:
     # ----------------------------------------------------------------- timers
     def next_deadline(self) -> float | None:
         best = None
-        for t in self._receivers.values():
-            d = t.next_deadline()
+        for rx in self._receivers.values():
+            d = rx.next_deadline()
             if d is not None and (best is None or d < best):
                 best = d
-        for t in self._senders.values():
-            d = t.next_deadline()
+        for tx in self._senders.values():
+            d = tx.next_deadline()
             if d is not None and (best is None or d < best):
                 best = d
         return best
@@ -255,12 +257,12 @@ class TransferMux:
             d = rx.next_deadline()
             if d is not None and d <= now:
                 rx.timer_fired(now, self._outbox)
-                self._reap(rx, now)
+                self._reap_receive(rx, now)
         for tx in list(self._senders.values()):
             d = tx.next_deadline()
             if d is not None and d <= now:
                 tx.timer_fired(now)
-                self._reap(tx, now)
+                self._reap_send(tx)
 
     # --------------------------------------------------------------- outgoing
     def has_output(self) -> bool:
@@ -291,33 +293,32 @@ class TransferMux:
         return out
 
     # ------------------------------------------------------------- completion
-    def _reap(self, transfer, now: float) -> None:
-        if transfer.result is None:
+    def _reap_send(self, sender: MessageSender) -> None:
+        result = sender.result
+        if result is None:
             return
-        key = (transfer.peer, transfer.round_id, transfer.message_id)
-        if isinstance(transfer, MessageReceiver):
-            if self._receivers.get(key) is transfer:
-                del self._receivers[key]
-                if self.config.closed_memory:
-                    self._closed[key] = _Closed(transfer.stop, now)
-                    self._closed.move_to_end(key)
-                    while len(self._closed) > self.config.closed_memory:
-                        self._closed.popitem(last=False)
-                self._finished.append(transfer)
-                loss = transfer.loss_seen()
-                if loss is not None:
-                    self._loss_from[transfer.peer] = (loss, now)
-        elif self._senders.get(key) is transfer:
+        key = (sender.peer, sender.round_id, sender.message_id)
+        if self._senders.get(key) is sender:
             del self._senders[key]
-            if transfer.rtt_estimate is not None:
-                self._rtt[transfer.peer] = transfer.rtt_estimate
-            if transfer.rate_samples:
-                self._rates.setdefault(transfer.peer, deque(maxlen=RATE_SAMPLES)).extend(
-                    transfer.rate_samples)
-            self._finished.append(transfer)
+            self._finished.append(result)
 
-    def pop_finished(self) -> list:
-        """Senders and receivers whose ``result`` became available since the last call."""
+    def _reap_receive(self, receiver: MessageReceiver, now: float) -> None:
+        result = receiver.result
+        if result is None:
+            return
+        key = (receiver.peer, receiver.round_id, receiver.message_id)
+        if self._receivers.get(key) is receiver:
+            del self._receivers[key]
+            if self.config.closed_memory:
+                self._closed[key] = _Closed(receiver.stop, now)
+                self._closed.move_to_end(key)
+                while len(self._closed) > self.config.closed_memory:
+                    self._closed.popitem(last=False)
+            self._finished.append(result)
+
+    def pop_finished(self) -> list[SendResult | ReceiveResult]:
+        """The results of the sends and receives that finished since the last call (each
+        carries the ``transfer_id`` of the MessageSender / MessageReceiver it ends)."""
         done, self._finished = self._finished, []
         return done
 

@@ -10,12 +10,14 @@ the owner remembers closed messages so that a late PROBE gets the STOP again.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import numpy as np
 
 from .. import wire
 from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
-from .sender import as_bytes_view, stop_datagram
+from .path import PeerPath
 from .types import CloseReason, ReceiveResult, TransferStats, TransportConfig
 
 #: the most datagrams ``data_run`` takes at once (its duplicate marks are uint8 > 1)
@@ -27,7 +29,7 @@ class MessageReceiver:
     def __init__(
         self,
         *,
-        peer,
+        peer: Hashable,
         session: int,
         round_id: int,
         message_id: int,
@@ -37,8 +39,12 @@ class MessageReceiver:
         out: np.ndarray | None = None,
         nbytes: int | None = None,
         critical: np.ndarray | None = None,
+        path: PeerPath | None = None,
+        transfer_id: int = 0,
     ):
         self.peer = peer
+        self.path = path if path is not None else PeerPath(peer)
+        self.transfer_id = transfer_id
         self.session = session
         self.round_id = round_id
         self.message_id = message_id
@@ -50,7 +56,8 @@ class MessageReceiver:
         self._critical_arg = critical
         self._out = out
         if out is not None:
-            if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+            if (not isinstance(out, np.ndarray) or not out.flags.c_contiguous
+                    or not out.flags.writeable):
                 raise ValueError("out must be a writeable C-contiguous numpy array")
             if nbytes is not None and nbytes != out.nbytes:
                 raise ValueError(f"nbytes {nbytes} != out.nbytes {out.nbytes}")
@@ -87,7 +94,7 @@ class MessageReceiver:
         self.count = count = wire.chunk_count(nbytes, cb)
         if self._out is None:
             self._out = np.empty(nbytes, dtype=np.uint8)
-        self._dest = as_bytes_view(self._out)
+        self._dest = wire.as_bytes_view(self._out)
         self._delivered = bytearray(count)
         # numpy twins of the two, for runs of datagrams taken at once (data_run)
         self._delivered_np = np.frombuffer(self._delivered, dtype=np.uint8)
@@ -124,7 +131,7 @@ class MessageReceiver:
             if cbytes != self.chunk_bytes or mbytes > self.config.max_message_bytes:
                 return False
             self._open(mbytes)
-            self._check_done(now, out)  # a zero-chunk plan is met at once
+            self.close_if_done(now, out)  # a zero-chunk plan is met at once
             return True
         return mbytes == self.nbytes and cbytes == self.chunk_bytes
 
@@ -197,12 +204,18 @@ class MessageReceiver:
             # sender reads forward loss from it, and reverse loss from how many came)
             last_new = bool(pos.size) and pos[-1] == k - 1
             out.extend([((self._ack(self.delivered_count - last_new),), self.peer)] * acks)
-        self._check_done(now, out)
+        self.close_if_done(now, out)
 
     def _ack(self, delivered: int) -> bytes:
         """An ACK: the highest transmission sequence seen, and ``delivered``."""
-        return wire.encode(_with(self._header, 0, Flag.NONE, Kind.ACK, self._max_tseq),
-                           STOP_PAYLOAD.pack(delivered))
+        return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(delivered),
+                                     tseq=self._max_tseq)
+
+    def delivered_mask(self) -> np.ndarray:
+        """Bool per chunk: which chunks have arrived so far (empty before the size is known)."""
+        if self.nbytes is None:
+            return np.zeros(0, dtype=bool)
+        return np.frombuffer(bytes(self._delivered), dtype=np.uint8).astype(bool)
 
     def loss_seen(self) -> float | None:
         """The fraction of the sender's DATA transmissions that never arrived, as far as
@@ -221,11 +234,10 @@ class MessageReceiver:
         self.probes += 1
         if flags & Flag.FINAL:
             self._sender_done = True
-            self._check_done(now, out)
+            self.close_if_done(now, out)
             if self.result is not None:
                 return
-        flags = np.frombuffer(self._delivered, dtype=np.uint8)
-        packed = np.packbits(flags, bitorder="little")
+        packed = np.packbits(np.frombuffer(self._delivered, dtype=np.uint8), bitorder="little")
         if self.count & 7:  # bits past the last chunk read as delivered
             packed[-1] |= np.uint8((0xFF << (self.count & 7)) & 0xFF)
         seg = max(8, self.chunk_bytes - BITMAP_PREFIX.size)
@@ -241,8 +253,9 @@ class MessageReceiver:
         for s in has_missing.tolist():
             lo = s * seg
             hi = min(lo + seg, packed.size)
-            header = _with(self._header, s * seg * 8, Flag.FINAL if s == last else Flag.NONE)
-            out.append(((wire.encode(header, prefix + packed[lo:hi].tobytes()),), self.peer))
+            out.append(((wire.control_datagram(
+                self._header, Kind.BITMAP, s * seg * 8, prefix + packed[lo:hi].tobytes(),
+                Flag.FINAL if s == last else Flag.NONE),), self.peer))
 
     def _heard(self, now: float) -> None:
         """The first datagram of the message: start a plan's arrival-relative clock."""
@@ -270,7 +283,7 @@ class MessageReceiver:
             self.accept_deadline = None
             self._accepting = True
             self._need = 0
-            self._check_done(now, out)
+            self.close_if_done(now, out)
 
     def cancel(self, now: float, out: list) -> None:
         if self.result is None:
@@ -294,7 +307,8 @@ class MessageReceiver:
             or self._need == 0
         )
 
-    def _check_done(self, now: float, out: list) -> None:
+    def close_if_done(self, now: float, out: list) -> None:
+        """Close (and say STOP) if the plan is met and nothing more is on its way."""
         if self.nbytes is None:  # posted without a size: no plan until the first datagram
             return
         if (
@@ -307,10 +321,7 @@ class MessageReceiver:
 
     def _close(self, reason: CloseReason, now: float, out: list) -> None:
         count = self.count
-        if self.nbytes is not None:
-            delivered = np.frombuffer(bytes(self._delivered), dtype=np.uint8).astype(bool)
-        else:  # posted without a size and never heard from the sender
-            delivered = np.zeros(0, dtype=bool)
+        delivered = self.delivered_mask()
         stats = TransferStats(
             datagrams=self.datagrams,
             payload_bytes=self.payload_bytes,
@@ -333,11 +344,13 @@ class MessageReceiver:
             close_reason=reason,
             bound=self.plan.bound if self.plan is not None else 0.0,
             stats=stats,
+            transfer_id=self.transfer_id,
         )
+        self.path.receive_closed(self.loss_seen(), now)
         if self.nbytes is not None and reason != CloseReason.CANCELLED:
             # (a cancelled receive says nothing: its sender is not done, a receive
             # posted again for the same message will take over)
-            self.stop = stop_datagram(self._header, reason, self.delivered_count)
+            self.stop = wire.stop_datagram(self._header, reason, self.delivered_count)
             out.append(((self.stop,), self.peer))
             self.policy.observe(
                 Outcome(
@@ -350,10 +363,3 @@ class MessageReceiver:
                 )
             )
 
-
-def _with(h: wire.Header, index: int, flags: Flag, kind: Kind = Kind.BITMAP,
-          tseq: int = 0) -> wire.Header:
-    return wire.Header(
-        kind, h.session, h.round_id, h.message_id, index, h.count,
-        h.message_bytes, h.chunk_bytes, flags, 0, tseq,
-    )

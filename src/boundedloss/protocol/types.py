@@ -15,7 +15,6 @@ from ..wire import (
     check_chunk_bytes,
 )
 
-
 #: the most DATA datagrams a receiver takes before it ACKs
 ACK_EVERY_MAX = 32
 
@@ -66,10 +65,9 @@ class TransportConfig:
     #: pace retransmission passes at this many times the best delivery rate the peer
     #: has shown lately (None: unpaced; the first pass is never paced by it). Under
     #: incast every sender's missing chunks otherwise go out at once into the queue that
-    #: just dropped them. Off by default: on the kernel incast 1.25 halved the
-    #: retransmission passes of the bounded policies but saved no time, and on a fast
-    #: CPU-bound path the samples (which include the round trip) pace below what the
-    #: path can take (BENCHMARKS.md).
+    #: just dropped them. Off by default: the samples include the round trip, so on a
+    #: fast CPU-bound path they pace below what the path can take, and the passes it
+    #: saves under incast save no time (BENCHMARKS.md has the measurements).
     retransmit_pacing_gain: float | None = None
     #: datagrams one sender hands out per poll before the next sender's turn
     send_batch: int = 64
@@ -94,7 +92,6 @@ class TransportConfig:
             raise ValueError("window_bytes must hold at least one chunk")
         if self.rate_bps is not None and self.rate_bps <= 0:
             raise ValueError("rate_bps must be > 0 (or None for unpaced)")
-
 
     @property
     def window_datagrams(self) -> int:
@@ -147,6 +144,7 @@ class ReceiveResult:
     close_reason: CloseReason
     bound: float
     stats: TransferStats
+    transfer_id: int = 0  # the mux's number for the receive this is the result of
 
     @property
     def complete(self) -> bool:
@@ -166,6 +164,7 @@ class SendResult:
     status: SendStatus
     close_reason: CloseReason | None  # from the receiver's STOP
     stats: TransferStats
+    transfer_id: int = 0  # the mux's number for the send this is the result of
 
     @property
     def ok(self) -> bool:

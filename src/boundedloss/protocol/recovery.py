@@ -1,0 +1,236 @@
+"""Recovery: how one send learns the round trip and recovers from lost PROBEs.
+
+A sender asks "what is missing?" with a PROBE and waits for the answer. This object
+decides the two things that make that wait short and safe:
+
+- the retransmission timeout: a smoothed round trip and its variation (RFC 6298) from
+  PROBE round trips, doubled for each PROBE in a row that went unanswered, but to at most
+  ``probe_backoff_limit`` times what the round trips say (a PROBE is one header: sending
+  it again costs the network nothing, while unbounded doubling turns a burst of random
+  loss into seconds of idle waiting);
+- how many copies a PROBE goes in: enough that all of them, or all their answers, are
+  lost with chance at most ``probe_miss_target``, given the loss forward (what the last
+  pass lost, or before any answer what the ACKs say) and on the way back (the ACKs that
+  did not come, or what a receive from this peer saw lately). Each unanswered PROBE
+  doubles the copies of the next, up to ``probe_copies_max``.
+
+It also keeps the record of the current pass - the DATA sent since the last answered
+PROBE, when it started, and how much of it the answer reported missing - which is
+what the loss is measured on. Sans-I/O: the sender feeds it ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .path import RttEstimate
+from .types import TransportConfig
+
+
+class Recovery:
+    __slots__ = (
+        "_ack_delivered", "_ack_tseq", "_acks_heard", "_config", "_copies_sent",
+        "_measured", "_min_copies", "_more_copies", "_pass_sent", "_pass_started_at",
+        "_reply_missing", "_reverse_hint", "_rto", "_rto_base", "_rttvar", "_srtt",
+        "unanswered",
+    )
+
+    def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
+                 reverse_loss: float | None = None):
+        self._config = config
+        # Round trips: from earlier messages to this peer when there were any, so that a
+        # new message does not start from the conservative initial RTO.
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+        self._rto = config.initial_rto
+        if rtt is not None:
+            self._srtt, self._rttvar = rtt.srtt, rtt.rttvar
+            self._rto = min(config.max_rto, max(config.min_rto, self._srtt + 4 * self._rttvar))
+        self._rto_base = self._rto  # what the round trips say; backoff starts from here
+        #: PROBEs in a row that got no answer
+        self.unanswered = 0
+        # the current pass: DATA sent since the last answered PROBE, when its first went,
+        # and how many chunks the answer to its PROBE reported missing
+        self._pass_sent = 0
+        self._pass_started_at: float | None = None
+        self._reply_missing = 0
+        self._measured = False  # an answer has reported chunks missing: loss measured
+        # PROBE copies: the least the last pass's loss calls for, how many went with the
+        # PROBE now awaiting its answer, and how many more to send (ACKs behind it)
+        self._min_copies = 1
+        self._copies_sent = 0
+        self._more_copies = 0
+        # the loss on the way back: a receive's hint, and what the ACKs said
+        self._reverse_hint = reverse_loss or 0.0
+        self._acks_heard = 0
+        self._ack_delivered = 0
+        self._ack_tseq = -1
+
+    # ------------------------------------------------------------ round trips
+    @property
+    def rto(self) -> float:
+        """The timeout a PROBE sent now waits for its answer."""
+        return self._rto
+
+    @property
+    def rto_base(self) -> float:
+        """The timeout the round trips alone call for (no backoff)."""
+        return self._rto_base
+
+    @property
+    def srtt(self) -> float | None:
+        return self._srtt
+
+    @property
+    def rtt_estimate(self) -> RttEstimate | None:
+        return None if self._srtt is None else RttEstimate(self._srtt, self._rttvar)
+
+    def rtt_sample(self, sample: float) -> None:
+        if self._srtt is None:
+            self._srtt, self._rttvar = sample, sample / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - sample)
+            self._srtt = 0.875 * self._srtt + 0.125 * sample
+        cfg = self._config
+        self._rto = min(cfg.max_rto, max(cfg.min_rto, self._srtt + 4 * self._rttvar))
+        self._rto_base = self._rto
+
+    def probe_timed_out(self) -> None:
+        """The PROBE or its answer was lost: back off, within the limit."""
+        cfg = self._config
+        self._rto = min(cfg.max_rto, self._rto * 2, self._rto_base * cfg.probe_backoff_limit)
+        self.unanswered += 1
+
+    # ------------------------------------------------------------------ passes
+    def data_sent(self, now: float, k: int) -> None:
+        if self._pass_started_at is None:
+            self._pass_started_at = now
+        self._pass_sent += k
+
+    @property
+    def pass_started_at(self) -> float | None:
+        return self._pass_started_at
+
+    def missing_reported(self, n: int) -> None:
+        """A segment of the answer to the PROBE awaiting it reports ``n`` chunks missing."""
+        self._reply_missing += n
+
+    def reply_received(self, sample: float) -> tuple[bool, int]:
+        """The whole answer came, ``sample`` seconds after its PROBE: learn the round
+        trip and the pass's loss, and start a new pass. Returns whether the answer was
+        to the first PROBE sent for it (so the pass's time holds no timeout), and how
+        many of the pass's datagrams got through."""
+        self.rtt_sample(sample)
+        # (Karn, as for the RTT: after a repeated PROBE the pass's time also holds the
+        # timeouts - a receive posted late, the answers lost - not how fast it drained)
+        unrepeated = self.unanswered == 0
+        self.unanswered = 0
+        self._more_copies = 0
+        # The PROBEs that follow cross the same path as the pass just answered, and their
+        # answers the way back, so they go in as many copies as that loss calls for.
+        if self._pass_sent:
+            q = self._reply_missing / self._pass_sent
+            self._min_copies = self.copies_for(1.0 - (1.0 - q) * (1.0 - self.reverse_loss()))
+        got = self._pass_sent - self._reply_missing
+        self._pass_started_at = None
+        self._pass_sent = 0
+        if self._reply_missing:
+            self._measured = True
+        return unrepeated, got
+
+    @property
+    def reply_missing(self) -> int:
+        """Chunks the answer to the latest PROBE reported missing."""
+        return self._reply_missing
+
+    # ------------------------------------------------------------ PROBE copies
+    def probe_copies(self, now: float, first_pass: bool) -> int:
+        """Copies for a PROBE going out now (and it becomes the one awaiting an answer)."""
+        self._reply_missing = 0
+        if self._unmeasured():
+            # No answer has measured the loss yet, but the ACKs may have (a microburst
+            # would otherwise cost an RTO right here).
+            self._min_copies = max(self._min_copies, self._copies_from_acks(now, first_pass))
+        # a repeated PROBE goes in twice the copies of the one that went unanswered
+        grow = 2 * self._copies_sent if self.unanswered else 1
+        copies = min(self._config.probe_copies_max, max(self._min_copies, grow))
+        self._copies_sent = copies
+        self._more_copies = 0
+        return copies
+
+    def take_more_copies(self) -> int:
+        """Copies of the PROBE awaiting its answer to send now, beyond those already sent."""
+        more, self._more_copies = self._more_copies, 0
+        self._copies_sent += more
+        return more
+
+    @property
+    def more_copies_due(self) -> bool:
+        return self._more_copies > 0
+
+    def ack_received(self, tseq_seen: int, delivered: int, now: float,
+                     after_first_pass_probe: bool) -> None:
+        """An ACK: the highest transmission sequence the receiver saw, and the chunks it
+        had delivered before that datagram. ``after_first_pass_probe``: a PROBE that
+        follows the whole first pass awaits its answer."""
+        self._acks_heard += 1
+        if tseq_seen > self._ack_tseq:
+            self._ack_tseq = tseq_seen
+            self._ack_delivered = delivered
+        if after_first_pass_probe and self._unmeasured():
+            # The pass was shorter than a round trip, so its PROBE went out before these
+            # ACKs could say how lossy the path is; if they call for more copies, send
+            # them now rather than wait an RTO for the one that was probably lost.
+            self._more_copies = max(0, self._copies_from_acks(now, False) - self._copies_sent)
+
+    def copies_for(self, q: float) -> int:
+        """PROBE copies such that all of them (or all their answers) are lost with
+        chance <= ``probe_miss_target`` when each is lost with chance ``q``."""
+        cfg = self._config
+        if q <= cfg.probe_miss_target:
+            return 1
+        if q >= 1.0:
+            return cfg.probe_copies_max
+        return min(cfg.probe_copies_max, math.ceil(math.log(cfg.probe_miss_target) / math.log(q)))
+
+    def _unmeasured(self) -> bool:
+        """No answer has told this send how lossy the path is yet."""
+        return not self._measured and self._pass_sent > 0
+
+    def _copies_from_acks(self, now: float, first_pass: bool) -> int:
+        """PROBE copies for the end of the first pass, from the ACKs it drew.
+
+        The receiver ACKs every ``ack_every`` DATA datagrams, with the highest
+        transmission sequence it saw and what it had delivered before that datagram.
+        Forward loss: of the first ``tseq + 1`` datagrams, ``delivered + 1`` arrived.
+        Reverse loss: up to that one the receiver sent ``(delivered + 1) // ack_every``
+        ACKs, we heard ``acks_heard`` (ACKs still in flight come after it, so they do not
+        count as lost). A PROBE is answered when it and its answer both get through."""
+        if not self._acks_heard:
+            every = self._config.ack_every
+            copies = self.copies_for(self.reverse_loss())  # (no ACK: just the hint)
+            if (not first_pass and self._srtt is not None
+                    and self._pass_started_at is not None
+                    and now - self._pass_started_at > self._srtt
+                    and self._pass_sent >= 2 * every):
+                # The whole pass is out, it lasted a round trip and owed us ACKs, yet
+                # none came: fewer than ack_every of its datagrams (or none of the ACKs)
+                # got through - a microburst of 90% loss, where one copy would cost RTO
+                # after RTO. (Not so for a PROBE sent because the window is shut: there
+                # the silence says the receiver is behind, and copies only load it.)
+                copies = max(copies, self.copies_for(1.0 - every / self._pass_sent))
+            # (else nothing to go on but the hint: a short message, or the ACKs are
+            # still on their way - the pass took less than a round trip)
+            return copies
+        q_fwd = 1.0 - min(1.0, (self._ack_delivered + 1) / (self._ack_tseq + 1))
+        return self.copies_for(1.0 - (1.0 - q_fwd) * (1.0 - self.reverse_loss()))
+
+    def reverse_loss(self) -> float:
+        """The loss on the way back: from the ACKs heard so far (see _copies_from_acks),
+        or what a receive from this peer saw lately, whichever is higher. (The ACKs
+        alone read low when the one heard last came early in the pass.)"""
+        hint = self._reverse_hint
+        if not self._acks_heard:
+            return hint
+        sent = max(1, (self._ack_delivered + 1) // self._config.ack_every)
+        return max(hint, 1.0 - min(1.0, self._acks_heard / sent))
