@@ -67,7 +67,7 @@ class LossSchedule:
                 out.append((t, p))
         return out
 
-    def start(self, testbed: "Testbed") -> "LossSchedule":
+    def start(self, testbed: Testbed) -> LossSchedule:
         if self._thread is not None:
             raise TestbedError("a LossSchedule runs once; make a new one")
         if not testbed.is_up:
@@ -133,7 +133,7 @@ class LossSchedule:
             if restore and tb.is_up and (not self.applied or self.applied[-1][1] != self.base):
                 self._set(self.base)
 
-    def __enter__(self) -> "LossSchedule":
+    def __enter__(self) -> LossSchedule:
         return self
 
     def __exit__(self, *exc) -> None:

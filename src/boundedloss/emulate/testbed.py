@@ -342,7 +342,7 @@ class TestbedConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TestbedConfig":
+    def from_dict(cls, d: dict) -> TestbedConfig:
         d = dict(d)
         if d.get("bottleneck") is not None:
             d["bottleneck"] = Bottleneck(**d["bottleneck"])
@@ -560,7 +560,7 @@ class Testbed:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def up(self) -> "Testbed":
+    def up(self) -> Testbed:
         """Create the namespaces, bridge, veths, addresses, bottleneck and loss rule. On
         any failure (or an interrupt) whatever was made is removed before re-raising."""
         with self._lock:
@@ -699,7 +699,7 @@ class Testbed:
         finally:
             self._restore_handlers()
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         self._install_handlers()
         try:
             self.up()
@@ -726,7 +726,7 @@ class Testbed:
                 "created": time.time(), "pid": os.getpid()}
 
     @classmethod
-    def from_state(cls, state: dict) -> "Testbed":
+    def from_state(cls, state: dict) -> Testbed:
         """A handle on a testbed another process brought up (``down()`` removes it)."""
         tb = cls(TestbedConfig.from_dict(state["config"]), id=state["id"])
         b = state.get("bottleneck", asdict(tb.config.bottleneck) if tb.config.bottleneck else None)
@@ -902,23 +902,23 @@ class Testbed:
     # -- bursts -----------------------------------------------------------------------
 
     def loss_schedule(self, windows, *, base: float = 0.0, node: str | int = SERVER,
-                      protocol: str = "udp") -> "LossSchedule":
+                      protocol: str = "udp") -> LossSchedule:
         """A started ``LossSchedule`` (see ``boundedloss.emulate.bursts``)."""
         from .bursts import LossSchedule
 
         return LossSchedule(windows, base=base, node=node, protocol=protocol).start(self)
 
-    def _register_schedule(self, sched: "LossSchedule") -> None:
+    def _register_schedule(self, sched: LossSchedule) -> None:
         with self._lock:
             self._schedules.append(sched)
 
-    def _unregister_schedule(self, sched: "LossSchedule") -> None:
+    def _unregister_schedule(self, sched: LossSchedule) -> None:
         with self._lock:
             if sched in self._schedules:
                 self._schedules.remove(sched)
 
     def sink(self, node: str | int, port: int, *, idle: float = 0.5, max_time: float = 10.0,
-             expect: int | None = None, ready_timeout: float = 10.0) -> "TrafficProcess":
+             expect: int | None = None, ready_timeout: float = 10.0) -> TrafficProcess:
         """A bounded UDP receiver in ``node`` counting datagrams per flow (returns once it
         is bound; ``.wait()`` gives its JSON report)."""
         argv = [sys.executable, str(_TRAFFIC), "sink", "--port", str(port), "--idle",
@@ -932,7 +932,7 @@ class Testbed:
 
     def send(self, src: str | int, dst: str | int, port: int, *, count: int | None = None,
              size: int = 1200, rate_mbit: float | None = None, duration: float = 10.0,
-             flow: int | None = None) -> "TrafficProcess":
+             flow: int | None = None) -> TrafficProcess:
         """A bounded UDP sender from ``src`` to ``dst``'s address: at most ``count``
         datagrams (derived from ``rate_mbit`` x ``duration`` when not given) of ``size``
         payload bytes, for at most ``duration`` s. Returns at once; ``.wait()``."""
@@ -954,7 +954,7 @@ class Testbed:
 
     def cross_traffic(self, duration_s: float, rate_mbit: float, size: int = 1200, *,
                       src: str | int | None = None, dst: str | int = SERVER, port: int = 9,
-                      wait: bool = True) -> "TrafficProcess":
+                      wait: bool = True) -> TrafficProcess:
         """A real microburst: a paced UDP flood of ``rate_mbit`` for ``duration_s`` from a
         worker (default: the last one) through the bottleneck to ``dst`` (default: the
         server's discard port 9, where nobody listens; the bottleneck is what it is for).
@@ -1051,7 +1051,7 @@ class TrafficProcess:
         with contextlib.suppress(Exception):
             self.proc.communicate(timeout=1)
 
-    def __enter__(self) -> "TrafficProcess":
+    def __enter__(self) -> TrafficProcess:
         return self
 
     def __exit__(self, *exc) -> None:
