@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .testbed import SERVER, TestbedError, _check_probability
+from .testbed import SERVER, TestbedError, check_probability
 
 if TYPE_CHECKING:  # pragma: no cover
     from .testbed import Testbed
@@ -33,12 +33,12 @@ class LossSchedule:
 
     def __init__(self, windows: Iterable[tuple[float, float, float]], *, base: float = 0.0,
                  node: str | int = SERVER, protocol: str = "udp"):
-        self.windows = sorted((float(a), float(b), _check_probability(p)) for a, b, p in windows)
+        self.windows = sorted((float(a), float(b), check_probability(p)) for a, b, p in windows)
         for a, b, _ in self.windows:
             if not 0 <= a < b <= MAX_SCHEDULE_S:
                 raise ValueError(f"window ({a}, {b}) must satisfy 0 <= start < end <= "
                                  f"{MAX_SCHEDULE_S:g} s")
-        self.base = _check_probability(base)
+        self.base = check_probability(base)
         self.node = node
         self.protocol = protocol
         self.applied: list[tuple[float, float]] = []
@@ -67,14 +67,14 @@ class LossSchedule:
                 out.append((t, p))
         return out
 
-    def start(self, testbed: "Testbed") -> "LossSchedule":
+    def start(self, testbed: Testbed) -> LossSchedule:
         if self._thread is not None:
             raise TestbedError("a LossSchedule runs once; make a new one")
         if not testbed.is_up:
             raise TestbedError("the testbed is not up")
         testbed.node(self.node)  # fail now on a bad node, not in the thread
         self._testbed = testbed
-        testbed._register_schedule(self)
+        testbed.register_schedule(self)
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="bl-loss-schedule", daemon=True)
         self._thread.start()
@@ -103,7 +103,7 @@ class LossSchedule:
             self.error = e
         finally:
             if self._testbed is not None and not self._stop.is_set():
-                self._testbed._unregister_schedule(self)
+                self._testbed.unregister_schedule(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the schedule has run out (True) or ``timeout`` passed (False);
@@ -129,11 +129,11 @@ class LossSchedule:
         self._thread.join(10.0)
         tb = self._testbed
         if tb is not None:
-            tb._unregister_schedule(self)
+            tb.unregister_schedule(self)
             if restore and tb.is_up and (not self.applied or self.applied[-1][1] != self.base):
                 self._set(self.base)
 
-    def __enter__(self) -> "LossSchedule":
+    def __enter__(self) -> LossSchedule:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -113,7 +113,9 @@ def testbed() -> None:
 @click.option("--loss-node", default=SERVER, show_default=True)
 @_common
 @_one_line_errors
-def up_cmd(workers, subnet, mtu, rate, burst, limit, loss, loss_node, prefix, state_dir):
+def up_cmd(workers: int, subnet: str, mtu: int, rate: str | None, burst: str | None,
+           limit: str | None, loss: float, loss_node: str, prefix: str,
+           state_dir: str | None) -> None:
     """Build a testbed and leave it up."""
     require_privileges()
     path = state_path(state_dir, prefix)
@@ -145,7 +147,7 @@ def up_cmd(workers, subnet, mtu, rate, burst, limit, loss, loss_node, prefix, st
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @_common
 @_one_line_errors
-def status_cmd(as_json, prefix, state_dir):
+def status_cmd(as_json: bool, prefix: str, state_dir: str | None) -> None:
     """Show the recorded testbed: nodes, addresses, bottleneck counters, loss rules."""
     require_privileges()
     path = state_path(state_dir, prefix)
@@ -192,7 +194,8 @@ def status_cmd(as_json, prefix, state_dir):
 @_common
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @_one_line_errors
-def run_cmd(node, timeout, prefix, state_dir, cmd):
+def run_cmd(node: str, timeout: float | None, prefix: str, state_dir: str | None,
+            cmd: tuple[str, ...]) -> None:
     """Run CMD in a node's namespace: `boundedloss testbed run --node w0 -- CMD ...`.
     Exits with CMD's exit status (124 on --timeout)."""
     require_privileges()
@@ -200,7 +203,7 @@ def run_cmd(node, timeout, prefix, state_dir, cmd):
     tb = _load(path)
     if tb is None:
         raise TestbedError(f"no testbed recorded in {path}: run `boundedloss testbed up` first")
-    argv = tb._argv(node, list(cmd))
+    argv = tb.netns_argv(node, list(cmd))
     try:
         rc = subprocess.run(argv, timeout=timeout, env=tb.node_env()).returncode
     except subprocess.TimeoutExpired:
@@ -222,7 +225,9 @@ def run_cmd(node, timeout, prefix, state_dir, cmd):
 @click.option("--no-bottleneck", is_flag=True, help="Remove the bottleneck.")
 @_common
 @_one_line_errors
-def set_cmd(loss, node, all_protocols, rate, burst, limit, no_bottleneck, prefix, state_dir):
+def set_cmd(loss: float | None, node: str, all_protocols: bool, rate: str | None,
+            burst: str | None, limit: str | None, no_bottleneck: bool, prefix: str,
+            state_dir: str | None) -> None:
     """Change loss or the bottleneck of the running testbed."""
     require_privileges()
     path = state_path(state_dir, prefix)
@@ -253,7 +258,7 @@ def set_cmd(loss, node, all_protocols, rate, burst, limit, no_bottleneck, prefix
 @testbed.command("down")
 @_common
 @_one_line_errors
-def down_cmd(prefix, state_dir):
+def down_cmd(prefix: str, state_dir: str | None) -> None:
     """Remove the recorded testbed and every leftover named PREFIX + id."""
     require_privileges()
     path = state_path(state_dir, prefix)

@@ -266,7 +266,9 @@ class Bottleneck:
 
     def __post_init__(self):
         # Fail at construction, not inside tc.
-        self.rate_bps, self.burst_bytes, self.limit_bytes  # noqa: B018
+        parse_rate(self.rate)
+        parse_size(self.burst)
+        parse_size(self.limit)
 
     @property
     def rate_bps(self) -> int:
@@ -335,21 +337,22 @@ class TestbedConfig:
             if not isinstance(self.bottleneck, Bottleneck):
                 raise ValueError("bottleneck must be a Bottleneck or None")
             self.bottleneck.check_mtu(self.mtu)
-        _check_probability(self.loss)
+        check_probability(self.loss)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TestbedConfig":
+    def from_dict(cls, d: dict) -> TestbedConfig:
         d = dict(d)
         if d.get("bottleneck") is not None:
             d["bottleneck"] = Bottleneck(**d["bottleneck"])
         return cls(**d)
 
 
-def _check_probability(p: float) -> float:
+def check_probability(p: float) -> float:
+    """``p`` as a float, or ValueError when it is not a probability in [0, 1]."""
     try:
         p = float(p)
     except (TypeError, ValueError):
@@ -524,9 +527,11 @@ class Testbed:
         return f"to-{self.node(node)}"
 
     def _mac(self, node: str) -> str:
+        """A locally administered unicast MAC (leading 0x02) made of the testbed id and
+        the node's index: unique per node and per testbed."""
         i = self.nodes.index(node)
         b = bytes.fromhex(self.id)
-        return "02:%02x:%02x:%02x:%02x:%02x" % (b[0], b[1], b[2], i >> 8, i & 0xFF)
+        return ":".join(f"{octet:02x}" for octet in (0x02, b[0], b[1], b[2], i >> 8, i & 0xFF))
 
     def node(self, which: str | int) -> str:
         """Resolve ``"server"``, ``"w3"``, ``3`` (worker index), ``"sw"``, or one of our
@@ -560,7 +565,7 @@ class Testbed:
 
     # -- lifecycle --------------------------------------------------------------------
 
-    def up(self) -> "Testbed":
+    def up(self) -> Testbed:
         """Create the namespaces, bridge, veths, addresses, bottleneck and loss rule. On
         any failure (or an interrupt) whatever was made is removed before re-raising."""
         with self._lock:
@@ -699,7 +704,7 @@ class Testbed:
         finally:
             self._restore_handlers()
 
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         self._install_handlers()
         try:
             self.up()
@@ -726,7 +731,7 @@ class Testbed:
                 "created": time.time(), "pid": os.getpid()}
 
     @classmethod
-    def from_state(cls, state: dict) -> "Testbed":
+    def from_state(cls, state: dict) -> Testbed:
         """A handle on a testbed another process brought up (``down()`` removes it)."""
         tb = cls(TestbedConfig.from_dict(state["config"]), id=state["id"])
         b = state.get("bottleneck", asdict(tb.config.bottleneck) if tb.config.bottleneck else None)
@@ -736,7 +741,9 @@ class Testbed:
 
     # -- processes --------------------------------------------------------------------
 
-    def _argv(self, which: str | int, argv: list[str] | tuple[str, ...]) -> list[str]:
+    def netns_argv(self, which: str | int, argv: list[str] | tuple[str, ...]) -> list[str]:
+        """The command line that runs ``argv`` inside a node's namespace
+        (``ip netns exec NS ...``)."""
         if isinstance(argv, str):
             raise TypeError("argv must be a list of strings, not one string")
         return [_tool("ip"), "netns", "exec", self.namespace(which), *map(str, argv)]
@@ -764,7 +771,7 @@ class Testbed:
         if not self._active:
             raise TestbedError("the testbed is not up")
         popen_kw["env"] = self.node_env(popen_kw.get("env"))
-        p = subprocess.Popen(self._argv(which, argv), **popen_kw)
+        p = subprocess.Popen(self.netns_argv(which, argv), **popen_kw)
         self._procs = [q for q in self._procs if q.poll() is None] + [p]
         return p
 
@@ -775,7 +782,7 @@ class Testbed:
         if not self._active:
             raise TestbedError("the testbed is not up")
         try:
-            p = subprocess.run(self._argv(which, argv), capture_output=True, text=True,
+            p = subprocess.run(self.netns_argv(which, argv), capture_output=True, text=True,
                                timeout=timeout, env=self.node_env())
         except subprocess.TimeoutExpired:
             raise TestbedError(f"{shlex.join(map(str, argv))} in {which} timed out after "
@@ -839,7 +846,7 @@ class Testbed:
         everything (``"all"``). The rule lives alone in chain BL_LOSS, jumped to from
         INPUT, and is replaced in one iptables-restore transaction; ``p=0`` removes the
         rule, the jump and the chain."""
-        p = _check_probability(p)
+        p = check_probability(p)
         if protocol not in ("udp", "all"):
             raise ValueError(f"protocol must be 'udp' or 'all', got {protocol!r}")
         node = self.node(node)
@@ -902,23 +909,25 @@ class Testbed:
     # -- bursts -----------------------------------------------------------------------
 
     def loss_schedule(self, windows, *, base: float = 0.0, node: str | int = SERVER,
-                      protocol: str = "udp") -> "LossSchedule":
+                      protocol: str = "udp") -> LossSchedule:
         """A started ``LossSchedule`` (see ``boundedloss.emulate.bursts``)."""
         from .bursts import LossSchedule
 
         return LossSchedule(windows, base=base, node=node, protocol=protocol).start(self)
 
-    def _register_schedule(self, sched: "LossSchedule") -> None:
+    def register_schedule(self, sched: LossSchedule) -> None:
+        """Have ``down()`` stop ``sched`` (``LossSchedule.start`` registers itself)."""
         with self._lock:
             self._schedules.append(sched)
 
-    def _unregister_schedule(self, sched: "LossSchedule") -> None:
+    def unregister_schedule(self, sched: LossSchedule) -> None:
+        """Forget ``sched`` (it has ended or was stopped); unknown schedules are ignored."""
         with self._lock:
             if sched in self._schedules:
                 self._schedules.remove(sched)
 
     def sink(self, node: str | int, port: int, *, idle: float = 0.5, max_time: float = 10.0,
-             expect: int | None = None, ready_timeout: float = 10.0) -> "TrafficProcess":
+             expect: int | None = None, ready_timeout: float = 10.0) -> TrafficProcess:
         """A bounded UDP receiver in ``node`` counting datagrams per flow (returns once it
         is bound; ``.wait()`` gives its JSON report)."""
         argv = [sys.executable, str(_TRAFFIC), "sink", "--port", str(port), "--idle",
@@ -927,12 +936,12 @@ class Testbed:
             argv += ["--expect", str(expect)]
         proc = self.run(node, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
         t = TrafficProcess(proc, bound_s=max_time, what=f"sink in {self.node(node)}")
-        t._await_ready(ready_timeout)
+        t.wait_until_ready(ready_timeout)
         return t
 
     def send(self, src: str | int, dst: str | int, port: int, *, count: int | None = None,
              size: int = 1200, rate_mbit: float | None = None, duration: float = 10.0,
-             flow: int | None = None) -> "TrafficProcess":
+             flow: int | None = None) -> TrafficProcess:
         """A bounded UDP sender from ``src`` to ``dst``'s address: at most ``count``
         datagrams (derived from ``rate_mbit`` x ``duration`` when not given) of ``size``
         payload bytes, for at most ``duration`` s. Returns at once; ``.wait()``."""
@@ -954,7 +963,7 @@ class Testbed:
 
     def cross_traffic(self, duration_s: float, rate_mbit: float, size: int = 1200, *,
                       src: str | int | None = None, dst: str | int = SERVER, port: int = 9,
-                      wait: bool = True) -> "TrafficProcess":
+                      wait: bool = True) -> TrafficProcess:
         """A real microburst: a paced UDP flood of ``rate_mbit`` for ``duration_s`` from a
         worker (default: the last one) through the bottleneck to ``dst`` (default: the
         server's discard port 9, where nobody listens; the bottleneck is what it is for).
@@ -1004,22 +1013,28 @@ class TrafficProcess:
         self.what = what
         self.result: dict | None = None
 
-    def _await_ready(self, timeout: float) -> None:
+    def wait_until_ready(self, timeout: float) -> None:
+        """Block until the tool prints ``READY`` on stdout (a sink once it is bound); a
+        tool that exits first, or stays silent for ``timeout`` s, is a TestbedError."""
         import selectors
 
+        stdout, stderr = self.proc.stdout, self.proc.stderr
+        if stdout is None or stderr is None:
+            raise TestbedError(f"{self.what} was started without stdout/stderr pipes: "
+                               "nothing to wait on")
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            sel.register(stdout, selectors.EVENT_READ)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sel.select(left):
                     self.stop()
                     raise TestbedError(f"{self.what} did not start within {timeout:g} s")
-                line = self.proc.stdout.readline()
+                line = stdout.readline()
                 if line.strip() == b"READY":
                     return
                 if not line:
-                    err = self.proc.stderr.read().decode(errors="replace").strip()
+                    err = stderr.read().decode(errors="replace").strip()
                     last = err.splitlines()[-1] if err else "no output"
                     raise TestbedError(f"{self.what} exited: {last}")
 
@@ -1051,7 +1066,7 @@ class TrafficProcess:
         with contextlib.suppress(Exception):
             self.proc.communicate(timeout=1)
 
-    def __enter__(self) -> "TrafficProcess":
+    def __enter__(self) -> TrafficProcess:
         return self
 
     def __exit__(self, *exc) -> None:

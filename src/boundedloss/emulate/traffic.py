@@ -122,7 +122,7 @@ def sink(port: int, bind: str, idle: float, max_time: float, expect: int | None)
         s.settimeout(max(wait, 1e-3))
         try:
             n = s.recv_into(buf)
-        except socket.timeout:
+        except TimeoutError:
             continue
         t = time.monotonic()
         if first is None:

@@ -605,7 +605,7 @@ def _check_window(window: Sequence[float]) -> tuple[float, float]:
     try:
         start, end = (float(x) for x in window)
     except (TypeError, ValueError):
-        raise ValueError(f"burst window must be a (start, end) pair, got {window!r}")
+        raise ValueError(f"burst window must be a (start, end) pair, got {window!r}") from None
     if not (math.isfinite(start) and end > start):
         raise ValueError(f"burst window needs finite start < end, got {window!r}")
     return start, end

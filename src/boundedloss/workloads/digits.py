@@ -41,7 +41,7 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
             with gzip.open(path, "rt") as f:
                 data = np.loadtxt(f, delimiter=",")
             return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # type: ignore[import-untyped]  # ships no types
 
     bunch = load_digits()
     return bunch.images, bunch.target
