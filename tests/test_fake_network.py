@@ -8,7 +8,6 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import PROPERTY, SENTINEL, SESSION, chunks_equal, source_bytes
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.loss import Bernoulli, Combined, GilbertElliott, Microburst
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import CloseReason, SendStatus, TransferMux, TransportConfig
+from conftest import PROPERTY, SENTINEL, SESSION, chunks_equal, source_bytes
 
 PATIENT = dict(peer_timeout=1e4, receive_deadline=1e4)  # "a loss pattern that eventually delivers"
 
