@@ -3,23 +3,22 @@
 Everything here is deterministic: hypothesis runs derandomized (``PROPERTY``), random
 data comes from seeded numpy generators, and time is virtual.
 
-``HandNet`` wires TransferMux endpoints together by hand, with a fixed one-way delay
-and a drop filter that sees every datagram's kind - the tool for tests that must lose
-a *particular* control datagram (the FakeNetwork's loss models are kind-blind).
+``Tap`` is a FakeNetwork route that counts and logs every datagram by kind and loses
+the ones a test picks - the tool for tests that must lose a *particular* control
+datagram (the FakeNetwork's loss models are kind-blind).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from hypothesis import HealthCheck, settings
 
 from boundedloss import wire
-from boundedloss.protocol import TransferMux
+from boundedloss.net.fake import Datagram, FakeNetwork
 
 #: Base settings for every property test in these files: reproducible, no deadline
 #: (a lossy transfer's real time varies on a noisy 2-core machine), no example database.
@@ -62,81 +61,41 @@ def kind_of(data: bytes) -> wire.Kind:
     return wire.decode(data)[0].kind
 
 
-class HandNet:
-    """TransferMux endpoints joined by hand: every datagram takes ``delay`` seconds, in
-    order, unless ``drop(src, dst, header, data, nth)`` says to lose it (``nth`` is how
-    many datagrams of that kind ``src`` has sent so far, this one included)."""
+@dataclass(frozen=True)
+class Carried:
+    """One datagram a tapped network carried, in the order they left."""
 
-    def __init__(
-        self,
-        delay: float = 1e-4,
-        drop: Callable[[object, object, wire.Header, bytes, int], bool] | None = None,
-    ):
-        self.now = 0.0
-        self.delay = delay
+    departed: float
+    src: Hashable
+    dst: Hashable
+    kind: wire.Kind
+    lost: bool  # lost by the tap (its ``drop`` picked it)
+
+
+class Tap:
+    """Installed as ``net``'s route: every datagram is counted per (src, kind) in
+    ``sent`` and logged in ``log``; those that ``drop(datagram, nth)`` picks are lost
+    (``nth``: how many datagrams of that kind ``src`` has sent, this one included) and
+    counted per kind in ``lost``; the rest take the route that was there before."""
+
+    def __init__(self, net: FakeNetwork, drop: Callable[[Datagram, int], bool] | None = None):
         self.drop = drop
-        self.nodes: dict[object, TransferMux] = {}
-        self._heap: list = []
-        self._seq = 0
-        self.sent: Counter = Counter()  # (src, kind) -> datagrams sent
-        self.lost: Counter = Counter()  # kind -> datagrams dropped by the filter
-        self.log: list[tuple[float, object, object, wire.Kind, bool]] = []
+        self.then = net.route
+        self.sent: Counter[tuple[Hashable, wire.Kind]] = Counter()
+        self.lost: Counter[wire.Kind] = Counter()
+        self.log: list[Carried] = []
+        net.route = self
 
-    def add(self, name, mux: TransferMux) -> TransferMux:
-        self.nodes[name] = mux
-        return mux
+    def __call__(self, datagram: Datagram) -> Sequence[float]:
+        kind = datagram.kind
+        self.sent[(datagram.src, kind)] += 1
+        lost = self.drop is not None and self.drop(datagram, self.sent[(datagram.src, kind)])
+        self.log.append(Carried(datagram.departed, datagram.src, datagram.dst, kind, lost))
+        if lost:
+            self.lost[kind] += 1
+            return ()
+        return self.then(datagram)
 
-    def _flush(self, name) -> None:
-        mux = self.nodes[name]
-        while mux.has_output():
-            batch = mux.poll(self.now, 1024)
-            if not batch:
-                break
-            for parts, peer in batch:
-                data = b"".join(bytes(p) for p in parts)
-                header, _ = wire.decode(data)  # everything a core sends is well-formed
-                self.sent[(name, header.kind)] += 1
-                lost = self.drop is not None and self.drop(
-                    name, peer, header, data, self.sent[(name, header.kind)]
-                )
-                self.log.append((self.now, name, peer, header.kind, lost))
-                if lost:
-                    self.lost[header.kind] += 1
-                    continue
-                if peer in self.nodes:
-                    self._seq += 1
-                    heapq.heappush(self._heap, (self.now + self.delay, self._seq, peer, name, data))
-
-    def run(
-        self,
-        transfers: Iterable = (),
-        until: float = math.inf,
-        max_steps: int = 1_000_000,
-    ) -> float:
-        """Advance virtual time until every transfer has a result, ``until``, or silence."""
-        transfers = list(transfers)
-        for _ in range(max_steps):
-            for name in self.nodes:
-                self._flush(name)
-            if transfers and all(t.result is not None for t in transfers):
-                return self.now
-            times = [self._heap[0][0]] if self._heap else []
-            for mux in self.nodes.values():
-                d = mux.next_deadline()
-                if d is not None:
-                    times.append(d)
-            if not times:
-                return self.now  # nothing in flight and no timer: quiescent
-            t = min(times)
-            if t > until:
-                self.now = until
-                return self.now
-            self.now = max(self.now, t)
-            while self._heap and self._heap[0][0] <= self.now:
-                _, _, dst, src, data = heapq.heappop(self._heap)
-                self.nodes[dst].datagram_received(data, src, self.now)
-            for mux in self.nodes.values():
-                d = mux.next_deadline()
-                if d is not None and d <= self.now:
-                    mux.timer_fired(self.now)
-        raise AssertionError(f"HandNet: no progress after {max_steps} steps at t={self.now}")
+    def departures(self, src: Hashable, kind: wire.Kind) -> list[float]:
+        """When each datagram of ``kind`` from ``src`` left, in order."""
+        return [c.departed for c in self.log if c.src == src and c.kind == kind]

@@ -1,5 +1,6 @@
 """End-to-end transfers through FakeNetwork (virtual clock, seeded loss, jitter,
-duplication, shallow queues): the properties the issue asks of the transport."""
+duplication, shallow queues): the properties the issue asks of the transport; and the
+network's own route hook (a test's route loses, delays, reorders or duplicates)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import PROPERTY, SENTINEL, SESSION, chunks_equal, source_bytes
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from boundedloss import wire
-from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
+from boundedloss.net.fake import Datagram, FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.loss import Bernoulli, Combined, GilbertElliott, Microburst
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import CloseReason, SendStatus, TransferMux, TransportConfig
+from boundedloss.wire import DropReason, Kind
+from conftest import PROPERTY, SENTINEL, SESSION, chunks_equal, source_bytes
 
 PATIENT = dict(peer_timeout=1e4, receive_deadline=1e4)  # "a loss pattern that eventually delivers"
 
@@ -295,10 +297,14 @@ def test_receive_posted_late_through_the_network() -> None:
 # ---------------------------------------------------------- the fake itself
 
 
-def _scenario(seed: int):
+def _scenario(seed: int, route=None):
+    """A lossy, duplicating, reordering transfer; ``route(net, datagram)``, if given,
+    is the network's route."""
     cfg = TransportConfig(chunk_bytes=100, **PATIENT)
     net, a, b = setup(cfg, seed, path=PathProfile(jitter=1e-4, duplicate=0.1,
                                                    loss=Bernoulli(0.2, seed=seed)))
+    if route is not None:
+        net.route = lambda d: route(net, d)
     src = source_bytes(20_000, 0)
     rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
     tx = a.start_send("b", 0, 0, src, 0.0)
@@ -309,6 +315,151 @@ def _scenario(seed: int):
 def test_same_seed_same_run() -> None:
     assert _scenario(11) == _scenario(11)
     assert _scenario(11)[1] != _scenario(12)[1]
+
+
+# ------------------------------------------------------------------ the route
+
+
+class Recording(TransferMux):
+    """A core that notes when each datagram reaches it, and its header."""
+
+    def __init__(self, cfg: TransportConfig):
+        super().__init__(SESSION, cfg)
+        self.arrivals: list[tuple[float, wire.Header]] = []
+
+    def datagram_received(self, data, peer, now: float) -> None:
+        self.arrivals.append((now, wire.decode(data)[0]))
+        super().datagram_received(data, peer, now)
+
+
+def test_a_route_that_hands_on_to_the_default_changes_nothing() -> None:
+    """Every datagram that leaves a node passes through the route, once, with its
+    source, destination, bytes and departure time; handed on to the default route it
+    meets the same fate, random draws included, as with no route set."""
+    seen = []
+
+    def inspect(net: FakeNetwork, d: Datagram):
+        assert d.departed == net.now  # no uplink limit: it leaves when polled
+        assert (d.src, d.dst) == ("a", "b") or (d.src, d.dst) == ("b", "a")
+        assert d.header == wire.decode(d.data)[0] and d.round_id == 0
+        seen.append(d.kind)
+        return net.default_route(d)
+
+    got = _scenario(11, inspect)
+    assert got == _scenario(11)
+    assert len(seen) == got[1]["sent"]
+    assert set(seen) == {Kind.DATA, Kind.PROBE, Kind.BITMAP, Kind.STOP, Kind.ACK}
+
+
+def test_a_route_given_to_the_constructor_sees_datagrams_to_nowhere_too() -> None:
+    routed = []
+
+    def route(d: Datagram):
+        routed.append(d)
+        return (1e-3,)
+
+    net = FakeNetwork(route=route)
+    assert net.route is route
+    a = net.attach("a", TransferMux(SESSION, TransportConfig(chunk_bytes=100)))
+    a.start_send("b", 0, 0, source_bytes(100, 0), 0.0)
+    net.run(until=1e-4)
+    assert [(d.dst, d.kind) for d in routed] == [("b", Kind.DATA), ("b", Kind.PROBE)]
+    assert net.counts["no_route"] == net.counts["sent"] == 2  # nobody holds "b"
+
+
+def test_a_route_loses_datagrams_by_kind() -> None:
+    """Losing the 3rd DATA datagram (so that the receive waits for a PROBE), every ACK
+    and the first 5 PROBEs (the path loses nothing else): the transfer still
+    completes, and the network counts what the route lost as lost on the path."""
+    cfg = TransportConfig(chunk_bytes=100, **PATIENT)
+    net, a, b = setup(cfg, 1, path=PathProfile(delay=1e-4))
+    lost = {Kind.DATA: 0, Kind.ACK: 0, Kind.PROBE: 0}
+    data_sent = [0]
+
+    def route(d: Datagram):
+        if d.kind == Kind.DATA:
+            data_sent[0] += 1
+        if ((d.kind == Kind.DATA and data_sent[0] == 3) or d.kind == Kind.ACK
+                or (d.kind == Kind.PROBE and lost[Kind.PROBE] < 5)):
+            lost[d.kind] += 1
+            return ()
+        return net.default_route(d)
+
+    net.route = route
+    src = source_bytes(20_000, 1)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=100.0)
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+    assert lost[Kind.DATA] == 1 and lost[Kind.ACK] > 0 and lost[Kind.PROBE] == 5
+    assert tx.result.stats.probes >= 2  # the first went unanswered
+    assert tx.result.stats.retransmitted == 1
+    assert net.counts["path_loss"] == sum(lost.values())
+    assert net.counts["sent"] == net.counts["path_loss"] + net.counts["delivered"]
+
+
+def test_a_route_delays_and_reorders() -> None:
+    """Each DATA datagram is held back the longer the earlier it left, and the PROBE
+    behind them longer still: they reach the receiver in reverse, each exactly when
+    the route said, and the message is whole without a retransmission."""
+    cfg = TransportConfig(chunk_bytes=100, **PATIENT)
+    net = FakeNetwork(path=PathProfile(delay=1e-4))
+    a = net.attach("a", TransferMux(SESSION, cfg))
+    b = net.attach("b", Recording(cfg))
+    count = 20
+
+    def route(d: Datagram):
+        if d.kind == Kind.DATA:
+            return (1e-3 * (count - d.header.index),)
+        return (1e-3 * (count + 1),)
+
+    net.route = route
+    src = source_bytes(count * 100, 2)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=10.0)
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+    data = [(t, h.index) for t, h in b.arrivals if h.kind == Kind.DATA]
+    assert [i for _, i in data] == list(range(count - 1, -1, -1))
+    assert [t for t, _ in data] == [pytest.approx(1e-3 * (count - i)) for _, i in data]
+    assert tx.result.stats.retransmitted == 0
+
+
+def test_a_route_duplicates() -> None:
+    """Every DATA datagram delivered twice, its copy 1 us behind it and before the
+    next chunk (and all before the PROBE behind them): the receive counts each copy
+    as a duplicate (but the last chunk's: it closed on the first, and the copy is
+    stale), and the network counts them as duplicated."""
+    cfg = TransportConfig(chunk_bytes=100, **PATIENT)
+    net, a, b = setup(cfg, path=PathProfile(delay=1e-4))
+
+    def route(d: Datagram):
+        if d.kind != Kind.DATA:
+            return net.default_route(d)
+        first = 1e-6 + 2e-6 * d.header.index
+        return (first, first + 1e-6)
+
+    net.route = route
+    count = 30
+    src = source_bytes(count * 100, 3)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=10.0)
+    net.run()  # the copies still in flight land
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+    assert net.counts["duplicated"] == tx.result.stats.datagrams == count
+    assert rx.result.stats.retransmitted == count - 1  # the duplicates it received
+    assert b.drops[DropReason.STALE] >= 1
+    assert net.counts["sent"] + net.counts["duplicated"] == net.counts["delivered"]
+
+
+def test_a_route_cannot_deliver_before_departure() -> None:
+    cfg = TransportConfig(chunk_bytes=100, **PATIENT)
+    net, a, _ = setup(cfg)
+    net.route = lambda d: (1e-4, -1e-6)
+    a.start_send("b", 0, 0, source_bytes(100, 0), 0.0)
+    with pytest.raises(ValueError, match="before it left"):
+        net.run()
 
 
 def test_uplink_serialises_datagrams() -> None:

@@ -10,7 +10,6 @@ import pickle
 
 import numpy as np
 import pytest
-from conftest import SESSION, chunks_equal, source_bytes
 
 from boundedloss import wire
 from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
@@ -37,6 +36,7 @@ from boundedloss.policy import (
     priority_order,
 )
 from boundedloss.protocol import CloseReason, SendStatus, TransferMux, TransportConfig
+from conftest import SESSION, chunks_equal, source_bytes
 
 C = CloseReason
 

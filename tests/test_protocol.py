@@ -1,26 +1,28 @@
 """The sans-I/O core (TransferMux, MessageSender, MessageReceiver) driven by hand.
 
-No FakeNetwork here: datagrams are built with ``wire`` or moved by ``HandNet`` (fixed
-delay, a drop filter that sees each datagram's kind), so every test controls exactly
-which datagram is lost, when a timer fires, and what the destination buffer holds.
+Datagrams are built with ``wire`` and fed to a core directly, or carried by a
+FakeNetwork with a fixed delay and nothing else (no rate limits, jitter or random
+loss) whose route is a ``Tap`` that sees each datagram's kind and loses the ones a
+test picks; so every test controls exactly which datagram is lost, when a timer fires,
+and what the destination buffer holds.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import replace
 import math
 import struct
 import tracemalloc
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
 import pytest
-from conftest import PROPERTY, SENTINEL, SESSION, HandNet, chunk_slices, chunks_equal, source_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundedloss import wire
+from boundedloss.net.fake import FakeNetwork, PathProfile
 from boundedloss.policy import (
     ClosePlan,
     EarlyClosePolicy,
@@ -38,6 +40,7 @@ from boundedloss.protocol import (
     TransportError,
 )
 from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Header, Kind, MalformedDatagram
+from conftest import PROPERTY, SENTINEL, SESSION, Tap, chunk_slices, chunks_equal, source_bytes
 
 ACK = getattr(Kind, "ACK", None)
 CONTROL_KINDS = [Kind.PROBE, Kind.BITMAP, Kind.STOP] + ([ACK] if ACK is not None else [])
@@ -48,10 +51,12 @@ ROUND, MSG = 3, 5
 
 
 def pair(cfg: TransportConfig = CFG, drop=None, delay: float = 1e-4):
-    net = HandNet(delay=delay, drop=drop)
-    a = net.add("a", TransferMux(SESSION, cfg))
-    b = net.add("b", TransferMux(SESSION, cfg))
-    return net, a, b
+    """Cores "a" and "b" on a FakeNetwork where every datagram takes ``delay`` seconds,
+    in order, and the Tap that loses those ``drop(datagram, nth)`` picks."""
+    net = FakeNetwork(path=PathProfile(delay=delay))
+    a = net.attach("a", TransferMux(SESSION, cfg))
+    b = net.attach("b", TransferMux(SESSION, cfg))
+    return net, Tap(net, drop), a, b
 
 
 def data_datagrams(src, cb: int = CB, round_id: int = ROUND, message_id: int = MSG,
@@ -117,10 +122,10 @@ def test_lossless_transfer_is_exact(nbytes: int, dtype) -> None:
     src = source_bytes(n * np.dtype(dtype).itemsize, seed=n).view(dtype)
     out = np.full_like(src, 0)
     out.view(np.uint8)[:] = SENTINEL
-    net, a, b = pair()
+    net, _, a, b = pair()
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy(), out=out)
     tx = a.start_send("b", ROUND, MSG, src, net.now)
-    net.run([tx, rx], until=1.0)
+    net.run_until_done([tx, rx], timeout=1.0)
     r = rx.result
     assert r is not None and r.close_reason == CloseReason.COMPLETE and r.complete
     assert r.data is out and out.view(np.uint8).tobytes() == src.view(np.uint8).tobytes()
@@ -149,11 +154,11 @@ def test_payload_buffer_types(payload) -> None:
     """bytes, bytearray, memoryview and n-d arrays send exactly their bytes."""
     expect = bytes(memoryview(payload).cast("B")) if not isinstance(payload, np.ndarray) \
         else payload.tobytes()
-    net, a, b = pair()
+    net, _, a, b = pair()
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, payload, net.now)
     assert tx.nbytes == len(expect)
-    net.run([tx, rx], until=1.0)
+    net.run_until_done([tx, rx], timeout=1.0)
     assert rx.result.complete
     assert rx.result.data.tobytes() == expect
 
@@ -195,10 +200,10 @@ def drop_first(kind: Kind, n: int, also_data=(1, 4)):
     """Lose the first ``n`` datagrams of ``kind`` and, so that BITMAPs matter, the
     first-pass DATA datagrams numbered ``also_data``."""
 
-    def drop(src, dst, header, data, nth):
-        if header.kind == kind:
+    def drop(d, nth):
+        if d.kind == kind:
             return nth <= n
-        return header.kind == Kind.DATA and nth in also_data
+        return d.kind == Kind.DATA and nth in also_data
 
     return drop
 
@@ -211,11 +216,11 @@ def test_lost_control_datagrams_do_not_hang(kind: Kind, n: int) -> None:
         cfg = TransportConfig(chunk_bytes=CB, peer_timeout=5.0, receive_deadline=20.0,
                               window_bytes=4 * (CB + HEADER_BYTES))
     src = source_bytes(20 * CB + 5, seed=n)
-    net, a, b = pair(cfg, drop=drop_first(kind, n))
+    net, tap, a, b = pair(cfg, drop=drop_first(kind, n))
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, src, net.now)
-    t = net.run([tx, rx], until=60.0)
-    assert net.lost[kind] == n, "the scenario must really lose those datagrams"
+    t = net.run_until_done([tx, rx], timeout=60.0)
+    assert tap.lost[kind] == n, "the scenario must really lose those datagrams"
     assert rx.result is not None and rx.result.complete
     assert rx.result.data.tobytes() == src.tobytes()
     assert tx.result is not None and tx.result.status == SendStatus.STOPPED
@@ -225,19 +230,17 @@ def test_lost_control_datagrams_do_not_hang(kind: Kind, n: int) -> None:
 
 def test_all_control_lost_for_a_while_then_recovers() -> None:
     """Every control datagram either way is lost for the first 0.4 s."""
-    holder = {}
 
-    def drop(src, dst, header, data, nth):
-        if header.kind == Kind.DATA:
+    def drop(d, nth):
+        if d.kind == Kind.DATA:
             return nth % 3 == 0 and nth < 40  # some first-pass DATA too
-        return holder["net"].now < 0.4
+        return d.departed < 0.4
 
     src = source_bytes(30 * CB, seed=9)
-    net, a, b = pair(drop=drop)
-    holder["net"] = net
+    net, _, a, b = pair(drop=drop)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, src, net.now)
-    t = net.run([tx, rx], until=60.0)
+    t = net.run_until_done([tx, rx], timeout=60.0)
     assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
     assert tx.result.ok
     # the first probe after the outage goes at most one (backed-off) RTO later
@@ -249,9 +252,9 @@ def test_all_control_lost_for_a_while_then_recovers() -> None:
 
 def test_sender_to_silent_receiver_fails_after_peer_timeout() -> None:
     """Nobody posted the receive: the peer drops everything and never answers."""
-    net, a, b = pair()
+    net, tap, a, b = pair()
     tx = a.start_send("b", ROUND, MSG, source_bytes(500, 1), net.now)
-    net.run([tx], until=100.0)
+    net.run_until_done([tx], timeout=100.0)
     r = tx.result
     assert r.status == SendStatus.PEER_SILENT and not r.ok and r.close_reason is None
     assert r.stats.elapsed == pytest.approx(CFG.peer_timeout, abs=1e-9)
@@ -260,32 +263,30 @@ def test_sender_to_silent_receiver_fails_after_peer_timeout() -> None:
     # each PROBE in more copies, up to probe_copies_max
     top = min(CFG.max_rto, CFG.initial_rto * CFG.probe_backoff_limit)
     assert 2 <= r.stats.probes <= math.log2(top / CFG.initial_rto) + 2 + CFG.peer_timeout / top
-    assert r.stats.probes < net.sent[("a", wire.Kind.PROBE)] <= \
+    assert r.stats.probes < tap.sent[("a", wire.Kind.PROBE)] <= \
         CFG.probe_copies_max * r.stats.probes
     assert b.drops[DropReason.UNKNOWN_MESSAGE] == sum(
-        n for (src, _), n in net.sent.items() if src == "a")
+        n for (src, _), n in tap.sent.items() if src == "a")
     assert a.open_sends == 0
 
 
 def test_sender_whose_receiver_dies_fails_peer_timeout_after_last_word() -> None:
     heard = []
 
-    def drop(src, dst, header, data, nth):
-        if src == "b":
+    def drop(d, nth):
+        if d.src == "b":
             if heard:  # the receiver dies after its first answer
                 return True
-            heard.append(holder["net"].now)
+            heard.append(d.departed)
             return False
-        return header.kind == Kind.DATA and nth == 3  # so that a BITMAP is needed
+        return d.kind == Kind.DATA and nth == 3  # so that a BITMAP is needed
 
-    holder = {}
-    net, a, b = pair(drop=drop)
-    holder["net"] = net
+    net, _, a, b = pair(drop=drop)
     b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, source_bytes(10 * CB, 2), net.now)
-    net.run([tx], until=100.0)
+    net.run_until_done([tx], timeout=100.0)
     assert tx.result.status == SendStatus.PEER_SILENT
-    last_heard = heard[0] + net.delay
+    last_heard = heard[0] + net.path("b", "a").delay
     assert tx.result.stats.elapsed == pytest.approx(last_heard + CFG.peer_timeout, abs=1e-9)
 
 
@@ -294,15 +295,15 @@ def test_sender_whose_receiver_dies_fails_peer_timeout_after_last_word() -> None
 def test_receiver_whose_sender_dies_closes_at_deadline_with_what_it_has(policy) -> None:
     k = 4  # the sender dies after its 4th DATA datagram
 
-    def drop(src, dst, header, data, nth):
-        return src == "a" and (header.kind != Kind.DATA or nth > k)
+    def drop(d, nth):
+        return d.src == "a" and (d.kind != Kind.DATA or nth > k)
 
     src = source_bytes(10 * CB + 3, seed=3)
     out = np.full(src.nbytes, SENTINEL, np.uint8)
-    net, a, b = pair(drop=drop)
+    net, _, a, b = pair(drop=drop)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=policy, out=out)
     a.start_send("b", ROUND, MSG, src, net.now)
-    net.run([rx], until=100.0)
+    net.run_until_done([rx], timeout=100.0)
     r = rx.result
     assert r.close_reason == CloseReason.DEADLINE and not r.complete
     assert r.stats.elapsed == pytest.approx(CFG.receive_deadline, abs=1e-9)
@@ -362,7 +363,7 @@ def test_flood_of_unknown_datagrams_allocates_nothing_lasting() -> None:
     drain(mux, 0.0)
     chunk = bytes(CB)
     datagrams = []
-    peers = [("10.0.0.%d" % (i % 250), 1000 + i) for i in range(1000)]
+    peers = [(f"10.0.0.{i % 250}", 1000 + i) for i in range(1000)]
     for i in range(n):
         peer = peers[i % len(peers)]
         j = i % 4
@@ -860,7 +861,8 @@ def test_fixed_bound_closes_exactly_at_the_bound(p: float, nchunks: int) -> None
         mux.datagram_received(dgs[i], "a", 0.001)
     if need < nchunks:  # a met bound waits for the sender's final probe
         assert rx.result is None
-        mux.datagram_received(control(Kind.PROBE, src.nbytes, index=1, flags=Flag.FINAL), "a", 0.002)
+        final = control(Kind.PROBE, src.nbytes, index=1, flags=Flag.FINAL)
+        mux.datagram_received(final, "a", 0.002)
     assert rx.result.stats.delivered == need
     assert rx.result.close_reason == (
         CloseReason.COMPLETE if need == nchunks else CloseReason.BOUND_MET)
@@ -884,19 +886,19 @@ def test_critical_chunk_lost_repeatedly_is_still_delivered() -> None:
     critical[7] = True
     losses = {"n": 0}
 
-    def drop(src, dst, header, data, nth):
-        if header.kind == Kind.DATA and header.index == 7 and losses["n"] < 4:
+    def drop(d, nth):
+        if d.kind == Kind.DATA and d.header.index == 7 and losses["n"] < 4:
             losses["n"] += 1
             return True
         return False
 
     src = source_bytes(12 * CB, 8)
     out = np.full(src.nbytes, SENTINEL, np.uint8)
-    net, a, b = pair(drop=drop)
+    net, _, a, b = pair(drop=drop)
     rx = b.start_receive("a", ROUND, MSG, 0.0, policy=FixedBoundPolicy(0.9), out=out,
                          critical=critical)
     tx = a.start_send("b", ROUND, MSG, src, 0.0, critical=critical)
-    net.run([rx, tx], until=30.0)
+    net.run_until_done([rx, tx], timeout=30.0)
     assert losses["n"] == 4
     r = rx.result
     assert r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)
@@ -944,11 +946,11 @@ def test_probe_answer_lists_exactly_the_missing_chunks(missing, segments) -> Non
 
 def test_receive_without_size_learns_it_from_the_first_datagram() -> None:
     src = source_bytes(7 * CB + 11, 10)
-    net, a, b = pair(drop=lambda s, d, h, data, nth: h.kind == Kind.DATA and nth == 2)
+    net, _, a, b = pair(drop=lambda d, nth: d.kind == Kind.DATA and nth == 2)
     rx = b.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy())
     assert rx.nbytes is None
     tx = a.start_send("b", ROUND, MSG, src, 0.0)
-    net.run([rx, tx], until=10.0)
+    net.run_until_done([rx, tx], timeout=10.0)
     r = rx.result
     assert rx.nbytes == src.nbytes
     assert r.complete and r.data.dtype == np.uint8 and r.data.tobytes() == src.tobytes()
@@ -958,13 +960,13 @@ def test_receive_without_size_learns_it_from_the_first_datagram() -> None:
 def test_receive_posted_after_the_sender_started_completes() -> None:
     src = source_bytes(30 * CB, 11)
     out = np.full(src.nbytes, SENTINEL, np.uint8)
-    net, a, b = pair()
+    net, _, a, b = pair()
     tx = a.start_send("b", ROUND, MSG, src, 0.0)
     net.run(until=0.3)
     assert tx.result is None
     assert b.drops[DropReason.UNKNOWN_MESSAGE] >= 31  # the first burst and a probe
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy(), out=out)
-    t = net.run([rx, tx], until=10.0)
+    t = net.run_until_done([rx, tx], timeout=10.0)
     assert rx.result.complete and out.tobytes() == src.tobytes()
     assert tx.result.ok
     assert t <= 0.3 + 2 * CFG.max_rto  # the sender's next probe finds the receive
@@ -972,11 +974,11 @@ def test_receive_posted_after_the_sender_started_completes() -> None:
 
 def test_receive_without_size_posted_late_completes() -> None:
     src = source_bytes(5 * CB, 12)
-    net, a, b = pair()
+    net, _, a, b = pair()
     tx = a.start_send("b", ROUND, MSG, src, 0.0)
     net.run(until=0.2)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.2))
-    net.run([rx, tx], until=10.0)
+    net.run_until_done([rx, tx], timeout=10.0)
     r = rx.result
     assert r.close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)
     assert r.stats.delivered >= 4
@@ -986,26 +988,26 @@ def test_receive_without_size_posted_late_completes() -> None:
 # ------------------------------------------- the PROBE that ends the first pass
 
 
-# paced, so that the ACKs of a pass come back while it is being sent (HandNet would
-# otherwise hand out a whole pass at one instant, before any ACK could arrive)
+# paced, so that the ACKs of a pass come back while it is being sent (unpaced, a whole
+# pass would leave at one instant, before any ACK could arrive)
 PACED = TransportConfig(chunk_bytes=CB, peer_timeout=5.0, receive_deadline=20.0, rate_bps=2e6)
 
 
 def _first_probe_copies(drop_fn, chunks: int = 300, cfg: TransportConfig = PACED):
-    """Send ``chunks`` chunks under ``drop_fn``; return (copies of the first PROBE,
-    the sender's result, the finish time)."""
+    """Send ``chunks`` chunks under ``drop_fn(datagram, nth)``; return (copies of the
+    first PROBE, the sender's result, the finish time)."""
     probes = []
 
-    def drop(src, dst, header, data, nth):
-        if header.kind == Kind.PROBE:
-            probes.append(header.index)
-        return drop_fn(src, header, nth)
+    def drop(d, nth):
+        if d.kind == Kind.PROBE:
+            probes.append(d.header.index)
+        return drop_fn(d, nth)
 
     src = source_bytes(chunks * CB, seed=21)
-    net, a, b = pair(cfg, drop=drop)
+    net, _, a, b = pair(cfg, drop=drop)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, src, net.now)
-    t = net.run([tx, rx], until=60.0)
+    t = net.run_until_done([tx, rx], timeout=60.0)
     assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
     return probes.count(1), tx.result, t
 
@@ -1013,7 +1015,7 @@ def _first_probe_copies(drop_fn, chunks: int = 300, cfg: TransportConfig = PACED
 def test_first_pass_probe_goes_in_copies_when_the_acks_show_heavy_forward_loss() -> None:
     # a microburst: 4 DATA datagrams in 5 lost on the first pass; the ACKs get through
     copies, res, _ = _first_probe_copies(
-        lambda src, h, nth: src == "a" and h.kind == Kind.DATA and nth <= 300 and nth % 5)
+        lambda d, nth: d.src == "a" and d.kind == Kind.DATA and nth <= 300 and nth % 5)
     # 1 - 0.8^21 = 99% that one of the copies gets through, instead of an RTO
     assert copies >= 12  # ceil(log 0.01 / log 0.8) = 21
     assert res.ok
@@ -1027,23 +1029,23 @@ def test_a_silent_first_pass_probes_in_copies_once_the_round_trip_is_known() -> 
     burst = [False]
     probes = []
 
-    def drop(src, dst, h, d, nth):
-        if h.kind == Kind.PROBE and src == "a" and h.round_id == ROUND + 1:
-            probes.append(h.index)
+    def drop(d, nth):
+        if d.kind == Kind.PROBE and d.src == "a" and d.round_id == ROUND + 1:
+            probes.append(d.header.index)
         if not burst[0]:
             return False
-        if h.kind == Kind.PROBE:
-            return h.index == 1  # every copy of the first PROBE
+        if d.kind == Kind.PROBE:
+            return d.header.index == 1  # every copy of the first PROBE
         # every ACK, and a tenth of the DATA (so the receive waits for a PROBE)
-        return (src == "b" and h.kind == ACK) or (h.kind == Kind.DATA and nth % 10 == 0)
+        return (d.src == "b" and d.kind == ACK) or (d.kind == Kind.DATA and nth % 10 == 0)
 
     # paced, so that the first pass lasts longer than a round trip
-    net, a, b = pair(PACED, drop=drop, delay=1e-3)
+    net, _, a, b = pair(PACED, drop=drop, delay=1e-3)
     for rnd in (ROUND, ROUND + 1):
         burst[0] = rnd == ROUND + 1
         rx = b.start_receive("a", rnd, MSG, net.now, policy=FixedBoundPolicy(0.5))
         tx = a.start_send("b", rnd, MSG, source_bytes(64 * CB, rnd), net.now)
-        net.run([tx, rx], until=net.now + 60.0)
+        net.run_until_done([tx, rx], timeout=60.0)
         assert tx.result.ok
     # no ACK for 64 datagrams: at least 1 - every/64 of them (or of the ACKs) lost
     assert CFG.ack_every == 32 and probes.count(1) == tx.recovery.copies_for(1 - 32 / 64) == 7
@@ -1056,16 +1058,16 @@ def test_probes_after_an_answer_count_the_loss_on_the_way_back() -> None:
     retransmission pass goes in enough copies for the way back too."""
     probes = []
 
-    def drop(src, dst, h, d, nth):
-        if h.kind == Kind.PROBE and src == "a":
-            probes.append(h.index)
-        return ((src == "b" and h.kind == ACK and nth % 5 != 1)
-                or (src == "a" and h.kind == Kind.DATA and nth % 50 == 0))
+    def drop(d, nth):
+        if d.kind == Kind.PROBE and d.src == "a":
+            probes.append(d.header.index)
+        return ((d.src == "b" and d.kind == ACK and nth % 5 != 1)
+                or (d.src == "a" and d.kind == Kind.DATA and nth % 50 == 0))
 
-    net, a, b = pair(PACED, drop=drop)
+    net, _, a, b = pair(PACED, drop=drop)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, source_bytes(300 * CB, 9), net.now)
-    net.run([tx, rx], until=60.0)
+    net.run_until_done([tx, rx], timeout=60.0)
     assert rx.result.complete and tx.result.ok and tx.result.stats.retransmit_rounds >= 1
     # 2% lost forward alone would call for 2 copies; with ~80% lost back, 1% miss needs ~20
     assert probes.count(2) >= 10
@@ -1074,7 +1076,7 @@ def test_probes_after_an_answer_count_the_loss_on_the_way_back() -> None:
 def test_first_pass_probe_goes_in_copies_when_the_acks_are_lost() -> None:
     # the receiver's way back is in a microburst: 4 ACKs in 5 lost; DATA arrives
     copies, res, _ = _first_probe_copies(
-        lambda src, h, nth: src == "b" and h.kind == ACK and nth % 5 != 1)
+        lambda d, nth: d.src == "b" and d.kind == ACK and nth % 5 != 1)
     assert copies >= 8  # ceil(log 0.01 / log 0.8) = 21 (fewer when ACKs are in flight)
     assert res.ok
 
@@ -1082,13 +1084,13 @@ def test_first_pass_probe_goes_in_copies_when_the_acks_are_lost() -> None:
 def test_first_pass_probe_goes_once_when_the_acks_show_little_loss() -> None:
     # 1 datagram in 200 lost (under the 1% miss target), every ACK heard: one PROBE
     copies, res, _ = _first_probe_copies(
-        lambda src, h, nth: src == "a" and h.kind == Kind.DATA and nth % 200 == 0)
+        lambda d, nth: d.src == "a" and d.kind == Kind.DATA and nth % 200 == 0)
     assert copies == 1 and res.ok
     # and a message too short for an ACK (or whose ACKs are all lost) keeps one PROBE
     copies, res, _ = _first_probe_copies(
-        lambda src, h, nth: src == "a" and h.kind == Kind.DATA and nth % 5 != 0, chunks=40)
+        lambda d, nth: d.src == "a" and d.kind == Kind.DATA and nth % 5 != 0, chunks=40)
     assert copies == 1 and res.ok
-    copies, res, _ = _first_probe_copies(lambda src, h, nth: src == "b" and h.kind == ACK)
+    copies, res, _ = _first_probe_copies(lambda d, nth: d.src == "b" and d.kind == ACK)
     assert copies == 1 and res.ok
 
 
@@ -1097,11 +1099,11 @@ def test_a_stop_answering_the_final_probe_measures_the_round_trip() -> None:
     never by a BITMAP); the next message to that peer must still start from the
     measured round trip, not the conservative initial RTO (Karn: only an unrepeated
     PROBE gives a sample)."""
-    net, a, b = pair(drop=lambda src, dst, h, d, nth: h.kind == Kind.DATA and nth % 10 == 0,
-                     delay=1e-3)
+    net, _, a, b = pair(drop=lambda d, nth: d.kind == Kind.DATA and nth % 10 == 0,
+                        delay=1e-3)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.2))
     tx = a.start_send("b", ROUND, MSG, source_bytes(50 * CB, 4), net.now)
-    net.run([tx, rx])
+    net.run_until_done([tx, rx])
     assert rx.result.close_reason == CloseReason.BOUND_MET
     assert tx.result.stats.retransmit_rounds == 0 and tx.result.stats.rtt == pytest.approx(2e-3)
     tx2 = a.start_send("b", ROUND + 1, MSG, source_bytes(50 * CB, 5), net.now)
@@ -1113,13 +1115,13 @@ def test_a_stop_sent_by_the_acceptance_deadline_is_not_a_round_trip() -> None:
     fires, answering no PROBE; a sender waiting on a PROBE the queue dropped must not
     take that wait for a round trip (it taught LTP's senders 150 ms on a 3 ms path,
     hence RTOs of 0.5 s). Here every PROBE is lost: the STOP is all the sender hears."""
-    net, a, b = pair(delay=1e-3, drop=lambda src, dst, h, d, nth: (
-        h.kind == Kind.PROBE or (h.kind == Kind.DATA and nth % 2 == 0)))
+    net, _, a, b = pair(delay=1e-3, drop=lambda d, nth: (
+        d.kind == Kind.PROBE or (d.kind == Kind.DATA and nth % 2 == 0)))
     deadline = 0.03  # inside the sender's 50 ms initial RTO: the PROBE is still awaited
     ltp = EarlyClosePolicy(min_deadline=deadline, max_deadline=deadline)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ltp)
     tx = a.start_send("b", ROUND, MSG, source_bytes(100 * CB, 6), net.now)
-    net.run([tx, rx])
+    net.run_until_done([tx, rx])
     assert rx.result.close_reason == CloseReason.ACCEPT_DEADLINE
     assert tx.result.close_reason == CloseReason.ACCEPT_DEADLINE
     assert tx.result.stats.probes == 1 and tx.result.stats.rtt is None  # not ~30 ms
@@ -1131,11 +1133,11 @@ def test_acks_arriving_behind_the_first_probe_send_more_copies_at_once() -> None
     later (the first PROBE's one copy is lost here)."""
     first = []
 
-    def drop(src, h, nth):
-        if h.kind == Kind.PROBE and h.index == 1:
-            first.append(h)
+    def drop(d, nth):
+        if d.kind == Kind.PROBE and d.header.index == 1:
+            first.append(d)
             return len(first) == 1
-        return src == "a" and h.kind == Kind.DATA and nth <= 300 and nth % 5 != 0
+        return d.src == "a" and d.kind == Kind.DATA and nth <= 300 and nth % 5 != 0
 
     copies, res, t = _first_probe_copies(drop, cfg=CFG)
     assert copies == 21  # 1, then 20 more when the ACKs arrived: ceil(log 0.01 / log 0.8)
@@ -1151,13 +1153,13 @@ PACING = replace(CFG, retransmit_pacing_gain=1.25)
 def _retransmission_times(cfg: TransportConfig, chunks: int = 200):
     """3 of every 4 first-pass DATA lost (an incast queue overflowing), nothing after;
     return the first pass's send times, the retransmissions' and the sender."""
-    net, a, b = pair(cfg, delay=1e-3, drop=lambda src, dst, h, d, nth: (
-        src == "a" and h.kind == Kind.DATA and nth <= chunks and nth % 4 != 0))
+    net, tap, a, b = pair(cfg, delay=1e-3, drop=lambda d, nth: (
+        d.src == "a" and d.kind == Kind.DATA and nth <= chunks and nth % 4 != 0))
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, source_bytes(chunks * CB, 7), net.now)
-    net.run([tx, rx], until=10.0)
+    net.run_until_done([tx, rx], timeout=10.0)
     assert rx.result.complete
-    sent = [t for t, src, _, kind, _ in net.log if src == "a" and kind == Kind.DATA]
+    sent = tap.departures("a", Kind.DATA)
     return sent[:chunks], sent[chunks:], tx, a
 
 
@@ -1185,18 +1187,18 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
     lossy = {ROUND: 4, ROUND + 1: 8}  # round -> 1 in N first-pass DATA arrives
     counts: dict = {}
 
-    def drop(src, dst, h, d, nth):
-        if src != "a" or h.kind != Kind.DATA or h.round_id not in lossy:
+    def drop(d, nth):
+        if d.src != "a" or d.kind != Kind.DATA or d.round_id not in lossy:
             return False
-        counts[h.round_id] = counts.get(h.round_id, 0) + 1
-        return counts[h.round_id] <= 200 and counts[h.round_id] % lossy[h.round_id] != 0
+        counts[d.round_id] = counts.get(d.round_id, 0) + 1
+        return counts[d.round_id] <= 200 and counts[d.round_id] % lossy[d.round_id] != 0
 
-    net, a, b = pair(PACING, delay=1e-3, drop=drop)
+    net, _, a, b = pair(PACING, delay=1e-3, drop=drop)
     samples = []
     for r in (ROUND, ROUND + 1):
         rx = b.start_receive("a", r, MSG, net.now, policy=ReliablePolicy())
         tx = a.start_send("b", r, MSG, source_bytes(200 * CB, r), net.now)
-        net.run([tx, rx], until=net.now + 10.0)
+        net.run_until_done([tx, rx], timeout=10.0)
         assert rx.result.complete
         samples.append(tx.pacer.rate_samples[0])
     size = CB + HEADER_BYTES
@@ -1208,14 +1210,14 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
 def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> None:
     """Its time holds a timeout (here every copy of the first PROBE is lost), not how
     fast the path drained: pacing the retransmissions by it would crawl."""
-    net, a, b = pair(PACING, delay=1e-3, drop=lambda src, dst, h, d, nth: (
-        src == "a" and ((h.kind == Kind.DATA and nth <= 200 and nth % 4 != 0)
-                        or (h.kind == Kind.PROBE and h.index == 1))))
+    net, tap, a, b = pair(PACING, delay=1e-3, drop=lambda d, nth: (
+        d.src == "a" and ((d.kind == Kind.DATA and nth <= 200 and nth % 4 != 0)
+                          or (d.kind == Kind.PROBE and d.header.index == 1))))
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, source_bytes(200 * CB, 7), net.now)
-    net.run([tx, rx], until=10.0)
+    net.run_until_done([tx, rx], timeout=10.0)
     assert rx.result.complete and tx.pacer.rate_samples == []
-    retx = [t for t, src, _, kind, _ in net.log if src == "a" and kind == Kind.DATA][200:]
+    retx = tap.departures("a", Kind.DATA)[200:]
     assert len(retx) == 150 and retx[-1] == retx[0]  # nothing measured: not paced
 
 
@@ -1387,19 +1389,19 @@ def test_a_send_takes_the_loss_its_receive_from_that_peer_saw() -> None:
     for, not one."""
     probes = []
 
-    def drop(src, dst, h, d, nth):
-        if h.kind == Kind.PROBE and src == "a":
-            probes.append((h.round_id, h.index))
-        return src == "b" and h.kind == Kind.DATA and nth % 5 != 0
+    def drop(d, nth):
+        if d.kind == Kind.PROBE and d.src == "a":
+            probes.append((d.round_id, d.header.index))
+        return d.src == "b" and d.kind == Kind.DATA and nth % 5 != 0
 
-    net, a, b = pair(drop=drop)
+    net, _, a, b = pair(drop=drop)
     rx = a.start_receive("b", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.9))
     tx = b.start_send("a", ROUND, MSG, source_bytes(200 * CB, 1), net.now)
-    net.run([tx, rx])
+    net.run_until_done([tx, rx])
     seen = rx.loss_seen()
     assert seen == pytest.approx(0.8, abs=0.02)
     tx2 = a.start_send("b", ROUND + 1, MSG, source_bytes(20 * CB, 2), net.now)
     rx2 = b.start_receive("a", ROUND + 1, MSG, net.now, policy=ReliablePolicy())
-    net.run([tx2, rx2])
+    net.run_until_done([tx2, rx2])
     assert rx2.result.complete
     assert probes.count((ROUND + 1, 1)) == tx2.recovery.copies_for(seen) > 1

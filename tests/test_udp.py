@@ -139,7 +139,8 @@ def test_dead_sender_closes_the_receive_at_its_deadline():
 def test_garbage_datagrams_are_counted_and_the_endpoint_keeps_working():
     rng = np.random.default_rng(9)
     data = rng.integers(0, 256, 200_000, dtype=np.uint8)
-    with UdpEndpoint(session=SESSION, config=_cfg()) as a, UdpEndpoint(session=SESSION, config=_cfg()) as b:
+    with (UdpEndpoint(session=SESSION, config=_cfg()) as a,
+          UdpEndpoint(session=SESSION, config=_cfg()) as b):
         fut = b.receive(a.address, message_id=1, nbytes=data.nbytes)
         junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for n in (0, 1, 47, 48, 49, 1500, 9000):

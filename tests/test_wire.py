@@ -7,7 +7,6 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import PROPERTY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,6 +23,7 @@ from boundedloss.wire import (
     Kind,
     MalformedDatagram,
 )
+from conftest import PROPERTY
 
 U32 = (1 << 32) - 1
 U64 = (1 << 64) - 1

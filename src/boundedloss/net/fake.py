@@ -10,8 +10,15 @@ lossy transfer of many megabytes takes milliseconds of real time. Each node has
   many senders into one shallow queue lose datagrams here);
 - a loss model applied to every datagram it receives (``net/loss.py``).
 
-Every path between two nodes has a one-way ``delay``, uniform ``jitter`` (which
-reorders), a ``duplicate`` probability and its own optional loss model.
+Between the two, every datagram that leaves an uplink passes through one *route*
+(as trio's ``FakeNet.route_packet``): a callable that is handed a :class:`Datagram`
+and returns the delays after which copies of it arrive at the destination's downlink
+- none: it is lost; two: it is duplicated; different delays reorder. The default,
+:meth:`FakeNetwork.default_route`, applies the path's profile: every path between two
+nodes has a one-way ``delay``, uniform ``jitter`` (which reorders), a ``duplicate``
+probability and its own optional loss model. A test that must lose, hold back or
+inspect particular datagrams sets ``route`` to its own callable (which may hand the
+datagrams it leaves alone to ``default_route``).
 """
 
 from __future__ import annotations
@@ -19,13 +26,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from functools import cached_property
 
 import numpy as np
 
+from .. import wire
 from ..protocol.mux import TransferMux
-from ..wire import peek_round
 from .loss import LossModel
 
 
@@ -45,6 +53,33 @@ class PathProfile:
     loss: LossModel | None = None
 
 
+@dataclass(frozen=True)
+class Datagram:
+    """One datagram on its way from ``src`` to ``dst``, as a route sees it."""
+
+    src: Hashable
+    dst: Hashable
+    data: bytes
+    departed: float  # virtual time its last bit left the sender's uplink
+
+    @cached_property
+    def header(self) -> wire.Header:
+        """Its header, decoded on first use (a core sends only well-formed datagrams)."""
+        return wire.decode(self.data)[0]
+
+    @property
+    def kind(self) -> wire.Kind:
+        return self.header.kind
+
+    @property
+    def round_id(self) -> int:
+        return wire.peek_round(self.data)
+
+
+Route = Callable[[Datagram], Sequence[float]]
+"""Decides a datagram's fate: the delays (seconds after it departed, each >= 0) after
+which a copy of it reaches the destination; empty if it is lost."""
+
 _ARRIVE, _DELIVER, _WAKE = 0, 1, 2
 
 
@@ -61,11 +96,22 @@ class _Node:
 
 
 class FakeNetwork:
-    """Nodes are TransferMux cores addressed by any hashable; time is virtual seconds."""
+    """Nodes are TransferMux cores addressed by any hashable; time is virtual seconds.
+
+    ``route`` (a constructor argument, or set any time) decides every datagram's fate;
+    by default :meth:`default_route`. ``counts`` tallies datagrams: ``sent`` (each one
+    that left an uplink), ``no_route`` (to an address nobody holds), ``path_loss``
+    (the route lost it), ``duplicated`` (extra copies the route made), ``queue_drop``
+    and ``node_loss`` (lost at the destination's downlink) and ``delivered`` (handed
+    to the destination's core), so that
+    sent + duplicated = no_route + path_loss + queue_drop + node_loss + delivered
+    once nothing is in flight.
+    """
 
     POLL_BATCH = 64
 
-    def __init__(self, seed: int = 0, path: PathProfile | None = None):
+    def __init__(self, seed: int = 0, path: PathProfile | None = None,
+                 route: Route | None = None):
         self.now = 0.0
         self._rng = np.random.default_rng(seed)
         self._nodes: dict = {}
@@ -74,6 +120,7 @@ class FakeNetwork:
         self._events: list = []
         self._seq = 0
         self.counts: Counter[str] = Counter()
+        self.route: Route = route if route is not None else self.default_route
 
     # ------------------------------------------------------------------ set-up
     def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None) -> TransferMux:
@@ -87,6 +134,26 @@ class FakeNetwork:
 
     def mux(self, address) -> TransferMux:
         return self._nodes[address].mux
+
+    def path(self, src, dst) -> PathProfile:
+        """The profile of the path from ``src`` to ``dst`` (set_path's, or the default)."""
+        return self._paths.get((src, dst), self._default_path)
+
+    # ------------------------------------------------------------------ routing
+    def default_route(self, datagram: Datagram) -> tuple[float, ...]:
+        """The path profile's decision: its loss model may lose the datagram, else it
+        is duplicated with probability ``duplicate``, and each copy takes ``delay``
+        plus a uniform draw of ``jitter``. To an address nobody holds: nothing (and
+        no random draw)."""
+        if datagram.dst not in self._nodes:
+            return ()
+        path = self.path(datagram.src, datagram.dst)
+        if path.loss is not None and path.loss.drop(datagram.departed, datagram.round_id):
+            return ()
+        copies = 2 if path.duplicate and self._rng.random() < path.duplicate else 1
+        if not path.jitter:
+            return (path.delay,) * copies
+        return tuple(path.delay + self._rng.random() * path.jitter for _ in range(copies))
 
     # ------------------------------------------------------------------ running
     def run(
@@ -166,21 +233,20 @@ class FakeNetwork:
             self._push(max(d, now), _WAKE, node)
 
     def _transmit(self, src: _Node, peer, data: bytes, depart: float) -> None:
-        dst = self._nodes.get(peer)
         self.counts["sent"] += 1
+        delays = self.route(Datagram(src.address, peer, data, depart))
+        dst = self._nodes.get(peer)
         if dst is None:
             self.counts["no_route"] += 1
             return
-        path = self._paths.get((src.address, peer), self._default_path)
-        if path.loss is not None and path.loss.drop(depart, peek_round(data)):
+        if not delays:
             self.counts["path_loss"] += 1
             return
-        copies = 2 if path.duplicate and self._rng.random() < path.duplicate else 1
-        self.counts["duplicated"] += copies - 1
-        for _ in range(copies):
-            delay = path.delay
-            if path.jitter:
-                delay += self._rng.random() * path.jitter
+        self.counts["duplicated"] += len(delays) - 1
+        for delay in delays:
+            if not delay >= 0:
+                raise ValueError(f"a route returned the delay {delay}: a copy must not "
+                                 "arrive before it left")
             self._push(depart + delay, _ARRIVE, dst, src.address, data)
 
     def _arrive(self, node: _Node, src, data: bytes) -> None:
@@ -192,7 +258,7 @@ class FakeNetwork:
         if prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams:
             self.counts["queue_drop"] += 1
             return
-        if prof.loss is not None and prof.loss.drop(now, peek_round(data)):
+        if prof.loss is not None and prof.loss.drop(now, wire.peek_round(data)):
             self.counts["node_loss"] += 1
             return
         t = max(now, node.down_free)
