@@ -1,0 +1,238 @@
+"""The sender's parts, each through its public methods: Recovery (round trips, timeouts,
+PROBE copies), Pacer (token bucket, delivery-rate samples), PeerPath (what a peer's
+sends and receives leave for the next ones) and the sender's explicit state."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from boundedloss import wire
+from boundedloss.protocol import TransferMux, TransportConfig
+from boundedloss.protocol.pacing import Pacer
+from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEstimate
+from boundedloss.protocol.recovery import Recovery
+from boundedloss.protocol.sender import SendState
+from boundedloss.wire import CloseReason, Kind
+
+CFG = TransportConfig(chunk_bytes=1000, initial_rto=0.05, min_rto=0.002, max_rto=0.5,
+                      probe_backoff_limit=2.0, probe_copies_max=32, probe_miss_target=0.01)
+
+
+# ----------------------------------------------------------------- Recovery
+def test_recovery_starts_from_the_initial_rto_or_the_path_round_trip() -> None:
+    assert Recovery(CFG).rto == CFG.initial_rto and Recovery(CFG).srtt is None
+    r = Recovery(CFG, RttEstimate(srtt=2e-3, rttvar=1e-3))
+    assert r.rto == pytest.approx(2e-3 + 4 * 1e-3) == r.rto_base
+    assert r.rtt_estimate == RttEstimate(2e-3, 1e-3)
+
+
+def test_recovery_rtt_samples_follow_rfc6298_within_the_clamp() -> None:
+    r = Recovery(CFG)
+    r.rtt_sample(0.010)
+    assert r.rtt_estimate == RttEstimate(0.010, 0.005)
+    assert r.rto == pytest.approx(0.010 + 4 * 0.005)
+    r.rtt_sample(0.002)
+    assert r.srtt == pytest.approx(0.875 * 0.010 + 0.125 * 0.002)
+    r.rtt_sample(10.0)  # far beyond max_rto
+    assert r.rto == CFG.max_rto
+    tiny = Recovery(CFG)
+    tiny.rtt_sample(1e-6)
+    assert tiny.rto == CFG.min_rto
+
+
+def test_recovery_backs_off_to_the_limit_and_an_answer_resets_it() -> None:
+    r = Recovery(CFG, RttEstimate(srtt=4e-3, rttvar=1e-3))  # rto 8 ms
+    r.probe_timed_out()
+    assert r.rto == pytest.approx(16e-3) and r.unanswered == 1
+    r.probe_timed_out()
+    assert r.rto == pytest.approx(16e-3)  # probe_backoff_limit x the round trips' RTO
+    r.data_sent(0.0, 10)
+    unrepeated, got = r.reply_received(4e-3)
+    assert not unrepeated and got == 10 and r.unanswered == 0
+    assert r.rto == r.rto_base  # the new sample's RTO, no backoff left
+
+
+@pytest.mark.parametrize(("q", "copies"), [(0.0, 1), (0.01, 1), (0.5, 7), (0.8, 21),
+                                            (0.99, 32), (1.0, 32)])
+def test_recovery_copies_for_a_loss_meet_the_miss_target(q: float, copies: int) -> None:
+    r = Recovery(CFG)
+    assert r.copies_for(q) == copies
+    if 1 < copies < CFG.probe_copies_max:  # the fewest copies that meet the target
+        assert q ** copies <= CFG.probe_miss_target < q ** (copies - 1)
+
+
+def test_recovery_sizes_the_next_probe_from_the_last_pass_loss() -> None:
+    r = Recovery(CFG)
+    r.data_sent(0.0, 100)
+    assert r.pass_started_at == 0.0
+    r.probe_copies(0.001, first_pass=False)
+    r.missing_reported(30)
+    r.missing_reported(20)  # a second BITMAP segment of the same answer
+    assert r.reply_missing == 50
+    assert r.reply_received(2e-3) == (True, 50)
+    assert r.pass_started_at is None
+    assert r.probe_copies(0.003, first_pass=False) == r.copies_for(0.5) == 7
+
+
+def test_recovery_doubles_the_copies_of_an_unanswered_probe() -> None:
+    r = Recovery(CFG)
+    assert r.probe_copies(0.0, first_pass=False) == 1
+    for expected in (2, 4, 8, 16, 32, 32):
+        r.probe_timed_out()
+        assert r.probe_copies(0.0, first_pass=False) == expected
+
+
+def test_recovery_takes_the_way_back_from_a_receive_until_acks_say_more() -> None:
+    r = Recovery(CFG, reverse_loss=0.5)
+    assert r.reverse_loss() == 0.5
+    r.data_sent(0.0, 64)
+    assert r.probe_copies(0.001, first_pass=False) == r.copies_for(0.5)  # no ACK: the hint
+    every = CFG.ack_every
+    heard = Recovery(CFG)
+    heard.data_sent(0.0, 4 * every)
+    # the receiver delivered all 4*every datagrams and sent 4 ACKs; one came back
+    heard.ack_received(4 * every - 1, 4 * every - 1, 0.001, after_first_pass_probe=False)
+    assert heard.reverse_loss() == pytest.approx(0.75)
+
+
+def test_recovery_acks_behind_a_first_pass_probe_call_for_more_copies_at_once() -> None:
+    r = Recovery(CFG)
+    r.data_sent(0.0, 64)
+    assert r.probe_copies(0.0, first_pass=False) == 1
+    assert not r.more_copies_due
+    # of 64 datagrams only 32 arrived (forward loss 0.5), every ACK came back
+    r.ack_received(63, 31, 0.001, after_first_pass_probe=True)
+    assert r.more_copies_due
+    more = r.take_more_copies()
+    assert 1 + more == r.copies_for(1 - 32 / 64)
+    assert not r.more_copies_due and r.take_more_copies() == 0
+
+
+# -------------------------------------------------------------------- Pacer
+def test_pacer_without_a_rate_lets_everything_out() -> None:
+    p = Pacer(CFG, 1048, now=0.0)
+    assert p.allow(0.0, 500, first_pass=True) == 500 and p.paced_until is None
+    assert p.allow(0.0, 500, first_pass=False) == 500  # nothing measured: unpaced
+
+
+def test_pacer_fixed_rate_is_a_token_bucket() -> None:
+    cfg = TransportConfig(chunk_bytes=1000, rate_bps=8 * 1_048_000)  # 1,000 datagrams/s
+    p = Pacer(cfg, 1048, now=0.0)
+    assert p.allow(0.0, 10, first_pass=True) == 0  # the bucket starts empty
+    assert p.paced_until == pytest.approx(1e-3)
+    p.timer_fired(0.5e-3)
+    assert p.paced_until is not None  # not yet
+    p.timer_fired(1e-3)
+    assert p.paced_until is None
+    assert p.allow(1e-3, 10, first_pass=True) == 1
+    # a long pause fills the bucket to its size (64 KB here), not beyond
+    assert p.allow(10.0, 1000, first_pass=True) == 64 * 1024 // 1048
+
+
+def test_pacer_paces_retransmissions_at_the_gain_times_the_best_rate() -> None:
+    cfg = TransportConfig(chunk_bytes=1000, retransmit_pacing_gain=0.5)
+    p = Pacer(cfg, 1000, now=0.01)
+    p.pass_answered(0.01, got=100, started_at=0.0, unrepeated=True, still_queued=0,
+                    rto_base=1.0)
+    assert p.rate_samples == [pytest.approx(100 * 1000 / 0.01)] == [p.best_rate]
+    assert p.allow(0.01, 50, first_pass=True) == 50  # the first pass is never paced
+    # retransmissions at 0.5 x 10 MB/s: a bucket of 8 datagrams, empty at first
+    assert p.allow(0.01, 50, first_pass=False) == 0
+    assert p.paced_until == pytest.approx(0.01 + 1000 / 5e6)
+    assert p.allow(0.01 + 8 * 1000 / 5e6, 50, first_pass=False) == 8
+
+
+def test_pacer_takes_no_sample_from_a_repeated_probe_or_an_empty_pass() -> None:
+    p = Pacer(CFG, 1000, now=0.0, best_rate=123.0)
+    p.pass_answered(1.0, got=100, started_at=0.0, unrepeated=False, still_queued=0,
+                    rto_base=1.0)
+    p.pass_answered(1.0, got=0, started_at=0.0, unrepeated=True, still_queued=0, rto_base=1.0)
+    p.pass_answered(1.0, got=5, started_at=None, unrepeated=True, still_queued=0, rto_base=1.0)
+    assert p.rate_samples == [] and p.best_rate == 123.0
+
+
+def test_pacer_never_stretches_a_pass_beyond_two_rtos() -> None:
+    cfg = TransportConfig(chunk_bytes=1000, retransmit_pacing_gain=1.0)
+    p = Pacer(cfg, 1000, now=0.0, best_rate=1000.0)  # 1 datagram per second measured
+    p.pass_answered(0.0, got=0, started_at=None, unrepeated=True, still_queued=100,
+                    rto_base=0.01)
+    # the floor: 100 datagrams in 2 x 10 ms = 5 MB/s, whatever the samples say
+    assert p.allow(0.0, 100, first_pass=False) == 0
+    assert p.paced_until == pytest.approx(1000 / 5e6)
+
+
+# ----------------------------------------------------------------- PeerPath
+def test_peer_path_keeps_the_latest_round_trip_and_recent_rates() -> None:
+    path = PeerPath("b")
+    assert path.rtt is None and path.best_rate() is None
+    path.send_finished(RttEstimate(1e-3, 5e-4), [10.0, 30.0])
+    path.send_finished(None, [20.0])  # a send that measured no round trip keeps the last
+    assert path.rtt == RttEstimate(1e-3, 5e-4) and path.best_rate() == 30.0
+    path.send_finished(None, [1.0] * RATE_SAMPLES)  # old samples age out
+    assert path.best_rate() == 1.0
+
+
+def test_peer_path_remembers_a_receive_loss_for_a_while() -> None:
+    path = PeerPath("b")
+    assert path.reverse_loss(0.0) is None
+    path.receive_closed(None, 1.0)  # too little to tell: nothing learned
+    assert path.reverse_loss(1.0) is None
+    path.receive_closed(0.8, 1.0)
+    assert path.reverse_loss(1.0 + LOSS_MEMORY) == 0.8
+    assert path.reverse_loss(1.0 + LOSS_MEMORY + 1e-6) is None
+
+
+def test_mux_hands_one_path_per_peer_to_its_sends_and_receives() -> None:
+    mux = TransferMux(1, CFG)
+    tx = mux.start_send("b", 0, 0, np.zeros(10, np.uint8), 0.0)
+    assert tx.path is mux.path("b") and mux.path("b") is not mux.path("c")
+
+
+# -------------------------------------------------------------- send states
+def _stop(tx, reason: CloseReason) -> bytes:
+    return wire.stop_datagram(tx.message, reason, tx.count)
+
+
+def test_send_state_walks_probe_timeout_and_stop() -> None:
+    mux = TransferMux(7, CFG)
+    tx = mux.start_send("b", 1, 2, np.arange(5000, dtype=np.uint8), 0.0)
+    assert tx.state is SendState.SENDING and tx.has_data()
+    out = mux.poll(0.0)
+    kinds = [wire.decode(b"".join(parts))[0].kind for parts, _ in out]
+    assert kinds == [Kind.DATA] * 5 + [Kind.PROBE]  # the pass, then "what is missing?"
+    assert tx.state is SendState.AWAITING_REPLY and not tx.has_data()
+    deadline = mux.next_deadline()
+    assert deadline == pytest.approx(CFG.initial_rto)
+    mux.timer_fired(deadline)  # no answer: the PROBE goes again
+    assert tx.state is SendState.PROBE_DUE and tx.has_data()
+    assert len(mux.poll(deadline)) == 2  # in twice the copies
+    assert tx.state is SendState.AWAITING_REPLY
+    mux.datagram_received(_stop(tx, CloseReason.COMPLETE), "b", deadline + 1e-3)
+    assert tx.state is SendState.DONE and tx.done and tx.result.ok
+    assert not tx.has_data() and tx.next_deadline() is None
+    assert mux.pop_finished() == [tx.result] and tx.result.transfer_id == tx.transfer_id
+
+
+def test_send_state_after_an_answer_that_asks_for_chunks() -> None:
+    mux = TransferMux(7, CFG)
+    tx = mux.start_send("b", 1, 2, np.arange(5000, dtype=np.uint8), 0.0)
+    mux.poll(0.0)
+    # the answer: chunks 1 and 3 missing (bit set = delivered), FINAL
+    bitmap = wire.BITMAP_PREFIX.pack(1, 3) + bytes([0b10101])
+    mux.datagram_received(wire.control_datagram(tx.message, Kind.BITMAP, 0, bitmap,
+                                                wire.Flag.FINAL), "b", 1e-3)
+    assert tx.state is SendState.SENDING
+    out = mux.poll(1e-3)
+    sent = [wire.decode(b"".join(parts))[0] for parts, _ in out]
+    # the missing chunks, then the next PROBE in as many copies as a 2-in-5 loss calls for
+    assert [(h.kind, h.index) for h in sent] == (
+        [(Kind.DATA, 1), (Kind.DATA, 3)] + [(Kind.PROBE, 2)] * tx.recovery.copies_for(2 / 5))
+    assert tx.recovery.copies_for(2 / 5) == 6
+    assert tx.state is SendState.AWAITING_REPLY
+    assert tx.recovery.srtt == pytest.approx(1e-3)  # the answer was a round-trip sample
+    tx.cancel(2e-3)
+    assert tx.state is SendState.DONE and not tx.result.ok
+    assert math.isclose(tx.result.stats.elapsed, 2e-3)
