@@ -293,28 +293,25 @@ class TransferMux:
         return out
 
     # ------------------------------------------------------------- completion
+    def _take_finished(self, table: dict, transfer: MessageSender | MessageReceiver) -> bool:
+        """Move a finished transfer's result out of ``table``; False if it is not done."""
+        key = (transfer.peer, transfer.round_id, transfer.message_id)
+        if transfer.result is None or table.get(key) is not transfer:
+            return False
+        del table[key]
+        self._finished.append(transfer.result)
+        return True
+
     def _reap_send(self, sender: MessageSender) -> None:
-        result = sender.result
-        if result is None:
-            return
-        key = (sender.peer, sender.round_id, sender.message_id)
-        if self._senders.get(key) is sender:
-            del self._senders[key]
-            self._finished.append(result)
+        self._take_finished(self._senders, sender)
 
     def _reap_receive(self, receiver: MessageReceiver, now: float) -> None:
-        result = receiver.result
-        if result is None:
-            return
-        key = (receiver.peer, receiver.round_id, receiver.message_id)
-        if self._receivers.get(key) is receiver:
-            del self._receivers[key]
-            if self.config.closed_memory:
-                self._closed[key] = _Closed(receiver.stop, now)
-                self._closed.move_to_end(key)
-                while len(self._closed) > self.config.closed_memory:
-                    self._closed.popitem(last=False)
-            self._finished.append(result)
+        if self._take_finished(self._receivers, receiver) and self.config.closed_memory:
+            key = (receiver.peer, receiver.round_id, receiver.message_id)
+            self._closed[key] = _Closed(receiver.stop, now)
+            self._closed.move_to_end(key)
+            while len(self._closed) > self.config.closed_memory:
+                self._closed.popitem(last=False)
 
     def pop_finished(self) -> list[SendResult | ReceiveResult]:
         """The results of the sends and receives that finished since the last call (each

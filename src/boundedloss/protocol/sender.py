@@ -329,10 +329,8 @@ class MessageSender:
     def bitmap_received(self, flags: int, start: int, payload, now: float) -> None:
         if self._state is SendState.DONE:
             return
-        self._last_heard = now
         echo, delivered = BITMAP_PREFIX.unpack_from(payload)
-        counts = self.counts
-        counts.reported_delivered = max(counts.reported_delivered, delivered)
+        self._heard(delivered, now)
         if echo != self._probe.seq or self._state is not SendState.AWAITING_REPLY:
             # An answer to an earlier PROBE, or a second answer to this one (PROBEs go
             # out in copies): it would queue again chunks already re-sent since.
@@ -353,13 +351,16 @@ class MessageSender:
     def ack_received(self, tseq_seen: int, delivered: int, now: float) -> None:
         if self._state is SendState.DONE:
             return
-        self._last_heard = now
-        counts = self.counts
-        counts.reported_delivered = max(counts.reported_delivered, delivered)
+        self._heard(delivered, now)
         self.recovery.ack_received(
             tseq_seen, delivered, now,
             self._state is SendState.AWAITING_REPLY and not self._queue.first_pass)
         self._window.acked_through(tseq_seen)
+
+    def _heard(self, delivered: int, now: float) -> None:
+        """The receiver is alive and says it has ``delivered`` chunks."""
+        self._last_heard = now
+        self.counts.reported_delivered = max(self.counts.reported_delivered, delivered)
 
     def _reply_received(self, now: float) -> None:
         self._window.probe_answered()
