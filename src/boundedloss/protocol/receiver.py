@@ -25,6 +25,35 @@ RUN_MAX = 250
 _MARKS = np.arange(2, 2 + RUN_MAX, dtype=np.uint8)
 
 
+class ReceiveCounts:
+    """What a receive counts per datagram, and the two facts its close check needs.
+
+    The compiled data path (``boundedloss._native.Receive``) has the same fields and
+    takes this object's place when it takes the receive's DATA: both sides then read
+    and write one set of counters."""
+
+    __slots__ = ("critical_missing", "datagrams", "delivered_count", "duplicates",
+                 "early_stop", "heard", "max_tseq", "need", "payload_bytes", "unacked")
+
+    def __init__(self) -> None:
+        self.datagrams = 0  # DATA datagrams, duplicates included
+        self.payload_bytes = 0
+        self.duplicates = 0
+        self.delivered_count = 0
+        self.max_tseq = -1  # the highest transmission sequence seen
+        self.unacked = 0  # DATA datagrams since the last ACK
+        self.critical_missing = 0
+        self.need = 0  # chunks the plan needs
+        #: a met bound may stop the transfer before every chunk is in (the sender sent
+        #: everything once, or the acceptance deadline passed)
+        self.early_stop = False
+        self.heard = False  # a DATA or PROBE of the message has arrived
+
+    def copy_into(self, other) -> None:
+        for name in self.__slots__:
+            setattr(other, name, getattr(self, name))
+
+
 class MessageReceiver:
     def __init__(
         self,
@@ -68,15 +97,12 @@ class MessageReceiver:
         self.count = 0
         self.plan: ClosePlan | None = None
         self.result: ReceiveResult | None = None
-        self.datagrams = 0
-        self.payload_bytes = 0
-        self.duplicates = 0
-        self.delivered_count = 0
+        #: the per-datagram counters (shared with the compiled data path when it takes
+        #: this receive's DATA)
+        self.counts: ReceiveCounts = ReceiveCounts()
         self.retransmit_rounds = 0
         self.probes = 0
         self._answered_seq = -1
-        self._max_tseq = -1
-        self._unacked = 0
         self._ack_every = config.ack_every
         self._accepting = False
         self._sender_done = False  # a PROBE flagged FINAL: every chunk was sent once
@@ -108,15 +134,15 @@ class MessageReceiver:
             if crit.shape != (count,):
                 raise ValueError(f"critical mask must have one entry per chunk ({count})")
             self._critical: bytearray | None = bytearray(crit.astype(np.uint8).tobytes())
-            self._critical_missing = int(crit.sum())
+            self.counts.critical_missing = int(crit.sum())
         else:
             self._critical = None
-            self._critical_missing = 0
+            self.counts.critical_missing = 0
         self.info = MessageInfo(
-            self.round_id, self.message_id, count, nbytes, cb, self._critical_missing
+            self.round_id, self.message_id, count, nbytes, cb, self.counts.critical_missing
         )
         self.plan = plan = self.policy.plan(self.info)
-        self._need = min(plan.min_delivered, count)
+        self.counts.need = min(plan.min_delivered, count)
         self.accept_deadline = (
             None if plan.accept_after is None or plan.accept_from_first
             else self.opened + plan.accept_after
@@ -141,28 +167,29 @@ class MessageReceiver:
         """One validated DATA datagram (``data`` is the whole datagram)."""
         if self.first_heard is None:
             self._heard(now)
-        self.datagrams += 1
-        self.payload_bytes += plen
-        if tseq > self._max_tseq:
-            self._max_tseq = tseq
-        self._unacked += 1
-        if self._unacked >= self._ack_every:
-            self._unacked = 0
-            out.append(((self._ack(self.delivered_count),), self.peer))
+        n = self.counts
+        n.datagrams += 1
+        n.payload_bytes += plen
+        if tseq > n.max_tseq:
+            n.max_tseq = tseq
+        n.unacked += 1
+        if n.unacked >= self._ack_every:
+            n.unacked = 0
+            out.append(((self._ack(n.delivered_count),), self.peer))
         delivered = self._delivered
         if delivered[index]:
-            self.duplicates += 1
+            n.duplicates += 1
             return
         off = index * self.chunk_bytes
         # Bounds are exact: wire.parse checked plen against index and geometry, and
         # geometry_matches checked the geometry against this buffer.
         self._dest[off : off + plen] = data[HEADER_BYTES : HEADER_BYTES + plen]
         delivered[index] = 1
-        self.delivered_count += 1
+        n.delivered_count += 1
         crit = self._critical
         if crit is not None and crit[index]:
-            self._critical_missing -= 1
-        if self.delivered_count >= self._need and not self._critical_missing and self._may_stop():
+            n.critical_missing -= 1
+        if n.delivered_count >= n.need and not n.critical_missing and self._may_stop():
             self._close(self._reason_when_met(), now, out)
 
     def data_run(self, index: np.ndarray, tseq: np.ndarray, rows: np.ndarray, now: float,
@@ -175,13 +202,14 @@ class MessageReceiver:
         kept (a sender's copies are the same bytes)."""
         if self.first_heard is None:
             self._heard(now)
+        n = self.counts
         k = index.size
         cb = self.chunk_bytes
-        self.datagrams += k
-        self.payload_bytes += k * cb
+        n.datagrams += k
+        n.payload_bytes += k * cb
         top = int(tseq.max())
-        if top > self._max_tseq:
-            self._max_tseq = top
+        if top > n.max_tseq:
+            n.max_tseq = top
         flags = self._delivered_np
         pos = np.flatnonzero(flags[index] == 0)  # datagrams of chunks not yet delivered
         if pos.size:
@@ -193,23 +221,28 @@ class MessageReceiver:
             new = index[pos]
             self._full_chunks[new] = rows.view(self._payload_item)["p"][pos, 0]
             flags[new] = 1
-            self.delivered_count += new.size
+            n.delivered_count += new.size
             if self._critical is not None:
-                self._critical_missing -= int(
+                n.critical_missing -= int(
                     np.frombuffer(self._critical, dtype=np.uint8)[new].sum())
-        self.duplicates += k - pos.size
-        acks, self._unacked = divmod(self._unacked + k, self._ack_every)
+        n.duplicates += k - pos.size
+        acks, n.unacked = divmod(n.unacked + k, self._ack_every)
         if acks:
             # (an ACK holds what was delivered before the datagram that drew it: the
             # sender reads forward loss from it, and reverse loss from how many came)
             last_new = bool(pos.size) and pos[-1] == k - 1
-            out.extend([((self._ack(self.delivered_count - last_new),), self.peer)] * acks)
+            out.extend([((self._ack(n.delivered_count - last_new),), self.peer)] * acks)
         self.close_if_done(now, out)
 
     def _ack(self, delivered: int) -> bytes:
         """An ACK: the highest transmission sequence seen, and ``delivered``."""
         return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(delivered),
-                                     tseq=self._max_tseq)
+                                     tseq=self.counts.max_tseq)
+
+    def ack_template(self) -> bytes:
+        """An ACK of this receive with tseq and the delivered count zero (the compiled
+        data path writes both into a copy)."""
+        return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(0))
 
     def delivered_mask(self) -> np.ndarray:
         """Bool per chunk: which chunks have arrived so far (empty before the size is known)."""
@@ -221,10 +254,11 @@ class MessageReceiver:
         """The fraction of the sender's DATA transmissions that never arrived, as far as
         their sequence numbers tell (None: too few to tell). It is the loss on the way
         from that peer - the way *our* answers to its PROBEs take when we send to it."""
-        sent = self._max_tseq + 1
+        n = self.counts
+        sent = n.max_tseq + 1
         if sent < 2 * self._ack_every:
             return None
-        return max(0.0, 1.0 - self.datagrams / sent)
+        return max(0.0, 1.0 - n.datagrams / sent)
 
     def probe_received(self, seq: int, flags: int, now: float, out: list) -> None:
         """Answer with the BITMAP segments that still hold missing chunks - or, once the
@@ -233,7 +267,7 @@ class MessageReceiver:
             self._heard(now)
         self.probes += 1
         if flags & Flag.FINAL:
-            self._sender_done = True
+            self._sender_done = self.counts.early_stop = True
             self.close_if_done(now, out)
             if self.result is not None:
                 return
@@ -248,7 +282,7 @@ class MessageReceiver:
         if seq != self._answered_seq and has_missing.size:
             self.retransmit_rounds += 1
         self._answered_seq = seq
-        prefix = BITMAP_PREFIX.pack(seq, self.delivered_count)
+        prefix = BITMAP_PREFIX.pack(seq, self.counts.delivered_count)
         last = int(has_missing[-1]) if has_missing.size else -1
         for s in has_missing.tolist():
             lo = s * seg
@@ -260,6 +294,7 @@ class MessageReceiver:
     def _heard(self, now: float) -> None:
         """The first datagram of the message: start a plan's arrival-relative clock."""
         self.first_heard = now
+        self.counts.heard = True
         plan = self.plan
         if plan is not None and plan.accept_after is not None and plan.accept_from_first:
             self.accept_deadline = now + plan.accept_after
@@ -281,8 +316,8 @@ class MessageReceiver:
         elif self.accept_deadline is not None and now >= self.accept_deadline:
             # Accept what has arrived - once every critical chunk is among it.
             self.accept_deadline = None
-            self._accepting = True
-            self._need = 0
+            self._accepting = self.counts.early_stop = True
+            self.counts.need = 0
             self.close_if_done(now, out)
 
     def cancel(self, now: float, out: list) -> None:
@@ -290,8 +325,12 @@ class MessageReceiver:
             self._close(CloseReason.CANCELLED, now, out)
 
     # ------------------------------------------------------------------- close
+    @property
+    def delivered_count(self) -> int:
+        return self.counts.delivered_count
+
     def _reason_when_met(self) -> CloseReason:
-        if self.delivered_count == self.count:
+        if self.counts.delivered_count == self.count:
             return CloseReason.COMPLETE
         return CloseReason.ACCEPT_DEADLINE if self._accepting else CloseReason.BOUND_MET
 
@@ -300,21 +339,18 @@ class MessageReceiver:
         chunk is in, or the sender has sent everything once (its PROBE says so), or the
         acceptance deadline passed. Cutting a first pass short would throw away data
         that costs nothing to receive; the bound is there to skip *retransmissions*."""
-        return (
-            self.delivered_count == self.count
-            or self._sender_done
-            or self._accepting
-            or self._need == 0
-        )
+        n = self.counts
+        return n.delivered_count == self.count or n.early_stop or n.need == 0
 
     def close_if_done(self, now: float, out: list) -> None:
         """Close (and say STOP) if the plan is met and nothing more is on its way."""
         if self.nbytes is None:  # posted without a size: no plan until the first datagram
             return
+        n = self.counts
         if (
             self.result is None
-            and self.delivered_count >= self._need
-            and not self._critical_missing
+            and n.delivered_count >= n.need
+            and not n.critical_missing
             and self._may_stop()
         ):
             self._close(self._reason_when_met(), now, out)
@@ -322,13 +358,14 @@ class MessageReceiver:
     def _close(self, reason: CloseReason, now: float, out: list) -> None:
         count = self.count
         delivered = self.delivered_mask()
+        n = self.counts
         stats = TransferStats(
-            datagrams=self.datagrams,
-            payload_bytes=self.payload_bytes,
+            datagrams=n.datagrams,
+            payload_bytes=n.payload_bytes,
             chunks=count,
-            delivered=self.delivered_count,
+            delivered=n.delivered_count,
             retransmit_rounds=self.retransmit_rounds,
-            retransmitted=self.duplicates,
+            retransmitted=n.duplicates,
             probes=self.probes,
             elapsed=now - self.opened,
             started=self.opened,
@@ -350,12 +387,12 @@ class MessageReceiver:
         if self.nbytes is not None and reason != CloseReason.CANCELLED:
             # (a cancelled receive says nothing: its sender is not done, a receive
             # posted again for the same message will take over)
-            self.stop = wire.stop_datagram(self._header, reason, self.delivered_count)
+            self.stop = wire.stop_datagram(self._header, reason, n.delivered_count)
             out.append(((self.stop,), self.peer))
             self.policy.observe(
                 Outcome(
                     info=self.info,
-                    delivered=self.delivered_count,
+                    delivered=n.delivered_count,
                     elapsed=now - self.opened,
                     close_reason=reason,
                     retransmit_rounds=self.retransmit_rounds,
