@@ -46,9 +46,12 @@ from ..protocol.receiver import MessageReceiver
 from ..protocol.sender import MessageSender
 from ..protocol.types import ReceiveResult, SendResult, TransportConfig, TransportError
 from ..wire import DropReason, peek_round
+from . import native
 from .loss import LossModel
+from .native import NativeDataPath
 
 RECV_BURST = 512
+RECV_BATCH = 64  # messages the compiled data path reads per system call
 SEND_BURST = 256
 DEFAULT_SOCKET_BUFFER = 64 << 20
 
@@ -124,6 +127,7 @@ class UdpEndpoint:
         socket_buffer: int = DEFAULT_SOCKET_BUFFER,
         name: str = "boundedloss-udp",
         segmentation_offload: bool | None = None,
+        native_data_path: bool | None = None,
     ):
         config = config or TransportConfig()
         self.loss = loss
@@ -145,6 +149,11 @@ class UdpEndpoint:
             config = dataclasses.replace(config, window_bytes=fits)
         self.config = config
         self.mux = TransferMux(session, config)
+        #: the compiled DATA path (None: the Python core takes every datagram);
+        #: ``native_data_path`` None: use it unless BOUNDEDLOSS_NATIVE=0 or not built
+        self.data_path: NativeDataPath | None = None
+        if native_data_path or (native_data_path is None and native.enabled()):
+            self.data_path = NativeDataPath(self.mux)
         self.sock.bind((host, port))
         #: runs of datagrams arrive coalesced (UDP_GRO); False where the kernel has none
         self.receive_offload = False
@@ -220,6 +229,7 @@ class UdpEndpoint:
             d = self.mux.counters()
         d.update({f"io_{k}": v for k, v in self.io_errors.items()})
         d["sendmsg_calls"] = self.sendmsg_calls
+        d["native_data_path"] = int(self.data_path is not None)
         return d
 
     def close(self) -> None:
@@ -284,6 +294,15 @@ class UdpEndpoint:
             if entry is not None and not entry[1].done():
                 entry[1].set_result(result)
 
+    def _receive_native(self, data_path: NativeDataPath, now: float) -> None:
+        """Drain the socket through the compiled data path, a batch per system call."""
+        for _ in range(RECV_BURST // RECV_BATCH):
+            try:
+                if data_path.receive(self.sock, now, self.loss) < RECV_BATCH:
+                    return  # (a short batch: the socket is drained)
+            except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP
+                self.io_errors[errno.errorcode.get(e.errno or 0, str(e.errno))] += 1
+
     def _io_loop(self) -> None:
         sock = self.sock
         recv = sock.recvfrom_into
@@ -304,6 +323,7 @@ class UdpEndpoint:
         calls = 0
         gso_cmsg: dict[int, list] = {}  # segment size -> its UDP_SEGMENT control message
         rlist = [sock, self._wake_r]
+        data_path = self.data_path
 
         def lost(view) -> bool:
             """Did the loss model drop this datagram (counted if so)?"""
@@ -316,7 +336,7 @@ class UdpEndpoint:
             blocked = False
             with self._lock:
                 now = monotonic()
-                for _ in range(RECV_BURST):
+                for _ in range(RECV_BURST if data_path is None else 0):
                     size = 0
                     try:
                         if gro:
@@ -345,6 +365,8 @@ class UdpEndpoint:
                         view = mv[o : min(o + size, n)]
                         if not lost(view):
                             mux.datagram_received(view, addr, now)
+                if data_path is not None:
+                    self._receive_native(data_path, now)
                 now = monotonic()
                 deadline = mux.next_deadline()
                 if deadline is not None and deadline <= now:

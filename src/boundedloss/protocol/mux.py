@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
+from typing import Protocol
 
 import numpy as np
 
@@ -44,6 +45,19 @@ from .types import (
 RUN_MIN = 16
 
 
+class DataPath(Protocol):
+    """A compiled data path that takes DATA for open receives off the core's hands
+    (``boundedloss.net.native``). The mux tells it which receives are open."""
+
+    def receive_opened(self, receiver: MessageReceiver) -> None: ...
+
+    def receive_closed(self, receiver: MessageReceiver) -> None: ...
+
+    def counters(self) -> dict[str, int]:
+        """What it counted, by the mux's counter names (datagrams_in, drop reasons)."""
+        ...
+
+
 class _Closed:
     """What is kept of a closed receive: its STOP, to be sent again when asked."""
 
@@ -63,7 +77,11 @@ class TransferMux:
         self._senders: dict[tuple, MessageSender] = {}
         self._receivers: dict[tuple, MessageReceiver] = {}
         self._closed: OrderedDict[tuple, _Closed] = OrderedDict()
-        self._outbox: list = []  # control datagrams waiting for poll
+        #: control datagrams waiting for poll (one list for the endpoint's life: a data
+        #: path appends the ACKs it builds to it)
+        self.outbox: list = []
+        #: the compiled data path taking DATA for open receives, if one is attached
+        self.data_path: DataPath | None = None
         self.run_min = RUN_MIN  # (a tuning; the tests lower it to try every run length)
         self._paths: dict[Hashable, PeerPath] = {}
         self._finished: list[SendResult | ReceiveResult] = []  # since pop_finished
@@ -114,7 +132,9 @@ class TransferMux:
             critical=critical, path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         self._receivers[key] = receiver
-        receiver.close_if_done(now, self._outbox)  # a plan that needs nothing is met at once
+        receiver.close_if_done(now, self.outbox)  # a plan that needs nothing is met at once
+        if receiver.result is None and receiver.nbytes is not None and self.data_path:
+            self.data_path.receive_opened(receiver)
         self._reap_receive(receiver, now)
         return receiver
 
@@ -123,7 +143,7 @@ class TransferMux:
         self._reap_send(sender)
 
     def cancel_receive(self, receiver: MessageReceiver, now: float) -> None:
-        receiver.cancel(now, self._outbox)
+        receiver.cancel(now, self.outbox)
         self._reap_receive(receiver, now)
 
     # --------------------------------------------------------------- incoming
@@ -143,16 +163,18 @@ class TransferMux:
             if rx is None:
                 self._answer_closed(key, kind, now)
                 return
-            if (mbytes != rx.nbytes or cbytes != rx.chunk_bytes) and not rx.geometry_matches(
-                mbytes, cbytes, now, self._outbox
-            ):
-                self.drops[DropReason.GEOMETRY_MISMATCH] += 1
-                return
+            if mbytes != rx.nbytes or cbytes != rx.chunk_bytes:
+                sized = rx.nbytes is not None
+                if not rx.geometry_matches(mbytes, cbytes, now, self.outbox):
+                    self.drops[DropReason.GEOMETRY_MISMATCH] += 1
+                    return
+                if not sized and rx.result is None and self.data_path:
+                    self.data_path.receive_opened(rx)  # it took the sender's size
             if rx.result is None:
                 if kind == Kind.DATA:
-                    rx.data_received(idx, plen, tseq, data, now, self._outbox)
+                    rx.data_received(idx, plen, tseq, data, now, self.outbox)
                 else:
-                    rx.probe_received(idx, flags, now, self._outbox)
+                    rx.probe_received(idx, flags, now, self.outbox)
             if rx.result is not None:
                 self._reap_receive(rx, now)
         else:  # BITMAP / STOP / ACK: for one of our sends
@@ -216,7 +238,7 @@ class TransferMux:
         for lo in range(0, n, RUN_MAX):
             if rx.result is None:
                 rx.data_run(index[lo:lo + RUN_MAX], tseq[lo:lo + RUN_MAX], rows[lo:lo + RUN_MAX],
-                            now, self._outbox)
+                            now, self.outbox)
             else:  # closed part-way: the rest is what one by one would find (stale)
                 for row in rows[lo:]:
                     self.datagram_received(row.data, peer, now)
@@ -237,7 +259,7 @@ class TransferMux:
             kind == Kind.PROBE or now - closed.last_sent >= self.config.min_rto
         ):
             closed.last_sent = now
-            self._outbox.append(((closed.stop,), key[0]))
+            self.outbox.append(((closed.stop,), key[0]))
 
     # ----------------------------------------------------------------- timers
     def next_deadline(self) -> float | None:
@@ -256,7 +278,7 @@ class TransferMux:
         for rx in list(self._receivers.values()):
             d = rx.next_deadline()
             if d is not None and d <= now:
-                rx.timer_fired(now, self._outbox)
+                rx.timer_fired(now, self.outbox)
                 self._reap_receive(rx, now)
         for tx in list(self._senders.values()):
             d = tx.next_deadline()
@@ -266,13 +288,13 @@ class TransferMux:
 
     # --------------------------------------------------------------- outgoing
     def has_output(self) -> bool:
-        return bool(self._outbox) or any(tx.has_data() for tx in self._senders.values())
+        return bool(self.outbox) or any(tx.has_data() for tx in self._senders.values())
 
     def poll(self, now: float, limit: int = 1024) -> list:
         """Datagrams to send now, as ``(parts, peer)`` with ``parts`` a tuple of buffers
         to be sent as one datagram (``socket.sendmsg`` gathers them without a copy)."""
-        out = self._outbox
-        self._outbox = []
+        out = self.outbox[:]
+        self.outbox.clear()
         if len(out) >= limit:
             return out
         senders = list(self._senders.values())
@@ -306,6 +328,8 @@ class TransferMux:
         self._take_finished(self._senders, sender)
 
     def _reap_receive(self, receiver: MessageReceiver, now: float) -> None:
+        if receiver.result is not None and self.data_path:
+            self.data_path.receive_closed(receiver)
         if self._take_finished(self._receivers, receiver) and self.config.closed_memory:
             key = (receiver.peer, receiver.round_id, receiver.message_id)
             self._closed[key] = _Closed(receiver.stop, now)
@@ -328,7 +352,11 @@ class TransferMux:
         return len(self._senders)
 
     def counters(self) -> dict[str, int]:
+        """Datagrams in and dropped (by DropReason value), the data path's included."""
         d = {r.value: n for r, n in self.drops.items()}
         d["datagrams_in"] = self.datagrams_in
+        if self.data_path:
+            for name, n in self.data_path.counters().items():
+                d[name] = d.get(name, 0) + n
         return d
 

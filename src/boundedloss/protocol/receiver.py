@@ -244,6 +244,14 @@ class MessageReceiver:
         data path writes both into a copy)."""
         return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(0))
 
+    def buffers(self) -> tuple[memoryview, bytearray, bytearray | None]:
+        """What a data path writes and reads: the destination's bytes, a flag byte per
+        chunk (1: delivered) and, with a critical mask, a flag byte per chunk (1:
+        critical). Only once the size is known."""
+        if self.nbytes is None:
+            raise ValueError("the receive's size is not known yet")
+        return self._dest, self._delivered, self._critical
+
     def delivered_mask(self) -> np.ndarray:
         """Bool per chunk: which chunks have arrived so far (empty before the size is known)."""
         if self.nbytes is None:

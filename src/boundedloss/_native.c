@@ -1,0 +1,763 @@
+/*
+ * boundedloss._native: the per-datagram data path under the Python protocol core.
+ *
+ * It moves bytes and decides nothing. What it does:
+ *   - validates a datagram's header exactly as wire.parse does (classify);
+ *   - takes DATA datagrams for receives the Python core registered: finds the receive,
+ *     copies the payload into its destination, marks the chunk delivered, counts, and
+ *     builds the ACK the receiver owes every ack_every datagrams (Dispatcher);
+ *   - receives batches from a UDP socket (recvmmsg, each message possibly a GRO run)
+ *     with the GIL released (Dispatcher.recv);
+ *   - the Walsh-Hadamard transform of Hadamard dispersion, cache-blocked (fwht).
+ * A datagram it cannot take without a decision - the first one of a receive, one that
+ * would meet the receive's plan, a control datagram, one for an unknown message - is
+ * handed back to Python untouched, in order, and Python's core handles it as always.
+ * The counters a receive shares with Python live in a Receive object that both read.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __linux__
+#include <netinet/in.h>
+#include <sys/socket.h>
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+#endif
+
+/* ----------------------------------------------------------------- the header */
+/* The layout is wire.HEADER_FIELDS; boundedloss.native refuses this module unless
+ * LAYOUT below equals wire.OFFSET field for field. */
+enum {
+    OFF_MAGIC = 0, OFF_VERSION = 2, OFF_KIND = 3, OFF_FLAGS = 4, OFF_PLEN = 6,
+    OFF_SESSION = 8, OFF_ROUND = 16, OFF_MESSAGE = 20, OFF_INDEX = 24, OFF_COUNT = 28,
+    OFF_MBYTES = 32, OFF_CBYTES = 40, OFF_TSEQ = 44, HEADER_BYTES = 48,
+};
+enum { MAGIC = 0x4C42, VERSION = 1 };
+enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK = 5 };
+#define MAX_CHUNK_BYTES 65000u
+#define MAX_MESSAGE_BYTES (1ull << 40)
+
+/* Drop reasons, in the order of REASONS (their wire.DropReason values). */
+enum {
+    OK = 0, R_SHORT, R_BAD_MAGIC, R_BAD_VERSION, R_BAD_KIND, R_BAD_LENGTH, R_BAD_GEOMETRY,
+    R_FOREIGN_SESSION, R_INJECTED_LOSS, N_REASONS
+};
+static const char *const REASONS[N_REASONS] = {
+    NULL, "short", "bad_magic", "bad_version", "bad_kind", "bad_length", "bad_geometry",
+    "foreign_session", "injected_loss",
+};
+
+/* Little-endian loads and stores that never assume alignment. */
+static inline uint16_t ld16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline uint32_t ld32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline uint64_t ld64(const unsigned char *p) {
+    return (uint64_t)ld32(p) | (uint64_t)ld32(p + 4) << 32;
+}
+static inline void st32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v; p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16); p[3] = (unsigned char)(v >> 24);
+}
+
+typedef struct {
+    uint8_t kind;
+    uint16_t flags, plen;
+    uint64_t session, mbytes;
+    uint32_t round_id, message_id, index, count, cbytes, tseq;
+} Header;
+
+/* wire.parse, check for check and in the same order: OK or the first reason it fails. */
+static int parse(const unsigned char *d, size_t n, Header *h) {
+    if (n < HEADER_BYTES) return R_SHORT;
+    if (ld16(d + OFF_MAGIC) != MAGIC) return R_BAD_MAGIC;
+    if (d[OFF_VERSION] != VERSION) return R_BAD_VERSION;
+    h->kind = d[OFF_KIND];
+    h->flags = ld16(d + OFF_FLAGS);
+    h->plen = ld16(d + OFF_PLEN);
+    h->session = ld64(d + OFF_SESSION);
+    h->round_id = ld32(d + OFF_ROUND);
+    h->message_id = ld32(d + OFF_MESSAGE);
+    h->index = ld32(d + OFF_INDEX);
+    h->count = ld32(d + OFF_COUNT);
+    h->mbytes = ld64(d + OFF_MBYTES);
+    h->cbytes = ld32(d + OFF_CBYTES);
+    h->tseq = ld32(d + OFF_TSEQ);
+    if ((size_t)h->plen != n - HEADER_BYTES) return R_BAD_LENGTH;
+    if (h->cbytes == 0 || h->cbytes > MAX_CHUNK_BYTES || h->mbytes > MAX_MESSAGE_BYTES)
+        return R_BAD_GEOMETRY;
+    uint64_t chunks = (h->mbytes + h->cbytes - 1) / h->cbytes;
+    if ((uint64_t)h->count != (chunks ? chunks : 1)) return R_BAD_GEOMETRY;
+    switch (h->kind) {
+    case KIND_DATA: {
+        if (h->index >= h->count) return R_BAD_GEOMETRY;
+        uint64_t expect = h->index < h->count - 1
+            ? h->cbytes : h->mbytes - (uint64_t)h->cbytes * (h->count - 1);
+        if (h->plen != expect) return R_BAD_LENGTH;
+        return OK;
+    }
+    case KIND_PROBE:
+        return h->plen ? R_BAD_LENGTH : OK;
+    case KIND_BITMAP:
+        if (h->index >= h->count || (h->index & 7)) return R_BAD_GEOMETRY;
+        if (h->plen < 8 || (uint64_t)(h->plen - 8) > (((uint64_t)h->count - h->index + 7) >> 3))
+            return R_BAD_LENGTH;
+        return OK;
+    case KIND_STOP:
+    case KIND_ACK:
+        return h->plen != 4 ? R_BAD_LENGTH : OK;
+    default:
+        return R_BAD_KIND;
+    }
+}
+
+static PyObject *native_classify(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    Header h;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    int r = parse((const unsigned char *)b.buf, (size_t)b.len, &h);
+    PyBuffer_Release(&b);
+    if (r == OK) Py_RETURN_NONE;
+    return PyUnicode_FromString(REASONS[r]);
+}
+
+/* -------------------------------------------------------------- Receive */
+/* One open receive as the data path sees it: the counters it shares with Python's
+ * MessageReceiver (members, read and written by both), its identity and geometry, its
+ * destination, delivered flags (one byte per chunk) and critical flags (optional). */
+typedef struct ReceiveObject {
+    PyObject_HEAD
+    long long datagrams, payload_bytes, duplicates, delivered_count, max_tseq, unacked;
+    long long critical_missing, need;
+    char early_stop;  /* the sender sent everything once, or the acceptance deadline passed */
+    char heard;       /* Python has seen the receive's first datagram */
+    char geometry;    /* the fields below are set (bind was called) */
+    char registered;
+    uint32_t ip, round_id, message_id, count, cbytes, ack_every;
+    uint16_t port;
+    uint64_t mbytes;
+    PyObject *peer;
+    Py_buffer dest, delivered, critical;
+    int has_critical;
+    unsigned char ack[HEADER_BYTES + 4];
+    struct ReceiveObject *next;  /* hash chain in a Dispatcher */
+} ReceiveObject;
+
+static void receive_release(ReceiveObject *r) {
+    if (r->geometry) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        if (r->has_critical) PyBuffer_Release(&r->critical);
+        r->geometry = 0;
+        r->has_critical = 0;
+    }
+    Py_CLEAR(r->peer);
+}
+
+static int receive_init(ReceiveObject *r, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, "")) return -1;
+    r->max_tseq = -1;
+    return 0;
+}
+
+static void receive_dealloc(ReceiveObject *r) {
+    receive_release(r);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+/* bind(peer, ip, port, round, message, count, mbytes, cbytes, ack_every, dest,
+ *      delivered, critical_or_None, ack_header): the geometry, once it is known. */
+static PyObject *receive_bind(ReceiveObject *r, PyObject *args) {
+    PyObject *peer, *dest, *delivered, *critical;
+    unsigned int ip, port, round_id, message_id, count, cbytes, ack_every;
+    unsigned long long mbytes;
+    Py_buffer ack;
+    if (r->geometry || r->registered) {
+        PyErr_SetString(PyExc_RuntimeError, "receive already bound");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OIIIIIKIIOOOy*", &peer, &ip, &port, &round_id, &message_id,
+                          &count, &mbytes, &cbytes, &ack_every, &dest, &delivered, &critical,
+                          &ack))
+        return NULL;
+    int ok = ack.len == HEADER_BYTES + 4 && port <= 0xFFFF && count > 0 && cbytes > 0
+        && ack_every > 0;
+    if (ok) memcpy(r->ack, ack.buf, HEADER_BYTES + 4);
+    PyBuffer_Release(&ack);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "bad receive geometry or ACK template");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dest, &r->dest, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(delivered, &r->delivered, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&r->dest);
+        return NULL;
+    }
+    r->has_critical = critical != Py_None;
+    if (r->has_critical && PyObject_GetBuffer(critical, &r->critical, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        r->has_critical = 0;
+        return NULL;
+    }
+    /* every copy lands inside dest: a datagram taken for this receive has its mbytes and
+     * cbytes, so parse() has held its index and length to this geometry */
+    uint64_t chunks = ((uint64_t)mbytes + cbytes - 1) / cbytes;
+    if ((uint64_t)r->dest.len != mbytes || (uint64_t)r->delivered.len != count
+        || (r->has_critical && (uint64_t)r->critical.len != count)
+        || (uint64_t)count != (chunks ? chunks : 1) || cbytes > MAX_CHUNK_BYTES) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        if (r->has_critical) PyBuffer_Release(&r->critical);
+        r->has_critical = 0;
+        PyErr_SetString(PyExc_ValueError, "buffers disagree with the geometry");
+        return NULL;
+    }
+    Py_INCREF(peer);
+    r->peer = peer;
+    r->ip = ip; r->port = (uint16_t)port; r->round_id = round_id; r->message_id = message_id;
+    r->count = count; r->mbytes = mbytes; r->cbytes = cbytes; r->ack_every = ack_every;
+    r->geometry = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMemberDef receive_members[] = {
+    {"datagrams", T_LONGLONG, offsetof(ReceiveObject, datagrams), 0, NULL},
+    {"payload_bytes", T_LONGLONG, offsetof(ReceiveObject, payload_bytes), 0, NULL},
+    {"duplicates", T_LONGLONG, offsetof(ReceiveObject, duplicates), 0, NULL},
+    {"delivered_count", T_LONGLONG, offsetof(ReceiveObject, delivered_count), 0, NULL},
+    {"max_tseq", T_LONGLONG, offsetof(ReceiveObject, max_tseq), 0, NULL},
+    {"unacked", T_LONGLONG, offsetof(ReceiveObject, unacked), 0, NULL},
+    {"critical_missing", T_LONGLONG, offsetof(ReceiveObject, critical_missing), 0, NULL},
+    {"need", T_LONGLONG, offsetof(ReceiveObject, need), 0, NULL},
+    {"early_stop", T_BOOL, offsetof(ReceiveObject, early_stop), 0, NULL},
+    {"heard", T_BOOL, offsetof(ReceiveObject, heard), 0, NULL},
+    {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
+    {NULL},
+};
+
+static PyMethodDef receive_methods[] = {
+    {"bind", (PyCFunction)receive_bind, METH_VARARGS, "Set the geometry and buffers."},
+    {NULL},
+};
+
+static PyTypeObject ReceiveType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "boundedloss._native.Receive",
+    .tp_basicsize = sizeof(ReceiveObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The counters and buffers of one receive, shared by Python and the data path.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)receive_init,
+    .tp_dealloc = (destructor)receive_dealloc,
+    .tp_members = receive_members,
+    .tp_methods = receive_methods,
+};
+
+/* ----------------------------------------------------------- Dispatcher */
+#define BUCKETS 4096
+#define RECV_SLOTS 64
+#define SLOT_BYTES 65536
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t session;
+    ReceiveObject *table[BUCKETS];
+    long long taken;                 /* datagrams the data path took */
+    long long drops[N_REASONS];      /* malformed / foreign datagrams it counted and dropped */
+    /* the batch: a buffer of RECV_SLOTS slots, each one message (a datagram or a GRO run) */
+    unsigned char *buf;
+    uint32_t lens[RECV_SLOTS], segs[RECV_SLOTS], ips[RECV_SLOTS];
+    uint16_t ports[RECV_SLOTS];
+    int batch, slot;                 /* messages in the batch; the one being read */
+    uint32_t offset;                 /* where in that message the next datagram starts */
+    Py_ssize_t seq;                  /* datagrams of the batch read so far */
+    unsigned char *lose;             /* per datagram of the batch: a loss model drops it */
+    Py_ssize_t lose_len, lose_cap;
+} DispatcherObject;
+
+static inline uint32_t bucket_of(uint32_t ip, uint16_t port, uint32_t rnd, uint32_t msg) {
+    uint64_t k = ((uint64_t)ip << 16 | port) * 0x9E3779B97F4A7C15ull;
+    k ^= ((uint64_t)rnd << 32 | msg) * 0xC2B2AE3D27D4EB4Full;
+    return (uint32_t)(k >> 52) & (BUCKETS - 1);
+}
+
+static int dispatcher_init(DispatcherObject *d, PyObject *args, PyObject *kw) {
+    unsigned long long session;
+    if (!PyArg_ParseTuple(args, "K", &session)) return -1;
+    d->session = session;
+    return 0;
+}
+
+static void dispatcher_dealloc(DispatcherObject *d) {
+    for (int b = 0; b < BUCKETS; b++) {
+        ReceiveObject *r = d->table[b];
+        while (r) {
+            ReceiveObject *next = r->next;
+            r->registered = 0;
+            r->next = NULL;
+            Py_DECREF(r);
+            r = next;
+        }
+    }
+    PyMem_Free(d->buf);
+    PyMem_Free(d->lose);
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+static PyObject *dispatcher_register(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ReceiveType)) {
+        PyErr_SetString(PyExc_TypeError, "register takes a Receive");
+        return NULL;
+    }
+    ReceiveObject *r = (ReceiveObject *)arg;
+    if (!r->geometry || r->registered) {
+        PyErr_SetString(PyExc_ValueError, "a Receive must be bound and not registered");
+        return NULL;
+    }
+    uint32_t b = bucket_of(r->ip, r->port, r->round_id, r->message_id);
+    Py_INCREF(r);
+    r->next = d->table[b];
+    d->table[b] = r;
+    r->registered = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dispatcher_unregister(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ReceiveType)) {
+        PyErr_SetString(PyExc_TypeError, "unregister takes a Receive");
+        return NULL;
+    }
+    ReceiveObject *r = (ReceiveObject *)arg;
+    if (!r->registered) Py_RETURN_NONE;
+    ReceiveObject **p = &d->table[bucket_of(r->ip, r->port, r->round_id, r->message_id)];
+    while (*p && *p != r) p = &(*p)->next;
+    if (*p) {
+        *p = r->next;
+        r->next = NULL;
+        r->registered = 0;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+static inline ReceiveObject *lookup(DispatcherObject *d, uint32_t ip, uint16_t port,
+                                    uint32_t rnd, uint32_t msg) {
+    ReceiveObject *r = d->table[bucket_of(ip, port, rnd, msg)];
+    while (r && !(r->ip == ip && r->port == port && r->round_id == rnd && r->message_id == msg))
+        r = r->next;
+    return r;
+}
+
+enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
+
+/* Take one datagram if the data path may: TAKEN (counted, dropped or delivered), or
+ * HANDED_BACK (Python's core must handle it, untouched). FAILED: a Python error (only
+ * from appending an ACK to ``out``). Mirrors TransferMux.datagram_received followed by
+ * MessageReceiver.data_received for the datagrams it takes. */
+static int take(DispatcherObject *d, const unsigned char *p, size_t n, uint32_t ip,
+                uint16_t port, PyObject *out) {
+    Header h;
+    int r = parse(p, n, &h);
+    if (r != OK) {
+        d->drops[r]++;
+        d->taken++;
+        return TAKEN;
+    }
+    if (h.session != d->session) {
+        d->drops[R_FOREIGN_SESSION]++;
+        d->taken++;
+        return TAKEN;
+    }
+    if (h.kind != KIND_DATA) return HANDED_BACK;
+    ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
+    if (rx == NULL || !rx->heard || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes)
+        return HANDED_BACK;
+    unsigned char *delivered = (unsigned char *)rx->delivered.buf;
+    int fresh = !delivered[h.index];
+    if (fresh) {
+        /* would this chunk meet the plan? then Python's core closes the receive */
+        long long now_delivered = rx->delivered_count + 1;
+        long long crit = rx->critical_missing
+            - (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index] ? 1 : 0);
+        if (now_delivered >= rx->need && crit == 0
+            && (now_delivered == (long long)rx->count || rx->early_stop || rx->need == 0))
+            return HANDED_BACK;
+    }
+    d->taken++;
+    rx->datagrams++;
+    rx->payload_bytes += h.plen;
+    if ((long long)h.tseq > rx->max_tseq) rx->max_tseq = h.tseq;
+    if (++rx->unacked >= (long long)rx->ack_every) {
+        rx->unacked = 0;
+        unsigned char *a = rx->ack;
+        st32(a + OFF_TSEQ, (uint32_t)rx->max_tseq);
+        st32(a + HEADER_BYTES, (uint32_t)rx->delivered_count);
+        PyObject *ack = PyBytes_FromStringAndSize((const char *)a, HEADER_BYTES + 4);
+        PyObject *item = ack ? Py_BuildValue("((N)O)", ack, rx->peer) : NULL;
+        if (item == NULL || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            return FAILED;
+        }
+        Py_DECREF(item);
+    }
+    if (!fresh) {
+        rx->duplicates++;
+        return TAKEN;
+    }
+    uint64_t off = (uint64_t)h.index * rx->cbytes;
+    if (off + h.plen > (uint64_t)rx->dest.len) {  /* cannot happen: parse + bind checked */
+        PyErr_SetString(PyExc_SystemError, "boundedloss._native: copy out of bounds");
+        return FAILED;
+    }
+    memcpy((unsigned char *)rx->dest.buf + off, p + HEADER_BYTES, h.plen);
+    delivered[h.index] = 1;
+    rx->delivered_count++;
+    if (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index])
+        rx->critical_missing--;
+    return TAKEN;
+}
+
+/* take(datagram, ip, port, out) -> bool: the data path took it (False: Python's turn). */
+static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
+    Py_buffer b;
+    unsigned int ip, port;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "y*IIO!", &b, &ip, &port, &PyList_Type, &out)) return NULL;
+    int r = take(d, (const unsigned char *)b.buf, (size_t)b.len, ip, (uint16_t)port, out);
+    PyBuffer_Release(&b);
+    if (r == FAILED) return NULL;
+    return PyBool_FromLong(r == TAKEN);
+}
+
+/* take_rows(rows, stride, lengths, ip, port, out, start) -> index: datagram i is
+ * rows[i*stride : i*stride + lengths[i]] (lengths: uint32 array); takes datagrams from
+ * ``start`` on and returns the index of the first one handed back (or their count). */
+static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
+    Py_buffer rows, lengths;
+    Py_ssize_t stride, start;
+    unsigned int ip, port;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "y*ny*IIO!n", &rows, &stride, &lengths, &ip, &port,
+                          &PyList_Type, &out, &start))
+        return NULL;
+    Py_ssize_t count = lengths.len / 4, i = start;
+    PyObject *result = NULL;
+    if (stride <= 0 || start < 0 || count * stride > rows.len) {
+        PyErr_SetString(PyExc_ValueError, "rows, stride and lengths disagree");
+        goto done;
+    }
+    for (; i < count; i++) {
+        uint32_t len = ((const uint32_t *)lengths.buf)[i];
+        if (len > (uint32_t)stride) {
+            PyErr_SetString(PyExc_ValueError, "a length exceeds the stride");
+            goto done;
+        }
+        int r = take(d, (const unsigned char *)rows.buf + i * stride, len, ip, (uint16_t)port,
+                     out);
+        if (r == FAILED) goto done;
+        if (r == HANDED_BACK) break;
+    }
+    result = PyLong_FromSsize_t(i);
+done:
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&lengths);
+    return result;
+}
+
+#ifdef __linux__
+/* recv(fd) -> messages: one recvmmsg into the batch buffer, with the GIL released. Each
+ * message is a datagram or, on a UDP_GRO socket, a run of equal-sized ones. 0 when
+ * nothing is waiting. Raises OSError for errors other than EAGAIN. */
+static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
+    int fd = PyObject_AsFileDescriptor(arg);
+    if (fd < 0) return NULL;
+    if (d->buf == NULL) {
+        d->buf = PyMem_Malloc((size_t)RECV_SLOTS * SLOT_BYTES);
+        if (d->buf == NULL) return PyErr_NoMemory();
+    }
+    struct mmsghdr msgs[RECV_SLOTS];
+    struct iovec iov[RECV_SLOTS];
+    struct sockaddr_in addrs[RECV_SLOTS];
+    char ctrl[RECV_SLOTS][CMSG_SPACE(sizeof(int))];
+    memset(msgs, 0, sizeof msgs);
+    for (int i = 0; i < RECV_SLOTS; i++) {
+        iov[i].iov_base = d->buf + (size_t)i * SLOT_BYTES;
+        iov[i].iov_len = SLOT_BYTES;
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+        msgs[i].msg_hdr.msg_name = &addrs[i];
+        msgs[i].msg_hdr.msg_namelen = sizeof addrs[i];
+        msgs[i].msg_hdr.msg_control = ctrl[i];
+        msgs[i].msg_hdr.msg_controllen = sizeof ctrl[i];
+    }
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    got = recvmmsg(fd, msgs, RECV_SLOTS, MSG_DONTWAIT, NULL);
+    Py_END_ALLOW_THREADS
+    d->batch = d->slot = 0;
+    d->offset = 0;
+    d->seq = 0;
+    d->lose_len = 0;
+    if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return PyLong_FromLong(0);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    for (int i = 0; i < got; i++) {
+        uint32_t seg = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msgs[i].msg_hdr); c;
+             c = CMSG_NXTHDR(&msgs[i].msg_hdr, c)) {
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                int v;
+                memcpy(&v, CMSG_DATA(c), sizeof v);
+                seg = v > 0 ? (uint32_t)v : 0;
+            }
+        }
+        d->lens[i] = msgs[i].msg_len;
+        d->segs[i] = seg && seg < msgs[i].msg_len ? seg : msgs[i].msg_len;
+        d->ips[i] = ntohl(addrs[i].sin_addr.s_addr);
+        d->ports[i] = ntohs(addrs[i].sin_port);
+    }
+    d->batch = got;
+    return PyLong_FromLong(got);
+}
+#endif
+
+/* step(out) -> None | (datagram, ip, port): takes the batch's datagrams until one is
+ * Python's; returns that one (a copy) or None when the batch is done. */
+static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
+    if (!PyList_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "step takes a list");
+        return NULL;
+    }
+    while (d->slot < d->batch) {
+        int s = d->slot;
+        uint32_t len = d->lens[s], seg = d->segs[s];
+        const unsigned char *p = d->buf + (size_t)s * SLOT_BYTES + d->offset;
+        uint32_t n = len - d->offset;  /* (an empty datagram is one datagram too) */
+        if (seg && n > seg) n = seg;
+        d->offset += n;
+        if (d->offset >= len) {
+            d->slot++;
+            d->offset = 0;
+        }
+        Py_ssize_t seq = d->seq++;
+        if (seq < d->lose_len && d->lose[seq]) {
+            d->drops[R_INJECTED_LOSS]++;
+            d->taken++;
+            continue;
+        }
+        int r = take(d, p, n, d->ips[s], d->ports[s], out);
+        if (r == FAILED) return NULL;
+        if (r == HANDED_BACK)
+            return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)n, d->ips[s],
+                                 (unsigned int)d->ports[s]);
+    }
+    Py_RETURN_NONE;
+}
+
+/* batch_rounds() -> bytes: the round id of every datagram of the batch, in order, as
+ * little-endian int64 (-1 for one shorter than a header, as wire.peek_round): what a
+ * loss model decides on. */
+static PyObject *dispatcher_batch_rounds(DispatcherObject *d, PyObject *unused) {
+    (void)unused;
+    Py_ssize_t total = 0;
+    for (int s = 0; s < d->batch; s++) {
+        uint32_t seg = d->segs[s];
+        total += d->lens[s] == 0 ? 1 : (d->lens[s] + (seg ? seg : 1) - 1) / (seg ? seg : 1);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total * 8);
+    if (out == NULL) return NULL;
+    int64_t *r = (int64_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t i = 0;
+    for (int s = 0; s < d->batch; s++) {
+        uint32_t len = d->lens[s], seg = d->segs[s], off = 0;
+        do {
+            uint32_t n = len - off;
+            if (seg && n > seg) n = seg;
+            const unsigned char *p = d->buf + (size_t)s * SLOT_BYTES + off;
+            r[i++] = n >= HEADER_BYTES ? (int64_t)ld32(p + OFF_ROUND) : -1;
+            off += n;
+        } while (off < len);
+    }
+    return out;
+}
+
+/* lose(mask): mask[i] true drops the batch's i-th datagram (counted as injected loss). */
+static PyObject *dispatcher_lose(DispatcherObject *d, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    if (b.len > d->lose_cap) {
+        unsigned char *p = PyMem_Realloc(d->lose, (size_t)b.len);
+        if (p == NULL) {
+            PyBuffer_Release(&b);
+            return PyErr_NoMemory();
+        }
+        d->lose = p;
+        d->lose_cap = b.len;
+    }
+    memcpy(d->lose, b.buf, (size_t)b.len);
+    d->lose_len = b.len;
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *dispatcher_counters(DispatcherObject *d, PyObject *unused) {
+    PyObject *c = PyDict_New();
+    if (c == NULL) return NULL;
+    for (int r = 1; r < N_REASONS; r++) {
+        if (!d->drops[r]) continue;
+        PyObject *v = PyLong_FromLongLong(d->drops[r]);
+        if (v == NULL || PyDict_SetItemString(c, REASONS[r], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(c);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    PyObject *v = PyLong_FromLongLong(d->taken);
+    if (v == NULL || PyDict_SetItemString(c, "taken", v) < 0) {
+        Py_XDECREF(v);
+        Py_DECREF(c);
+        return NULL;
+    }
+    Py_DECREF(v);
+    return c;
+}
+
+static PyMethodDef dispatcher_methods[] = {
+    {"register", (PyCFunction)dispatcher_register, METH_O, "Take DATA for this receive."},
+    {"unregister", (PyCFunction)dispatcher_unregister, METH_O, "Stop taking its DATA."},
+    {"take", (PyCFunction)dispatcher_take, METH_VARARGS, "Take one datagram if it may."},
+    {"take_rows", (PyCFunction)dispatcher_take_rows, METH_VARARGS, "Take rows of datagrams."},
+#ifdef __linux__
+    {"recv", (PyCFunction)dispatcher_recv, METH_O, "Receive a batch from a socket."},
+#endif
+    {"step", (PyCFunction)dispatcher_step, METH_O, "Take the batch until Python's turn."},
+    {"batch_rounds", (PyCFunction)dispatcher_batch_rounds, METH_NOARGS,
+     "Round ids of the batch's datagrams."},
+    {"lose", (PyCFunction)dispatcher_lose, METH_O, "Drop datagrams of the batch."},
+    {"counters", (PyCFunction)dispatcher_counters, METH_NOARGS, "Taken and dropped counts."},
+    {NULL},
+};
+
+static PyTypeObject DispatcherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "boundedloss._native.Dispatcher",
+    .tp_basicsize = sizeof(DispatcherObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The DATA fast path of one endpoint.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)dispatcher_init,
+    .tp_dealloc = (destructor)dispatcher_dealloc,
+    .tp_methods = dispatcher_methods,
+};
+
+/* ------------------------------------------------------------------ fwht */
+/* The normalised Walsh-Hadamard transform of every ``width`` block of x, in the same
+ * order of operations as aggregate.hadamard's numpy version (so the same bits): the
+ * stages on the high index bits (h = B .. width/2), the 1/sqrt(width) scale, then the
+ * low bits (h = 1 .. B/2), B = 2^(floor(log2 width / 2)). The high stages sweep the
+ * block (it fits in L2); the scale and low stages run on one B-run at a time, in L1. */
+#define FWHT_BODY(T)                                                                    \
+    for (size_t base = 0; base < n; base += width) {                                    \
+        T *x = data + base;                                                             \
+        for (size_t h = B; h < width; h <<= 1)                                          \
+            for (size_t g = 0; g < width; g += 2 * h)                                   \
+                for (size_t i = g; i < g + h; i++) {                                    \
+                    T a = x[i], b = x[i + h];                                           \
+                    x[i] = a + b;                                                       \
+                    x[i + h] = a - b;                                                   \
+                }                                                                       \
+        for (size_t g0 = 0; g0 < width; g0 += B) {                                      \
+            T *y = x + g0;                                                              \
+            for (size_t i = 0; i < B; i++) y[i] = y[i] * scale;                         \
+            for (size_t h = 1; h < B; h <<= 1)                                          \
+                for (size_t g = 0; g < B; g += 2 * h)                                   \
+                    for (size_t i = g; i < g + h; i++) {                                \
+                        T a = y[i], b = y[i + h];                                       \
+                        y[i] = a + b;                                                   \
+                        y[i + h] = a - b;                                               \
+                    }                                                                   \
+        }                                                                               \
+    }
+
+/* fwht(buffer, width, itemsize): in place, float32 (4) or float64 (8). */
+static PyObject *native_fwht(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    Py_ssize_t width_arg, itemsize;
+    if (!PyArg_ParseTuple(args, "w*nn", &b, &width_arg, &itemsize)) return NULL;
+    size_t width = (size_t)width_arg;
+    if (width_arg < 1 || (width & (width - 1)) || (itemsize != 4 && itemsize != 8)
+        || b.len % (itemsize * width_arg)) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "fwht: width must be a power of two dividing the buffer");
+        return NULL;
+    }
+    if (width > 1) {
+        int log2 = 0;
+        while (((size_t)1 << log2) < width) log2++;
+        size_t B = (size_t)1 << (log2 / 2);
+        size_t n = (size_t)b.len / (size_t)itemsize;
+        double s = 1.0 / sqrt((double)width);
+        Py_BEGIN_ALLOW_THREADS
+        if (itemsize == 4) {
+            float *data = (float *)b.buf, scale = (float)s;
+            FWHT_BODY(float)
+        } else {
+            double *data = (double *)b.buf, scale = s;
+            FWHT_BODY(double)
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+/* ---------------------------------------------------------------- module */
+static PyMethodDef module_methods[] = {
+    {"classify", native_classify, METH_O,
+     "None for a datagram wire.parse accepts, else the DropReason value it fails with."},
+    {"fwht", native_fwht, METH_VARARGS, "Normalised Walsh-Hadamard transform in place."},
+    {NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "boundedloss._native",
+    "The per-datagram data path under boundedloss's Python core.", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&ReceiveType) < 0 || PyType_Ready(&DispatcherType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *layout = Py_BuildValue(
+        "{sisisisisisisisisisisisisi}", "magic", OFF_MAGIC, "version", OFF_VERSION, "kind",
+        OFF_KIND, "flags", OFF_FLAGS, "plen", OFF_PLEN, "session", OFF_SESSION, "round",
+        OFF_ROUND, "message", OFF_MESSAGE, "index", OFF_INDEX, "count", OFF_COUNT, "mbytes",
+        OFF_MBYTES, "cbytes", OFF_CBYTES, "tseq", OFF_TSEQ);
+    Py_INCREF(&ReceiveType);
+    Py_INCREF(&DispatcherType);
+    if (layout == NULL || PyModule_AddObject(m, "LAYOUT", layout) < 0
+        || PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0
+        || PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0
+        || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0
+        || PyModule_AddIntConstant(m, "MAX_CHUNK_BYTES", MAX_CHUNK_BYTES) < 0
+        || PyModule_AddObject(m, "Receive", (PyObject *)&ReceiveType) < 0
+        || PyModule_AddObject(m, "Dispatcher", (PyObject *)&DispatcherType) < 0) {
+        Py_XDECREF(layout);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,144 @@
+"""The compiled DATA path (``boundedloss._native``) under a TransferMux, and whether it
+is in use.
+
+It takes the DATA datagrams of open receives off the Python core's hands: validation,
+the copy into the destination, the delivered flags, the counters and the ACKs. Every
+other datagram - and the few DATA datagrams that call for a decision: a receive's first,
+or one that would meet its plan - goes to ``TransferMux.datagram_received`` as before,
+in order. The Python path stays the reference: ``BOUNDEDLOSS_NATIVE=0`` turns the
+native one off, and where the extension was not built it is off and says why
+(``status()``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import struct
+from collections.abc import Hashable
+from types import ModuleType
+
+from .. import wire
+from ..protocol.mux import TransferMux
+from ..protocol.receiver import MessageReceiver
+from .loss import LossModel
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    try:
+        _native = importlib.import_module("boundedloss._native")
+    except ImportError as e:
+        return None, f"the compiled extension is not built ({e})"
+    if dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES:
+        return None, "the compiled extension's header layout differs from wire's: rebuild it"
+    return _native, "built"
+
+
+_NATIVE, _WHY = _load()
+
+
+def module() -> ModuleType:
+    """The compiled extension itself (its Dispatcher, Receive, classify and fwht)."""
+    if _NATIVE is None:
+        raise RuntimeError(status())
+    return _NATIVE
+
+
+def enabled() -> bool:
+    """Whether new endpoints use the compiled data path."""
+    return _NATIVE is not None and os.environ.get("BOUNDEDLOSS_NATIVE", "1").strip().lower() \
+        not in ("0", "no", "off", "false")
+
+
+def status() -> str:
+    """One line: which data path new endpoints use, and why."""
+    if _NATIVE is None:
+        return f"python ({_WHY})"
+    return "native" if enabled() else "python (BOUNDEDLOSS_NATIVE=0)"
+
+
+def ipv4_address(peer: Hashable) -> tuple[int, int] | None:
+    """``(ip, port)`` as integers for an ``("a.b.c.d", port)`` peer, else None."""
+    if not (isinstance(peer, tuple) and len(peer) == 2 and isinstance(peer[0], str)
+            and isinstance(peer[1], int)):
+        return None
+    try:
+        return struct.unpack("!I", socket.inet_aton(peer[0]))[0], peer[1]
+    except OSError:
+        return None
+
+
+class NativeDataPath:
+    """Attach to ``mux`` (``mux.data_path``); feed datagrams with ``take`` or, from a
+    socket, ``receive``."""
+
+    def __init__(self, mux: TransferMux):
+        if _NATIVE is None:
+            raise RuntimeError(status())
+        self._native = _NATIVE
+        self._mux = mux
+        self.dispatcher = _NATIVE.Dispatcher(mux.session)
+        self._peers: dict[tuple[int, int], tuple[str, int]] = {}
+        mux.data_path = self
+
+    # ------------------------------------------------------- DataPath for the mux
+    def receive_opened(self, receiver: MessageReceiver) -> None:
+        address = ipv4_address(receiver.peer)
+        if address is None:
+            return  # not an IPv4 peer: the Python core takes its DATA
+        dest, delivered, critical = receiver.buffers()
+        shared = self._native.Receive()
+        receiver.counts.copy_into(shared)
+        shared.bind(receiver.peer, address[0], address[1], receiver.round_id,
+                    receiver.message_id, receiver.count, receiver.nbytes, receiver.chunk_bytes,
+                    receiver.config.ack_every, dest, delivered, critical,
+                    receiver.ack_template())
+        receiver.counts = shared
+        self.dispatcher.register(shared)
+
+    def receive_closed(self, receiver: MessageReceiver) -> None:
+        if isinstance(receiver.counts, self._native.Receive):
+            self.dispatcher.unregister(receiver.counts)
+
+    def counters(self) -> dict[str, int]:
+        c = self.dispatcher.counters()
+        c["datagrams_in"] = c.pop("taken")
+        return c
+
+    # --------------------------------------------------------------- feeding
+    def take(self, data, peer: Hashable, now: float) -> None:
+        """One datagram from ``peer``: taken here, or handed to the mux."""
+        address = ipv4_address(peer)
+        if address is None or not self.dispatcher.take(data, address[0], address[1],
+                                                       self._mux.outbox):
+            self._mux.datagram_received(data, peer, now)
+
+    def receive(self, sock: socket.socket, now: float, loss: LossModel | None = None) -> int:
+        """One batch from ``sock`` (up to 64 messages, each a datagram or a GRO run):
+        DATA taken here, the rest handed to the mux in order. ``loss`` decides, per
+        datagram, which the network is made to lose. Returns the messages read."""
+        dispatcher = self.dispatcher
+        got = dispatcher.recv(sock)
+        if not got:
+            return 0
+        if loss is not None:
+            rounds = memoryview(dispatcher.batch_rounds()).cast("q")
+            if not loss.needs_round:  # (the Python path passes -1 then, too)
+                rounds = [-1] * len(rounds)  # type: ignore[assignment]
+            dispatcher.lose(bytes(loss.drop(now, r) for r in rounds))
+        outbox = self._mux.outbox
+        handed = dispatcher.step(outbox)
+        while handed is not None:
+            data, ip, port = handed
+            self._mux.datagram_received(data, self._peer(ip, port), now)
+            handed = dispatcher.step(outbox)
+        return got
+
+    def _peer(self, ip: int, port: int) -> tuple[str, int]:
+        peer = self._peers.get((ip, port))
+        if peer is None:
+            if len(self._peers) > 4096:
+                self._peers.clear()
+            peer = self._peers[(ip, port)] = (socket.inet_ntoa(struct.pack("!I", ip)), port)
+        return peer
