@@ -15,6 +15,7 @@ from boundedloss.protocol.pacing import Pacer
 from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEstimate
 from boundedloss.protocol.recovery import Recovery
 from boundedloss.protocol.sender import SendState
+from boundedloss.protocol.types import DataRun
 from boundedloss.wire import CloseReason, Kind
 
 CFG = TransportConfig(chunk_bytes=1000, initial_rto=0.05, min_rto=0.002, max_rto=0.5,
@@ -236,3 +237,18 @@ def test_send_state_after_an_answer_that_asks_for_chunks() -> None:
     tx.cancel(2e-3)
     assert tx.state is SendState.DONE and not tx.result.ok
     assert math.isclose(tx.result.stats.elapsed, 2e-3)
+
+
+def test_a_poll_in_runs_hands_out_the_same_datagrams_as_one_by_one() -> None:
+    def polled(runs: bool) -> list[bytes]:
+        mux = TransferMux(7, CFG)
+        mux.start_send("b", 1, 2, np.arange(10_500, dtype=np.uint8), 0.0)
+        items = mux.poll(0.0, 8, runs=runs) + mux.poll(0.0, 100, runs=runs)
+        flat = []
+        for item in items:
+            flat += item.datagrams() if isinstance(item, DataRun) else [item]
+        return [b"".join(bytes(p) for p in parts) for parts, _ in flat]
+
+    one_by_one = polled(False)
+    assert polled(True) == one_by_one
+    assert len(one_by_one) == 11 + 1  # every chunk, then the PROBE

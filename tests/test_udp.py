@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from boundedloss.net import native
 from boundedloss.net.loss import Bernoulli
 from boundedloss.net.udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, UdpEndpoint, segment_run
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
@@ -216,11 +218,21 @@ def test_segmented_sends_arrive_as_the_same_datagrams():
         assert counters["sendmsg_calls"] < tx.stats.datagrams / 10
 
 
-def test_without_offload_every_datagram_is_its_own_call(monkeypatch):
+@pytest.mark.parametrize("native_path", ["0", "1"])
+def test_without_offload_datagrams_go_one_per_call_or_in_sendmmsg_batches(monkeypatch,
+                                                                          native_path):
+    """The Python path sends a datagram per call; the compiled one up to 64 per
+    sendmmsg."""
     monkeypatch.setenv("BOUNDEDLOSS_UDP_GSO", "0")
+    monkeypatch.setenv("BOUNDEDLOSS_NATIVE", native_path)
     a, tx = _transfer(_cfg())
     assert not a.segmentation_offload
-    assert a.counters()["sendmsg_calls"] >= tx.stats.datagrams
+    counters = a.counters()
+    if counters["native_data_path"]:
+        assert tx.stats.datagrams / 64 <= counters["sendmsg_calls"] < tx.stats.datagrams / 10
+    else:
+        assert native_path == "0" or not native.enabled()
+        assert counters["sendmsg_calls"] >= tx.stats.datagrams
 
 
 def test_refused_offload_falls_back_without_losing_a_datagram(monkeypatch):
@@ -228,9 +240,43 @@ def test_refused_offload_falls_back_without_losing_a_datagram(monkeypatch):
 
     # the kernel answers an unknown SOL_UDP control message with EINVAL, as it does a
     # device without offload (EIO) or a segment over the MTU
+    monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "0")
     monkeypatch.setattr(udp, "UDP_SEGMENT", 9999)
     a, tx = _transfer(_cfg(), segmentation_offload=True)
     assert not a.segmentation_offload and a.counters()["io_gso_refused"] == 1
+
+
+class _RefusingOffload:
+    """The compiled dispatcher, but a segmented send fails with EINVAL, as the kernel
+    answers one to a device without offload."""
+
+    def __init__(self, real):
+        self.real = real
+        self.refused = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def send_run(self, sock, ip, port, headers, payload, indices, start, cb, nbytes, segment):
+        if segment and len(indices) - start > 1:
+            self.refused += 1
+            return start, errno.EINVAL, len(indices), 0
+        return self.real.send_run(sock, ip, port, headers, payload, indices, start, cb,
+                                  nbytes, segment)
+
+
+@pytest.mark.skipif(not native.enabled(), reason=f"compiled data path: {native.status()}")
+def test_refused_offload_falls_back_in_the_compiled_path_too():
+    data = np.random.default_rng(12).integers(0, 256, 500_000, dtype=np.uint8)
+    with (UdpEndpoint(session=SESSION, config=_cfg(), segmentation_offload=True) as a,
+          UdpEndpoint(session=SESSION, config=_cfg()) as b):
+        refusing = a.data_path.dispatcher = _RefusingOffload(a.data_path.dispatcher)
+        f_rx = b.receive(a.address, message_id=1, nbytes=data.nbytes)
+        assert a.send(b.address, data, message_id=1).result(30).ok
+        res = f_rx.result(30)
+        assert res.complete and np.array_equal(res.data, data)
+    assert refusing.refused == 1 and not a.segmentation_offload
+    assert a.counters()["io_gso_refused"] == 1
 
 
 def test_a_bug_in_the_io_thread_fails_every_caller_at_once_with_its_cause():

@@ -32,6 +32,9 @@
 #ifndef UDP_GRO
 #define UDP_GRO 104
 #endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
 #endif
 
 /* ----------------------------------------------------------------- the header */
@@ -533,6 +536,153 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
 }
 #endif
 
+/* send_run(sock, ip, port, headers, payload, indices, start, chunk_bytes, nbytes,
+ *          segment) -> (next, err, end, calls): the DATA datagrams of one message, chunk
+ * indices[start:], each its header (48 bytes at i * 48 in headers) then its payload (at
+ * i * chunk_bytes in payload), gathered straight from those buffers. With ``segment``
+ * runs of equal-sized datagrams go out as one UDP_SEGMENT send each (the last may be
+ * shorter), else up to 64 datagrams per sendmmsg. Stops at the first error: ``err`` is
+ * its errno (0: all sent), ``next`` the first unsent index into indices, ``end`` the end
+ * of the call that failed; ``calls``: system calls that sent. The GIL is released
+ * around each call. */
+#ifdef __linux__
+#define SEND_MAX 64
+#define GSO_MAX_BYTES 65507
+static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
+    PyObject *sock, *idx_obj;
+    unsigned int ip, port, cb;
+    unsigned long long nbytes;
+    Py_ssize_t start;
+    int segment;
+    Py_buffer hb, pb;
+    (void)d;
+    if (!PyArg_ParseTuple(args, "OIIy*y*OnIKp", &sock, &ip, &port, &hb, &pb, &idx_obj, &start,
+                          &cb, &nbytes, &segment))
+        return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    uint32_t *idx = NULL;
+    int fd = PyObject_AsFileDescriptor(sock);
+    if (fd < 0) goto done;
+    seq = PySequence_Fast(idx_obj, "indices must be a sequence");
+    if (seq == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t count = cb ? (nbytes + cb - 1) / cb : 0;
+    if (count == 0) count = 1;
+    if (cb == 0 || start < 0 || start > n || (uint64_t)hb.len < count * HEADER_BYTES
+        || (uint64_t)pb.len != nbytes) {
+        PyErr_SetString(PyExc_ValueError, "send_run: buffers disagree with the geometry");
+        goto done;
+    }
+    idx = PyMem_Malloc(sizeof(uint32_t) * (size_t)(n ? n : 1));
+    if (idx == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
+        if (v >= count) {
+            PyErr_SetString(PyExc_ValueError, "send_run: chunk index out of range");
+            goto done;
+        }
+        idx[i] = (uint32_t)v;
+    }
+    struct sockaddr_in to;
+    memset(&to, 0, sizeof to);
+    to.sin_family = AF_INET;
+    to.sin_addr.s_addr = htonl(ip);
+    to.sin_port = htons((uint16_t)port);
+    const unsigned char *H = hb.buf, *P = pb.buf;
+    uint64_t last_len = nbytes - (uint64_t)cb * (count - 1);
+#define CLEN(c) ((c) == count - 1 ? last_len : cb)
+    struct iovec iov[2 * SEND_MAX];
+    struct mmsghdr msgs[SEND_MAX];
+    char ctrl[CMSG_SPACE(sizeof(uint16_t))];
+    Py_ssize_t i = start, end = start;
+    long calls = 0;
+    int err = 0;
+    while (i < n) {
+        Py_ssize_t k;  /* datagrams in this call */
+        uint32_t size0 = HEADER_BYTES + (uint32_t)CLEN(idx[i]);
+        if (segment) {
+            Py_ssize_t most = GSO_MAX_BYTES / size0;
+            if (most > SEND_MAX) most = SEND_MAX;
+            if (most < 1) most = 1;
+            k = 1;
+            while (i + k < n && k < most) {
+                uint32_t sz = HEADER_BYTES + (uint32_t)CLEN(idx[i + k]);
+                if (sz != size0) {
+                    if (sz < size0) k++;  /* a short last segment closes the run */
+                    break;
+                }
+                k++;
+            }
+        } else {
+            k = n - i < SEND_MAX ? n - i : SEND_MAX;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            uint32_t c = idx[i + j];
+            iov[2 * j].iov_base = (void *)(H + (size_t)c * HEADER_BYTES);
+            iov[2 * j].iov_len = HEADER_BYTES;
+            iov[2 * j + 1].iov_base = (void *)(P + (size_t)c * cb);
+            iov[2 * j + 1].iov_len = (size_t)CLEN(c);
+        }
+        end = i + k;
+        int sent;
+        if (segment) {
+            struct msghdr m;
+            memset(&m, 0, sizeof m);
+            m.msg_name = &to;
+            m.msg_namelen = sizeof to;
+            m.msg_iov = iov;
+            m.msg_iovlen = (size_t)(2 * k);
+            if (k > 1) {
+                memset(ctrl, 0, sizeof ctrl);
+                m.msg_control = ctrl;
+                m.msg_controllen = sizeof ctrl;
+                struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+                c->cmsg_level = SOL_UDP;
+                c->cmsg_type = UDP_SEGMENT;
+                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+                uint16_t gso = (uint16_t)size0;
+                memcpy(CMSG_DATA(c), &gso, sizeof gso);
+            }
+            ssize_t r;
+            Py_BEGIN_ALLOW_THREADS
+            r = sendmsg(fd, &m, 0);
+            Py_END_ALLOW_THREADS
+            sent = r < 0 ? -1 : (int)k;
+        } else {
+            memset(msgs, 0, sizeof(struct mmsghdr) * (size_t)k);
+            for (Py_ssize_t j = 0; j < k; j++) {
+                msgs[j].msg_hdr.msg_name = &to;
+                msgs[j].msg_hdr.msg_namelen = sizeof to;
+                msgs[j].msg_hdr.msg_iov = &iov[2 * j];
+                msgs[j].msg_hdr.msg_iovlen = 2;
+            }
+            Py_BEGIN_ALLOW_THREADS
+            sent = sendmmsg(fd, msgs, (unsigned int)k, 0);
+            Py_END_ALLOW_THREADS
+            if (sent < 0) end = i + 1;  /* the first datagram failed */
+        }
+        if (sent < 0) {
+            err = errno;
+            break;
+        }
+        calls++;
+        i += sent;  /* (sendmmsg may stop short: the next call says why) */
+    }
+#undef CLEN
+    result = Py_BuildValue("(nini)", i, err, end, (int)calls);
+done:
+    PyMem_Free(idx);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&pb);
+    return result;
+}
+#endif
+
 /* step(out) -> None | (datagram, ip, port): takes the batch's datagrams until one is
  * Python's; returns that one (a copy) or None when the batch is done. */
 static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
@@ -644,6 +794,9 @@ static PyMethodDef dispatcher_methods[] = {
     {"recv", (PyCFunction)dispatcher_recv, METH_O, "Receive a batch from a socket."},
 #endif
     {"step", (PyCFunction)dispatcher_step, METH_O, "Take the batch until Python's turn."},
+#ifdef __linux__
+    {"send_run", (PyCFunction)dispatcher_send_run, METH_VARARGS, "Send a run of DATA."},
+#endif
     {"batch_rounds", (PyCFunction)dispatcher_batch_rounds, METH_NOARGS,
      "Round ids of the batch's datagrams."},
     {"lose", (PyCFunction)dispatcher_lose, METH_O, "Drop datagrams of the batch."},

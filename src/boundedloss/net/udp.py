@@ -44,11 +44,17 @@ from ..policy.reliable import ReliablePolicy
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from ..protocol.sender import MessageSender
-from ..protocol.types import ReceiveResult, SendResult, TransportConfig, TransportError
+from ..protocol.types import (
+    DataRun,
+    ReceiveResult,
+    SendResult,
+    TransportConfig,
+    TransportError,
+)
 from ..wire import DropReason, peek_round
 from . import native
 from .loss import LossModel
-from .native import NativeDataPath
+from .native import NativeDataPath, ipv4_address
 
 RECV_BURST = 512
 RECV_BATCH = 64  # messages the compiled data path reads per system call
@@ -294,6 +300,31 @@ class UdpEndpoint:
             if entry is not None and not entry[1].done():
                 entry[1].set_result(result)
 
+    def _send_run(self, data_path, run: DataRun, start: int) -> tuple[int, bool]:
+        """Send ``run.indices[start:]`` through the compiled path: how far it got, and
+        whether the socket is full (or out of buffers) so the loop must wait."""
+        peer = run.peer
+        ip, port = ipv4_address(peer) or (0, 0)
+        nbytes = run.payload.nbytes
+        while True:
+            start, err, end, calls = data_path.dispatcher.send_run(
+                self.sock, ip, port, run.headers, run.payload, run.indices, start,
+                run.chunk_bytes, nbytes, self.segmentation_offload)
+            self.sendmsg_calls += calls
+            if err == 0:
+                return start, False
+            if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                return start, True
+            if self.segmentation_offload and end - start > 1 and err in _GSO_REFUSED:
+                self.segmentation_offload = False  # one datagram per call from now on
+                self.io_errors["gso_refused"] += 1
+                continue
+            # unreachable peer, ...: those datagrams are lost
+            self.io_errors[errno.errorcode.get(err, str(err))] += 1
+            if err == errno.ENOBUFS:
+                return end, True
+            start = end
+
     def _receive_native(self, data_path: NativeDataPath, now: float) -> None:
         """Drain the socket through the compiled data path, a batch per system call."""
         for _ in range(RECV_BURST // RECV_BATCH):
@@ -320,6 +351,7 @@ class UdpEndpoint:
         monotonic = time.monotonic
         batch: list = []  # datagrams polled from the mux, sent up to pos
         pos = 0
+        run_pos = 0  # how far into batch[pos], a DataRun, the compiled path has sent
         calls = 0
         gso_cmsg: dict[int, list] = {}  # segment size -> its UDP_SEGMENT control message
         rlist = [sock, self._wake_r]
@@ -372,10 +404,18 @@ class UdpEndpoint:
                 if deadline is not None and deadline <= now:
                     mux.timer_fired(now)
                 if pos >= len(batch):
-                    batch = mux.poll(now, SEND_BURST)
+                    batch = mux.poll(now, SEND_BURST, runs=data_path is not None)
                     pos = 0
                 while pos < len(batch):
-                    if self.segmentation_offload:
+                    item = batch[pos]
+                    if type(item) is DataRun:
+                        # (the compiled path sends it; the sends are counted there)
+                        run_pos, blocked = self._send_run(data_path, item, run_pos)
+                        if blocked:
+                            break
+                        pos, run_pos = pos + 1, 0
+                        continue
+                    if self.segmentation_offload and data_path is None:
                         end, size = segment_run(batch, pos)
                     else:
                         end = pos + 1
@@ -407,7 +447,8 @@ class UdpEndpoint:
                         if e.errno == errno.ENOBUFS:
                             blocked = True
                             break
-                self.sendmsg_calls = calls
+                self.sendmsg_calls += calls
+                calls = 0
                 more = pos < len(batch) or mux.has_output()
                 deadline = mux.next_deadline()  # sending may have armed timers (probes)
                 finished = mux.pop_finished()

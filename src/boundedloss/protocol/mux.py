@@ -290,12 +290,15 @@ class TransferMux:
     def has_output(self) -> bool:
         return bool(self.outbox) or any(tx.has_data() for tx in self._senders.values())
 
-    def poll(self, now: float, limit: int = 1024) -> list:
-        """Datagrams to send now, as ``(parts, peer)`` with ``parts`` a tuple of buffers
-        to be sent as one datagram (``socket.sendmsg`` gathers them without a copy)."""
+    def poll(self, now: float, limit: int = 1024, *, runs: bool = False) -> list:
+        """Up to ``limit`` datagrams to send now, as ``(parts, peer)`` with ``parts`` a
+        tuple of buffers to be sent as one datagram (``socket.sendmsg`` gathers them
+        without a copy). ``runs``: a sender's DATA comes as one ``DataRun`` per batch
+        instead, for a data path that builds the datagrams itself."""
         out = self.outbox[:]
         self.outbox.clear()
-        if len(out) >= limit:
+        n = len(out)
+        if n >= limit:
             return out
         senders = list(self._senders.values())
         if not senders:
@@ -304,13 +307,15 @@ class TransferMux:
         senders = senders[self._turn :] + senders[: self._turn]
         batch = self.config.send_batch
         progressed = True
-        while progressed and len(out) < limit:
+        while progressed and n < limit:
             progressed = False
             for tx in senders:
-                room = min(batch, limit - len(out))
+                room = min(batch, limit - n)
                 if room <= 0:
                     break
-                if tx.poll(now, room, out):
+                sent = tx.poll(now, room, out, runs=runs)
+                if sent:
+                    n += sent
                     progressed = True
         return out
 

@@ -28,7 +28,14 @@ from ..wire import BITMAP_PREFIX, HEADER_BYTES, Flag, Kind
 from .pacing import Pacer
 from .path import PeerPath
 from .recovery import Recovery
-from .types import CloseReason, SendResult, SendStatus, TransferStats, TransportConfig
+from .types import (
+    CloseReason,
+    DataRun,
+    SendResult,
+    SendStatus,
+    TransferStats,
+    TransportConfig,
+)
 
 
 class SendState(enum.Enum):
@@ -249,8 +256,9 @@ class MessageSender:
             len(self._queue) > 0 and self._window.room() > 0 and self.pacer.paced_until is None
         )
 
-    def poll(self, now: float, limit: int, out: list) -> int:
-        """Append up to ``limit`` datagrams ``(parts, peer)`` to ``out``; return how many."""
+    def poll(self, now: float, limit: int, out: list, *, runs: bool = False) -> int:
+        """Append up to ``limit`` datagrams ``(parts, peer)`` to ``out``; return how many.
+        ``runs``: the DATA of this poll as one ``DataRun`` instead."""
         if self._state is SendState.DONE:
             return 0
         sent = 0
@@ -271,7 +279,7 @@ class MessageSender:
             if room <= 0:
                 window.shut(now)
             elif k > 0:
-                sent += self._send_data(now, k, out)
+                sent += self._send_data(now, k, out, runs)
         if len(queue) == 0:
             queue.drained()
             if self._state is SendState.SENDING:  # nothing new to send: ask what is missing
@@ -281,7 +289,7 @@ class MessageSender:
                     self._transition(SendEvent.PROBE_DEFERRED)
         return sent
 
-    def _send_data(self, now: float, k: int, out: list) -> int:
+    def _send_data(self, now: float, k: int, out: list, runs: bool) -> int:
         queue = self._queue
         first_pass = queue.first_pass
         batch = queue.take(k)
@@ -294,11 +302,15 @@ class MessageSender:
         pay = self._payload
         cb = self.chunk_bytes
         peer = self.peer
-        # memoryview slices clamp at the end, so the short last chunk needs no min()
-        out.extend(
-            ((hdr[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], pay[i * cb : (i + 1) * cb]), peer)
-            for i in batch
-        )
+        if runs:
+            out.append(DataRun(peer, hdr, pay, cb, batch))
+        else:
+            # memoryview slices clamp at the end, so the short last chunk needs no min()
+            out.extend(
+                ((hdr[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], pay[i * cb : (i + 1) * cb]),
+                 peer)
+                for i in batch
+            )
         counts = self.counts
         counts.datagrams += k
         counts.payload_bytes += k * cb

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,6 +170,27 @@ class SendResult:
     @property
     def ok(self) -> bool:
         return self.status == SendStatus.STOPPED
+
+
+@dataclass(frozen=True, slots=True)
+class DataRun:
+    """DATA datagrams of one message to one peer, as the sender's buffers hold them: the
+    datagram of chunk ``i`` (for ``i`` in ``indices``) is the header
+    ``headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]`` then the payload
+    ``payload[i * chunk_bytes : (i + 1) * chunk_bytes]`` (the last chunk may be shorter).
+    A data path sends them without building each datagram in Python."""
+
+    peer: Hashable
+    headers: memoryview
+    payload: memoryview
+    chunk_bytes: int
+    indices: list[int]
+
+    def datagrams(self) -> list[tuple[tuple[memoryview, memoryview], Hashable]]:
+        """The same datagrams as ``poll`` hands them out one by one."""
+        hb, cb = HEADER_BYTES, self.chunk_bytes
+        return [((self.headers[i * hb : (i + 1) * hb], self.payload[i * cb : (i + 1) * cb]),
+                 self.peer) for i in self.indices]
 
 
 class TransportError(RuntimeError):
