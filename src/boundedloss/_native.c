@@ -817,31 +817,50 @@ static PyTypeObject DispatcherType = {
 };
 
 /* ------------------------------------------------------------------ fwht */
-/* The normalised Walsh-Hadamard transform of every ``width`` block of x, in the same
- * order of operations as aggregate.hadamard's numpy version (so the same bits): the
- * stages on the high index bits (h = B .. width/2), the 1/sqrt(width) scale, then the
- * low bits (h = 1 .. B/2), B = 2^(floor(log2 width / 2)). The high stages sweep the
- * block (it fits in L2); the scale and low stages run on one B-run at a time, in L1. */
+/* The normalised Walsh-Hadamard transform of every ``width`` block of x, with the same
+ * floating-point operations in the same order as aggregate.hadamard's numpy version (so
+ * the same bits): the butterfly stages on the high index bits (h = B .. width/2), the
+ * 1/sqrt(width) scale, then the low bits (h = 1 .. B/2), B = 2^(floor(log2 width / 2)).
+ * Two stages at a time (h and 2h touch the same four elements, so doing both per
+ * four-tuple changes no operation), the high stages sweeping the block (it fits in L2),
+ * the scale and the low stages one B-run at a time, in L1. */
+#define STAGE2(T, x, h, len)                                                            \
+    for (size_t g = 0; g < (len); g += 2 * (h))                                         \
+        for (size_t i = g; i < g + (h); i++) {                                          \
+            T a = (x)[i], b = (x)[i + (h)];                                             \
+            (x)[i] = a + b;                                                             \
+            (x)[i + (h)] = a - b;                                                       \
+        }
+#define STAGE4(T, x, h, len)                                                            \
+    for (size_t g = 0; g < (len); g += 4 * (h))                                         \
+        for (size_t i = g; i < g + (h); i++) {                                          \
+            T a = (x)[i], b = (x)[i + (h)], c = (x)[i + 2 * (h)], d = (x)[i + 3 * (h)];   \
+            T p = a + b, q = a - b, r = c + d, t = c - d;                               \
+            (x)[i] = p + r;                                                             \
+            (x)[i + 2 * (h)] = p - r;                                                   \
+            (x)[i + (h)] = q + t;                                                       \
+            (x)[i + 3 * (h)] = q - t;                                                   \
+        }
+#define STAGES(T, x, from, to)                                                          \
+    {                                                                                   \
+        size_t h_ = (from);                                                             \
+        for (; 2 * h_ < (to); h_ *= 4) STAGE4(T, x, h_, (to))                           \
+        if (h_ < (to)) STAGE2(T, x, h_, (to))                                           \
+    }
 #define FWHT_BODY(T)                                                                    \
     for (size_t base = 0; base < n; base += width) {                                    \
         T *x = data + base;                                                             \
-        for (size_t h = B; h < width; h <<= 1)                                          \
-            for (size_t g = 0; g < width; g += 2 * h)                                   \
-                for (size_t i = g; i < g + h; i++) {                                    \
-                    T a = x[i], b = x[i + h];                                           \
-                    x[i] = a + b;                                                       \
-                    x[i + h] = a - b;                                                   \
-                }                                                                       \
+        for (size_t h = B; h < width; h *= 4) {                                         \
+            if (2 * h < width) {                                                        \
+                STAGE4(T, x, h, width)                                                  \
+            } else {                                                                    \
+                STAGE2(T, x, h, width)                                                  \
+            }                                                                           \
+        }                                                                               \
         for (size_t g0 = 0; g0 < width; g0 += B) {                                      \
             T *y = x + g0;                                                              \
             for (size_t i = 0; i < B; i++) y[i] = y[i] * scale;                         \
-            for (size_t h = 1; h < B; h <<= 1)                                          \
-                for (size_t g = 0; g < B; g += 2 * h)                                   \
-                    for (size_t i = g; i < g + h; i++) {                                \
-                        T a = y[i], b = y[i + h];                                       \
-                        y[i] = a + b;                                                   \
-                        y[i + h] = a - b;                                               \
-                    }                                                                   \
+            STAGES(T, y, 1, B)                                                          \
         }                                                                               \
     }
 
@@ -849,6 +868,7 @@ static PyTypeObject DispatcherType = {
 static PyObject *native_fwht(PyObject *self, PyObject *args) {
     Py_buffer b;
     Py_ssize_t width_arg, itemsize;
+    (void)self;
     if (!PyArg_ParseTuple(args, "w*nn", &b, &width_arg, &itemsize)) return NULL;
     size_t width = (size_t)width_arg;
     if (width_arg < 1 || (width & (width - 1)) || (itemsize != 4 && itemsize != 8)
@@ -877,11 +897,47 @@ static PyObject *native_fwht(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* flip_signs(buffer, bits, itemsize): negate element i where bit i of ``bits`` is set
+ * (most significant bit first, as numpy.unpackbits reads them) - multiplying by D's
+ * +/-1, exactly: a sign flip is what x * -1 is. float32 (4) or float64 (8). */
+static PyObject *native_flip_signs(PyObject *self, PyObject *args) {
+    Py_buffer b, bits;
+    Py_ssize_t itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*n", &b, &bits, &itemsize)) return NULL;
+    PyObject *result = NULL;
+    if ((itemsize != 4 && itemsize != 8) || b.len % itemsize
+        || bits.len * 8 < b.len / itemsize) {
+        PyErr_SetString(PyExc_ValueError, "flip_signs: need a bit per element");
+        goto done;
+    }
+    size_t n = (size_t)(b.len / itemsize);
+    const unsigned char *m = bits.buf;
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 4) {
+        uint32_t *v = (uint32_t *)b.buf;
+        for (size_t i = 0; i < n; i++)
+            v[i] ^= (uint32_t)((m[i >> 3] >> (7 - (i & 7))) & 1) << 31;
+    } else {
+        uint64_t *v = (uint64_t *)b.buf;
+        for (size_t i = 0; i < n; i++)
+            v[i] ^= (uint64_t)((m[i >> 3] >> (7 - (i & 7))) & 1) << 63;
+    }
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&bits);
+    return result;
+}
+
 /* ---------------------------------------------------------------- module */
 static PyMethodDef module_methods[] = {
     {"classify", native_classify, METH_O,
      "None for a datagram wire.parse accepts, else the DropReason value it fails with."},
     {"fwht", native_fwht, METH_VARARGS, "Normalised Walsh-Hadamard transform in place."},
+    {"flip_signs", native_flip_signs, METH_VARARGS, "Negate the elements a bit marks."},
     {NULL},
 };
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import native
 from .base import Aggregator
 
 __all__ = ["Dispersed", "HadamardDispersion", "message_seed"]
@@ -53,6 +54,14 @@ def message_seed(session: int, round_id: int, message_id: int) -> int:
     packed = struct.pack("<QQQ", session & _U64, round_id & _U64, message_id & _U64)
     digest = hashlib.blake2b(packed, digest_size=8, person=b"boundedloss-rht").digest()
     return int.from_bytes(digest, "little")
+
+
+_NATIVE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _sign_bits(seed: int, length: int) -> bytes:
+    """D's random bits, most significant first: bit i set means D_ii = -1."""
+    return np.random.default_rng(seed).bytes((length + 7) // 8)
 
 
 def _next_pow2(n: int) -> int:
@@ -144,11 +153,19 @@ class HadamardDispersion:
     @staticmethod
     def signs(seed: int, length: int, dtype: np.dtype | type = np.float64) -> np.ndarray:
         """D's diagonal: ``length`` values of +/-1 from ``np.random.default_rng(seed)``
-        (one random bit each)."""
-        rng = np.random.default_rng(seed)
-        bits = np.unpackbits(np.frombuffer(rng.bytes((length + 7) // 8), dtype=np.uint8),
+        (one random bit each, 1 for -1)."""
+        bits = np.unpackbits(np.frombuffer(_sign_bits(seed, length), dtype=np.uint8),
                              count=length)
         return np.array([1, -1], dtype=dtype)[bits]
+
+    def _times_signs(self, x: np.ndarray, seed: int, out: np.ndarray) -> None:
+        """``out = x * D`` (``out`` of the work dtype, ``x`` may be ``out`` itself)."""
+        if native.enabled() and out.dtype in _NATIVE_DTYPES and out.flags.c_contiguous:
+            if x is not out:
+                np.copyto(out, x, casting="same_kind")
+            native.module().flip_signs(out, _sign_bits(seed, out.size), out.itemsize)
+        else:
+            np.multiply(x, self.signs(seed, out.size, out.dtype), out=out, casting="same_kind")
 
     @staticmethod
     def _work_dtype(dtype: np.dtype) -> tuple[np.dtype, np.dtype]:
@@ -160,6 +177,12 @@ class HadamardDispersion:
     def _transform(self, buf: np.ndarray, n: int) -> np.ndarray:
         """Transform the private flat buffer ``buf`` (overwritten) segment by segment;
         returns the array holding the result (``buf`` or a scratch buffer)."""
+        if native.enabled() and buf.dtype in _NATIVE_DTYPES:  # in place, no scratch
+            fwht = native.module().fwht
+            for off, length, width in self._segments(n):
+                if width > 1:
+                    fwht(buf[off : off + length], width, buf.itemsize)
+            return buf
         spare = np.empty_like(buf)
         result = None
         for off, length, width in self._segments(n):
@@ -178,8 +201,9 @@ class HadamardDispersion:
         work, result = self._work_dtype(x.dtype)
         n = x.size
         m = self.encoded_length(n)
-        signed = np.zeros(m, dtype=work)
-        np.multiply(x, self.signs(seed, n, work), out=signed[:n], casting="same_kind")
+        signed = np.empty(m, dtype=work)
+        signed[n:] = 0
+        self._times_signs(x, seed, signed[:n])
         y = self._transform(signed, n)
         return y if result == work else y.astype(result)
 
@@ -192,7 +216,7 @@ class HadamardDispersion:
             raise ValueError(f"an encoded {n}-element vector has {m} elements, got {y.size}")
         work, result = self._work_dtype(y.dtype)
         x = self._transform(y.astype(work), n)[:n]  # a copy: y is the caller's
-        np.multiply(x, self.signs(seed, n, work), out=x)
+        self._times_signs(x, seed, x)
         return x if result == work else x.astype(result)
 
 

@@ -12,50 +12,14 @@ native one off, and where the extension was not built it is off and says why
 
 from __future__ import annotations
 
-import importlib
-import os
 import socket
 import struct
 from collections.abc import Hashable
-from types import ModuleType
 
-from .. import wire
+from ..native import enabled, module, status
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from .loss import LossModel
-
-
-def _load() -> tuple[ModuleType | None, str]:
-    try:
-        _native = importlib.import_module("boundedloss._native")
-    except ImportError as e:
-        return None, f"the compiled extension is not built ({e})"
-    if dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES:
-        return None, "the compiled extension's header layout differs from wire's: rebuild it"
-    return _native, "built"
-
-
-_NATIVE, _WHY = _load()
-
-
-def module() -> ModuleType:
-    """The compiled extension itself (its Dispatcher, Receive, classify and fwht)."""
-    if _NATIVE is None:
-        raise RuntimeError(status())
-    return _NATIVE
-
-
-def enabled() -> bool:
-    """Whether new endpoints use the compiled data path."""
-    return _NATIVE is not None and os.environ.get("BOUNDEDLOSS_NATIVE", "1").strip().lower() \
-        not in ("0", "no", "off", "false")
-
-
-def status() -> str:
-    """One line: which data path new endpoints use, and why."""
-    if _NATIVE is None:
-        return f"python ({_WHY})"
-    return "native" if enabled() else "python (BOUNDEDLOSS_NATIVE=0)"
 
 
 def ipv4_address(peer: Hashable) -> tuple[int, int] | None:
@@ -74,11 +38,9 @@ class NativeDataPath:
     socket, ``receive``."""
 
     def __init__(self, mux: TransferMux):
-        if _NATIVE is None:
-            raise RuntimeError(status())
-        self._native = _NATIVE
+        self._native = module()
         self._mux = mux
-        self.dispatcher = _NATIVE.Dispatcher(mux.session)
+        self.dispatcher = self._native.Dispatcher(mux.session)
         self._peers: dict[tuple[int, int], tuple[str, int]] = {}
         mux.data_path = self
 
@@ -142,3 +104,6 @@ class NativeDataPath:
                 self._peers.clear()
             peer = self._peers[(ip, port)] = (socket.inet_ntoa(struct.pack("!I", ip)), port)
         return peer
+
+
+__all__ = ["NativeDataPath", "enabled", "ipv4_address", "module", "status"]

@@ -1,0 +1,49 @@
+"""Whether the compiled extension (``boundedloss._native``) is built and in use.
+
+``pip install`` builds it from source where it can (setup.py); where it cannot, and
+wherever ``BOUNDEDLOSS_NATIVE=0``, boundedloss runs its pure-Python path - the
+reference the compiled one is tested against - and ``status()`` says why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+from . import wire
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    try:
+        _native = importlib.import_module("boundedloss._native")
+    except ImportError as e:
+        return None, f"the compiled extension is not built ({e})"
+    if dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES:
+        return None, "the compiled extension's header layout differs from wire's: rebuild it"
+    return _native, "built"
+
+
+_NATIVE, _WHY = _load()
+
+
+def module() -> ModuleType:
+    """The compiled extension itself (its Dispatcher, Receive, classify and fwht)."""
+    if _NATIVE is None:
+        raise RuntimeError(status())
+    return _NATIVE
+
+
+def enabled() -> bool:
+    """Whether the compiled code is used (new endpoints' data path, the transform)."""
+    return _NATIVE is not None and os.environ.get("BOUNDEDLOSS_NATIVE", "1").strip().lower() \
+        not in ("0", "no", "off", "false")
+
+
+def status() -> str:
+    """One line: which path is used - ``native``, or ``python (why)``."""
+    if _NATIVE is None:
+        return f"python ({_WHY})"
+    return "native" if enabled() else "python (BOUNDEDLOSS_NATIVE=0)"
+
+
