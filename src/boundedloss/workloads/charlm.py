@@ -64,7 +64,8 @@ def batches(ids: torch.Tensor, seq: int, batch: int, generator: torch.Generator)
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, ids: torch.Tensor, seq: int = 128, max_windows: int = 256) -> float:
+def perplexity(model: nn.Module, ids: torch.Tensor, seq: int = 128,
+               max_windows: int = 256) -> float:
     """exp(mean cross-entropy per symbol) over consecutive held-out windows."""
     model.eval()
     n = min(max_windows, (len(ids) - 1) // seq)
