@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import PROPERTY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +33,7 @@ from boundedloss.aggregate import (
 from boundedloss.aggregate import base as agg_base
 from boundedloss.protocol.types import ReceiveResult, TransferStats
 from boundedloss.wire import CloseReason
+from conftest import PROPERTY
 
 Z = 5.0  # standard errors allowed in statistical checks
 ALL = [ZeroFill(), UnbiasedRescale(), BubbleFill(), StaleFill()]
