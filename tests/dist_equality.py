@@ -21,12 +21,19 @@ def rank_main(rank, world, port, topology):
     import boundedloss.torch as bl
 
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(64, 2000), torch.nn.ReLU(), torch.nn.Linear(2000, 10))
-    twin = torch.nn.Sequential(torch.nn.Linear(64, 2000), torch.nn.ReLU(), torch.nn.Linear(2000, 10))
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(64, 2000), torch.nn.ReLU(),
+                                   torch.nn.Linear(2000, 10))
+
+    net, twin = mlp(), mlp()
     twin.load_state_dict(net.state_dict())
     gloo = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)
     ours = torch.nn.parallel.DistributedDataParallel(twin, bucket_cap_mb=0.05)
-    state = bl.register(ours, "reliable", topology=topology, chunk_bytes=1400, receive_deadline=10)
+    # chunks that do not divide a float's bytes evenly: floats cut at chunk edges too
+    transport = bl.hook_transport(chunk_bytes=1202, receive_deadline=10)
+    state = bl.register(ours, "reliable", topology=topology, transport=transport)
+    assert state.endpoint.config == transport and state.transport is transport
     g = torch.Generator().manual_seed(rank)
     worst = 0.0
     for step in range(4):

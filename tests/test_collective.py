@@ -35,7 +35,7 @@ def _run_world(cls, world, make_policy, aggregator, rounds, buckets, losses=None
             for t in range(rounds):
                 threads = []
                 for b in range(buckets):  # several buckets in flight at once
-                    def one(b=b):
+                    def one(b=b, t=t):
                         try:
                             out, st = coll.allreduce_mean(inputs[(r, t, b)], t, b)
                         except Exception as e:  # noqa: BLE001
@@ -53,7 +53,8 @@ def _run_world(cls, world, make_policy, aggregator, rounds, buckets, losses=None
         finally:
             coll.close()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world) if r not in absent]
+    threads = [threading.Thread(target=rank_main, args=(r,))
+               for r in range(world) if r not in absent]
     for th in threads:
         th.start()
     for th in threads:
@@ -149,8 +150,9 @@ def test_server_does_not_wait_for_its_broadcast_to_be_acknowledged():
     th.start()
     try:
         out0, _ = colls[0].allreduce_mean(x[0], 0)
-        [(r, w, fut)] = colls[0]._broadcasts[0]
-        assert (r, w) == (0, 1) and not fut.done()  # returned with the STOP outstanding
+        [pending] = colls[0].unacknowledged_broadcasts(0)
+        assert (pending.round_id, pending.worker) == (0, 1)
+        assert not pending.future.done()  # returned with the STOP outstanding
         np.testing.assert_allclose(out0, (x[0] + x[1]) / 2)
         colls[0].allreduce_mean(x[0], 1)  # round 0's send may still be probing
         with pytest.raises(PeerFailure, match="rank 1"):

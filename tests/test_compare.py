@@ -11,15 +11,16 @@ import pytest
 from boundedloss.cli import main
 from boundedloss.emulate import available
 from boundedloss.experiments.compare import (
+    NETWORKS,
     ROW_FIELDS,
     SCENARIOS,
     add_ratios,
     burst_rounds,
     choose_network,
     make_config,
-    parse_policies,
 )
 from boundedloss.experiments.report import PLOTS
+from boundedloss.policy import DEFAULT_P_LOW, FixedBoundPolicy, parse_policy
 
 KERNEL_OK, KERNEL_WHY = available()
 
@@ -66,30 +67,31 @@ def test_baseline_is_mlt_at_p_low_and_gloo_runs_lossless():
     sc = SCENARIOS["microburst"]
     arms = {a.label: a for a in sc.arms(("gloo", "mlt", "baseline", "dblp"))}
     cfg = make_config(sc, arms["baseline"], out="x", epochs=2, workers=2, seed=0)
-    assert (cfg.policy, cfg.mlt_p, cfg.loss, cfg.aggregator) == ("mlt", 0.008, sc.loss, "zero")
+    assert (cfg.loss, cfg.aggregator) == (sc.loss, "zero")
+    policy = parse_policy(cfg.policy).make()  # what the run's ranks build
+    assert isinstance(policy, FixedBoundPolicy) and policy.p == DEFAULT_P_LOW == 0.008
     cfg = make_config(sc, arms["mlt"], out="x", epochs=2, workers=2, seed=0)
-    assert (cfg.policy, cfg.mlt_p) == ("mlt", None)
+    assert parse_policy(cfg.policy).make().describe() == FixedBoundPolicy().describe()
     assert make_config(sc, arms["gloo"], out="x", epochs=2, workers=2, seed=0).loss == "none"
     assert cfg.probe_copies_max is None  # the transport's default unless asked
     assert make_config(sc, arms["dblp"], out="x", epochs=2, workers=2, seed=0,
                        probe_copies_max=1).probe_copies_max == 1
     assert [a.label for a in sc.arms()] == list(sc.default_policies)
-    assert parse_policies(" DBLP,baseline,dblp ") == ("dblp", "baseline")
-    with pytest.raises(ValueError):
-        parse_policies("dblp,tcp")
+    arm = sc.arms(["mlt:0.05"])[0]  # any policy the command line can write is an arm
+    assert arm.label == "mlt:p=0.05" and arm.policy.fixed_bound == 0.05
 
 
 def test_sweep_arms_cover_every_aggregator_and_rate():
     sc = SCENARIOS["lm-loss"]
     arms = sc.arms()
-    assert arms[0].label == "lossless" and arms[0].policy == "reliable"
+    assert arms[0].label == "lossless" and str(arms[0].policy) == "reliable"
     assert arms[0].loss == "none"
     lossy = arms[1:]
     assert len(lossy) == len(sc.sweep_rates) * len(sc.sweep_aggregators)
     assert {(a.aggregator, a.hadamard) for a in lossy} == set(sc.sweep_aggregators)
     assert {a.loss_rate for a in lossy} == set(sc.sweep_rates)
     for a in lossy:
-        assert a.policy == "mlt" and a.mlt_p >= max(sc.sweep_rates)
+        assert a.policy.name == "mlt" and a.policy.fixed_bound >= max(sc.sweep_rates)
         assert a.loss == f"bernoulli:{a.loss_rate:g}"
     assert len({a.label for a in arms}) == len(arms)
     assert "unbiased+hadamard@10%" in {a.label for a in arms}
@@ -107,7 +109,8 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
                    **({"phase": phases[i]} if phases else {})} for i, v in enumerate(lat)]
         return RunResult(label, 0, str(tmp_path), rounds, [],
                          {"wall_s": sum(lat) / 1e3, "final_metric": 0.9,
-                          "metric_name": "accuracy"}, burst={1, 3}, arm=Arm(label, "mlt", ""))
+                          "metric_name": "accuracy"}, burst={1, 3},
+                         arm=Arm(label, parse_policy("mlt"), ""))
 
     d = run("dblp", [10, 500, 10, 50], ["critical", "critical", "relaxed", "relaxed"])
     b = run("baseline", [10, 600, 10, 400])
@@ -128,6 +131,7 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
 @pytest.mark.parametrize("args, hint", [
     (["--scenario", "nope"], "--scenario"),
     (["--scenario", "microburst", "--policies", "reliable,bogus"], "--policies"),
+    (["--scenario", "microburst", "--policies", "mlt=0.01"], "write mlt:0.01"),
     (["--scenario", "microburst", "--policies", ","], "--policies"),
     (["--scenario", "microburst", "--loss", "bernoulli:2"], "--loss"),
     (["--scenario", "lm-loss", "--policies", "dblp"], "--policies"),
@@ -141,6 +145,56 @@ def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("boundedloss: error:") and hint in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_the_command_lines_choices_are_the_registries():
+    """Every choice a command offers is read from its registry, not typed again."""
+    from boundedloss.aggregate import AGGREGATORS
+    from boundedloss.bench import kernel_loss, transport
+    from boundedloss.cli import cli
+    from boundedloss.collective import TOPOLOGIES
+    from boundedloss.experiments.train import MODELS, TrainConfig
+    from boundedloss.policy import parse_policies
+    from boundedloss.protocol import TransportConfig
+
+    def option(command: str, name: str):
+        cmd = cli
+        for part in command.split():
+            cmd = cmd.commands[part]
+        return next(p for p in cmd.params if p.name == name)
+
+    assert list(option("train", "topology").type.choices) == list(TOPOLOGIES)
+    assert list(option("train", "model").type.choices) == list(MODELS)
+    assert list(option("train", "aggregator").type.choices) == list(AGGREGATORS)
+    assert list(option("compare", "scenario").type.choices) == list(SCENARIOS)
+    assert list(option("compare", "network").type.choices) == list(NETWORKS)
+    # defaults: train's are a TrainConfig's, whose chunk size is the transport's
+    defaults = TrainConfig()
+    for name in ("policy", "topology", "model", "aggregator", "epochs", "chunk_bytes", "lr"):
+        assert option("train", name).default == getattr(defaults, name), name
+    assert defaults.chunk_bytes == TransportConfig().chunk_bytes
+    assert option("train", "deadline").default == defaults.receive_deadline
+    assert option("bench aggregate", "chunk_bytes").default == TransportConfig().chunk_bytes
+    assert parse_policies(option("bench transport", "policies").default) == parse_policies(
+        transport.DEFAULT_POLICIES)
+    assert parse_policies(option("bench kernel-loss", "systems").default) == parse_policies(
+        kernel_loss.DEFAULT_SYSTEMS)
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--policy", "tcp"], "unknown policy 'tcp'"),
+    (["train", "--policy", "mlt:2"], "must be a fraction"),
+    (["bench", "transport", "--policies", "reliable,mlt=0.01"], "write mlt:0.01"),
+    (["bench", "transport", "--policies", "gloo"], "gloo does not use"),
+    (["bench", "kernel-loss", "--systems", "gloo,nope"], "unknown policy 'nope'"),
+])
+def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint):
+    """train, bench transport and bench kernel-loss share compare's policy spelling:
+    a bad one is one line that says how to write it."""
+    rc = main([*argv, *(["--json", str(tmp_path / "r.json")] if argv[0] == "bench" else [])])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and hint in err, err
     assert not (tmp_path / "r.json").exists()
 
 
@@ -287,7 +341,8 @@ def test_a_rounds_latency_is_its_slowest_ranks_step(tmp_path):
     assert res.stats()["burst_round_ms_mean"] == 30
     # communication: rank 0 logged none (a gloo run), so there is none to take
     assert "round_comm_ms" not in res.rounds[0] and res.stats()["burst_comm_ms_mean"] is None
-    rounds0 = [{"round": i, "epoch": 0, "step_ms": v, "comm_ms": v - 4} for i, v in enumerate([5, 7, 9])]
+    rounds0 = [{"round": i, "epoch": 0, "step_ms": v, "comm_ms": v - 4}
+               for i, v in enumerate([5, 7, 9])]
     (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds0))
     res = read_run("mlt", 0, str(tmp_path), "burst:rate=0.8,rounds=2")
     assert [r["round_comm_ms"] for r in res.rounds] == [4, 3, 28]

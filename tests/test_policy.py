@@ -15,7 +15,11 @@ from boundedloss import wire
 from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.loss import Bernoulli, Microburst
 from boundedloss.policy import (
+    BASELINE,
+    DEFAULT_P_LOW,
+    GLOO,
     POLICIES,
+    SYSTEM_NAMES,
     ClosePlan,
     CriticalRegimeDetector,
     EarlyClosePolicy,
@@ -26,6 +30,8 @@ from boundedloss.policy import (
     PhaseAwarePolicy,
     PhaseReason,
     PhaseRecord,
+    Policy,
+    PolicySpec,
     ReliablePolicy,
     TensorLayout,
     combine,
@@ -33,6 +39,8 @@ from boundedloss.policy import (
     critical_by_magnitude,
     make_policy,
     min_delivered_for_bound,
+    parse_policies,
+    parse_policy,
     priority_order,
 )
 from boundedloss.protocol import CloseReason, SendStatus, TransferMux, TransportConfig
@@ -691,3 +699,84 @@ def test_make_policy() -> None:
         make_policy("dblp", p_low=0.6, k=0.4)
     with pytest.raises(TypeError):
         make_policy("dblp", ratio_min=0.5)
+
+
+# ================================================================ command-line spelling
+
+
+@pytest.mark.parametrize("text, name, params", [
+    ("dblp", "dblp", {}),
+    (" MLT ", "mlt", {}),
+    ("mlt:0.02", "mlt", {"p": 0.02}),
+    ("mlt:p=0.02", "mlt", {"p": 0.02}),
+    ("dblp:0.01:k=0.3", "dblp", {"p_low": 0.01, "k": 0.3}),
+    ("dblp:warmup_epochs=2", "dblp", {"warmup_epochs": 2}),
+    ("ltp:ratio_min=0.8", "ltp", {"ratio_min": 0.8}),
+    ("gloo", GLOO, {}),
+])
+def test_a_policy_as_the_command_line_writes_it(text, name, params) -> None:
+    spec = parse_policy(text)
+    assert (spec.name, dict(spec.params)) == (name, params)
+    assert parse_policy(str(spec)) == spec  # its name in rows reads back the same
+    if spec.uses_transport:
+        policy = spec.make()
+        assert isinstance(policy, POLICIES[name])
+        assert policy.describe() == POLICIES[name](**params).describe()
+    else:
+        with pytest.raises(ValueError, match="gloo has no policy"):
+            spec.make()
+
+
+def test_baseline_is_mlt_at_dblps_p_low() -> None:
+    spec = parse_policy("baseline")
+    assert str(spec) == BASELINE and spec.name == "mlt"
+    assert spec.fixed_bound == DEFAULT_P_LOW == PhaseAwarePolicy().p_low
+    assert isinstance(spec.make(), FixedBoundPolicy) and spec.make().bound == DEFAULT_P_LOW
+    assert parse_policy("mlt:0.3").fixed_bound == 0.3
+    assert parse_policy("mlt").fixed_bound == FixedBoundPolicy().p
+    assert parse_policy("dblp").fixed_bound is None and parse_policy("gloo").fixed_bound is None
+    assert set(SYSTEM_NAMES) == {GLOO, BASELINE, *POLICIES}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("tcp", "unknown policy 'tcp'"),
+    ("mlt=0.01", "write mlt:0.01"),  # the spelling bench transport once took
+    ("mlt(p=0.01)", "write mlt:p=0.01"),
+    ("mlt:1.5", "must be a fraction"),
+    ("mlt:q=0.1", "unexpected keyword"),
+    ("mlt:0.1:p=0.2", "p given twice"),
+    ("dblp:p_low=x", "must be a number"),
+    ("ltp:0.9", "not KEY=VALUE"),  # LTP has no leading parameter
+    ("gloo:1", "takes no parameters"),
+    ("baseline:0.1", "takes no parameters"),
+])
+def test_a_bad_policy_is_one_line_that_says_how_to_write_it(text, says) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_policy(text)
+    message = str(e.value)
+    assert says in message and "\n" not in message
+
+
+def test_comma_separated_policies_keep_order_and_drop_repeats() -> None:
+    specs = parse_policies(" DBLP,baseline,dblp ,mlt:0.008")
+    assert [str(s) for s in specs] == ["dblp", "baseline", "mlt:p=0.008"]
+    assert parse_policies(["reliable", "mlt"]) == (PolicySpec("reliable"), PolicySpec("mlt"))
+    with pytest.raises(ValueError, match="no policies"):
+        parse_policies(" , ")
+    with pytest.raises(ValueError, match="'tcp'"):
+        parse_policies("dblp,tcp")
+
+
+def test_every_policy_takes_the_training_loops_calls() -> None:
+    """A policy without phases takes epoch ends and LR changes and reports no phase, so
+    the training loop calls them on any policy; DBLP's answer them."""
+    for cls in (ReliablePolicy, FixedBoundPolicy, EarlyClosePolicy):
+        policy = cls()
+        policy.lr_changed()
+        assert policy.epoch_end(1.0) is None and policy.phase is None
+        assert policy.bound is not None  # each has a bound to log
+        assert policy.plan(MessageInfo(0, 0, 10, 14_000, 1400)).min_delivered <= 10
+    dblp = PhaseAwarePolicy(warmup_epochs=0)
+    assert isinstance(dblp, Policy) and dblp.phase is Phase.RELAXED
+    dblp.lr_changed()
+    assert dblp.epoch_end(1.0) is Phase.CRITICAL and dblp.bound == dblp.p_low

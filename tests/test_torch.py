@@ -94,19 +94,51 @@ def test_state_pickles_without_runtime_and_keeps_memory():
 
     from boundedloss.aggregate import StaleFill
     from boundedloss.policy import PhaseAwarePolicy
-    from boundedloss.torch import BoundedLossState
+    from boundedloss.torch import BoundedLossState, hook_transport
 
     policy = PhaseAwarePolicy()
     policy.epoch_end(1.0)
-    state = BoundedLossState(policy=policy, aggregator=StaleFill(), topology="allreduce")
+    state = BoundedLossState(policy=policy, aggregator=StaleFill(), topology="allreduce",
+                             transport=hook_transport(chunk_bytes=8192))
     state.rounds[0] = 7
-    state._memory[(0, "shard")] = np.arange(5, dtype=np.float32)
+    state.memory[(0, "shard")] = np.arange(5, dtype=np.float32)
     state.executor = object()  # runtime parts must not travel
     clone = pickle.loads(pickle.dumps(state))
     assert clone.executor is None and clone.endpoint is None and clone.collective is None
     assert clone.rounds == {0: 7} and clone.topology == "allreduce"
-    assert np.array_equal(clone._memory[(0, "shard")], np.arange(5, dtype=np.float32))
+    assert clone.transport == state.transport and clone.transport.chunk_bytes == 8192
+    assert np.array_equal(clone.memory[(0, "shard")], np.arange(5, dtype=np.float32))
     assert clone.policy.bound == policy.bound and clone.phase == state.phase
+
+
+def test_the_hook_runs_on_one_transport_config():
+    """The hook's transport is TransportConfig's defaults (its chunk size too) with the
+    hook's own two, unless given; the state holds it; register() refuses the old
+    keywords with a message that names transport=."""
+    import dataclasses
+
+    from boundedloss.aggregate import ZeroFill
+    from boundedloss.policy import ReliablePolicy
+    from boundedloss.protocol import TransportConfig
+    from boundedloss.torch import HOOK_MAX_OPEN_RECEIVES, BoundedLossState, hook_transport, register
+
+    plain = TransportConfig()
+    hook = hook_transport()
+    assert hook.chunk_bytes == plain.chunk_bytes == 1400
+    assert (hook.peer_timeout, hook.max_open_receives) == (plain.receive_deadline,
+                                                             HOOK_MAX_OPEN_RECEIVES)
+    assert dataclasses.replace(hook, peer_timeout=plain.peer_timeout,
+                               max_open_receives=plain.max_open_receives) == plain
+    short = hook_transport(receive_deadline=5.0, chunk_bytes=8192)
+    assert (short.peer_timeout, short.chunk_bytes) == (5.0, 8192)  # follows the deadline
+    assert hook_transport(receive_deadline=5.0, peer_timeout=1.0).peer_timeout == 1.0
+    assert BoundedLossState(policy=ReliablePolicy(), aggregator=ZeroFill()).transport == hook
+    with pytest.raises(TypeError, match=r"chunk_bytes in transport="):
+        register(None, "reliable", chunk_bytes=8192)
+    with pytest.raises(TypeError, match="configure the object"):
+        register(None, ReliablePolicy(), p=0.1)
+    with pytest.raises(ValueError, match="ps, allreduce"):
+        register(None, "reliable", topology="ring")
 
 
 def test_digits_are_scikit_learns_load_digits_without_importing_it(monkeypatch):
@@ -118,11 +150,11 @@ def test_digits_are_scikit_learns_load_digits_without_importing_it(monkeypatch):
     from boundedloss.workloads import digits
 
     ref = load_digits()
-    images, target = digits._bundled_digits()
+    images, target = digits.bundled_digits()
     np.testing.assert_array_equal(images, ref.images)
     np.testing.assert_array_equal(target, ref.target)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    images, target = digits._bundled_digits()
+    images, target = digits.bundled_digits()
     np.testing.assert_array_equal(images, ref.images)
     np.testing.assert_array_equal(target, ref.target)
 
@@ -156,7 +188,7 @@ def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():
     import multiprocessing as mp
     import time
 
-    from boundedloss.experiments.train import _failure_report, _supervise
+    from boundedloss.experiments.train import failure_report, supervise
 
     ctx = mp.get_context("spawn")
     # (30 s, not forever: a supervisor that waits for it fails this test, not the suite)
@@ -164,10 +196,10 @@ def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():
     for p in ranks:
         p.start()
     t0 = time.monotonic()
-    stopped = _supervise(ranks, grace=1.0)
+    stopped = supervise(ranks, grace=1.0)
     assert time.monotonic() - t0 < 20
     assert stopped == {1} and ranks[0].exitcode == 0 and not ranks[1].is_alive()
-    assert _failure_report(ranks, stopped, 1.0) == (
+    assert failure_report(ranks, stopped, 1.0) == (
         "rank 1 (stopped: still running 1 s after another ended)")
 
 

@@ -4,45 +4,68 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
+
+from .aggregate import AGGREGATORS
+from .bench import aggregate as aggregate_bench
+from .bench import kernel_loss as kernel_loss_bench
+from .bench import transport as transport_bench
+from .bench import write_json
+from .collective import TOPOLOGIES
+from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
+from .experiments.train import MODELS, TrainConfig
+from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
+from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 console = Console()
 if not console.is_terminal:  # piped or logged: do not squeeze tables into 80 columns
     console = Console(width=160)
 err_console = Console(stderr=True)
 
+#: the defaults of ``boundedloss train`` are a TrainConfig's
+TRAIN_DEFAULTS = TrainConfig()
+MIN_CHUNK_BYTES = 16  # the commands' floor (the wire takes 1; each datagram adds a 48-byte header)
+
+POLICY_HELP = (f"Each NAME ({', '.join(SYSTEM_NAMES)}), NAME:VALUE (a policy's leading "
+               "parameter: mlt:0.02 is P = 2%) or NAME:KEY=VALUE[:KEY=VALUE...].")
+
 
 def _parse_list(text: str, cast, what: str) -> tuple:
     try:
         values = tuple(cast(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise click.BadParameter(f"{what} must be a comma-separated list, got {text!r}")
+        raise click.BadParameter(f"{what} must be a comma-separated list, got {text!r}") from None
     if not values:
         raise click.BadParameter(f"{what} is empty")
     return values
 
 
-def _policy_list(text: str) -> tuple[str, ...]:
-    out = []
-    for name in _parse_list(text, str, "policies"):
-        name = name.strip().lower()
-        if name == "reliable":
-            out.append(name)
-        elif name.startswith("mlt"):
-            p = name[3:].lstrip(":=(").rstrip(")") or "0.01"
-            try:
-                p_val = float(p.split("=")[-1])
-            except ValueError:
-                raise click.BadParameter(f"bad policy {name!r}: use reliable or mlt:P")
-            if not 0 <= p_val < 1:
-                raise click.BadParameter(f"bad policy {name!r}: P must be in [0, 1)")
-            out.append(f"mlt={p_val:g}")
-        else:
-            raise click.BadParameter(f"unknown policy {name!r}: use reliable or mlt:P")
-    return tuple(out)
+def _joined(values) -> str:
+    """A default list as the command line writes it."""
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
+class PolicyParam(click.ParamType):
+    """A policy (or, with ``many``, comma-separated policies) as
+    :func:`~boundedloss.policy.parse_policy` reads it: one spelling for every command."""
+
+    name = "policy"
+
+    def __init__(self, many: bool = False):
+        self.many = many
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, PolicySpec) or (self.many and isinstance(value, tuple)):
+            return value
+        try:
+            return parse_policies(value) if self.many else parse_policy(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 def _transport_table(rows, title: str) -> Table:
@@ -93,32 +116,35 @@ def bench() -> None:
 @bench.command("transport")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
               help="Write the rows here (a JSON list).")
-@click.option("--sizes", default="1,16,64", show_default=True, help="Message sizes in MB.")
-@click.option("--chunks", default="1400,8192", show_default=True, help="Chunk payload bytes.")
-@click.option("--losses", default="0,0.01", show_default=True, help="Injected loss rates.")
-@click.option("--policies", default="reliable,mlt:0.01", show_default=True,
-              help="reliable and/or mlt:P.")
+@click.option("--sizes", default=_joined(transport_bench.DEFAULT_MESSAGE_MB),
+              show_default=True, help="Message sizes in MB.")
+@click.option("--chunks", default=_joined(transport_bench.DEFAULT_CHUNK_SIZES),
+              show_default=True, help="Chunk payload bytes.")
+@click.option("--losses", default=_joined(transport_bench.DEFAULT_LOSSES),
+              show_default=True, help="Injected loss rates.")
+@click.option("--policies", type=PolicyParam(many=True),
+              default=",".join(transport_bench.DEFAULT_POLICIES), show_default=True,
+              help="Comma-separated policies, not gloo. " + POLICY_HELP)
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
               help="Interleaved repeats; the median is reported.")
 def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None:
     """Goodput of message transfers on loopback against the raw-UDP ceiling."""
-    from .bench import write_json
-    from .bench.transport import run_transport_bench
-    from .wire import MAX_CHUNK_BYTES
-
     sizes_t = _parse_list(sizes, int, "--sizes")
     chunks_t = _parse_list(chunks, int, "--chunks")
     losses_t = _parse_list(losses, float, "--losses")
     if any(s <= 0 or s > 1024 for s in sizes_t):
         raise click.BadParameter("message sizes must be 1..1024 MB", param_hint="--sizes")
-    if any(not 16 <= c <= MAX_CHUNK_BYTES for c in chunks_t):
-        raise click.BadParameter(f"chunk sizes must be 16..{MAX_CHUNK_BYTES}",
+    if any(not MIN_CHUNK_BYTES <= c <= MAX_CHUNK_BYTES for c in chunks_t):
+        raise click.BadParameter(f"chunk sizes must be {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}",
                                  param_hint="--chunks")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
-    pols = _policy_list(policies)
+    if not all(spec.uses_transport for spec in policies):
+        raise click.BadParameter("gloo does not use the bounded-loss transport",
+                                 param_hint="--policies")
+    pols = tuple(str(spec) for spec in policies)
     with console.status("measuring...") as status:
-        rows = run_transport_bench(
+        rows = transport_bench.run_transport_bench(
             message_mb=sizes_t, chunk_sizes=chunks_t, losses=losses_t, policies=pols,
             repeats=repeats, progress=lambda msg: status.update(msg),
         )
@@ -130,23 +156,23 @@ def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None
 @bench.command("aggregate")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
               help="Write the rows here (a JSON list).")
-@click.option("--losses", default="0,0.01,0.1,0.3", show_default=True,
-              help="Chunk loss rates per worker.")
-@click.option("--workers", default=4, show_default=True, type=click.IntRange(2, 64))
-@click.option("--chunk-bytes", default=1400, show_default=True, type=click.IntRange(16, 65000))
-@click.option("--patterns", default=5, show_default=True, type=click.IntRange(1, 1000),
+@click.option("--losses", default=_joined(aggregate_bench.DEFAULT_LOSSES),
+              show_default=True, help="Chunk loss rates per worker.")
+@click.option("--workers", default=aggregate_bench.DEFAULT_WORKERS, show_default=True,
+              type=click.IntRange(2, 64))
+@click.option("--chunk-bytes", default=DEFAULT_CHUNK_BYTES, show_default=True,
+              type=click.IntRange(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES))
+@click.option("--patterns", default=aggregate_bench.DEFAULT_PATTERNS,
+              show_default=True, type=click.IntRange(1, 1000),
               help="Seeded loss patterns averaged per row.")
 @click.option("--seed", default=0, show_default=True, type=int)
 def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> None:
     """Error and speed of each aggregator on a real gradient (MLP on sklearn digits)."""
-    from .bench import write_json
-    from .bench.aggregate import run_aggregate_bench
-
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
     with console.status("measuring...") as status:
-        rows = run_aggregate_bench(
+        rows = aggregate_bench.run_aggregate_bench(
             losses=losses_t, workers=workers, chunk_bytes=chunk_bytes, patterns=patterns,
             seed=seed, progress=lambda msg: status.update(msg),
         )
@@ -165,34 +191,34 @@ def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> 
 @bench.command("kernel-loss")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
               help="Write the rows here (a JSON list).")
-@click.option("--losses", default="0,0.01,0.05", show_default=True,
+@click.option("--losses", default=_joined(kernel_loss_bench.DEFAULT_LOSSES),
+              show_default=True,
               help="Kernel drop rates (iptables, every namespace, TCP and UDP).")
-@click.option("--systems", default="gloo,reliable,mlt,dblp", show_default=True)
-@click.option("--elements", default=1 << 20, show_default=True, type=click.IntRange(1, 1 << 28),
-              help="float32 values exchanged per round (default 4 MB).")
-@click.option("--rounds", default=30, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--systems", type=PolicyParam(many=True),
+              default=",".join(kernel_loss_bench.DEFAULT_SYSTEMS), show_default=True,
+              help="Comma-separated. " + POLICY_HELP)
+@click.option("--elements", default=kernel_loss_bench.DEFAULT_ELEMENTS,
+              show_default=True, type=click.IntRange(1, 1 << 28),
+              help="float32 values exchanged per round.")
+@click.option("--rounds", default=kernel_loss_bench.DEFAULT_ROUNDS, show_default=True,
+              type=click.IntRange(1, 100_000))
 def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
     """Round latency of a 4-rank gradient exchange under real kernel loss (needs root)."""
-    from .bench import write_json
-    from .bench.kernel_loss import SYSTEMS, run_kernel_loss_bench
     from .emulate import TestbedError, have_privileges
 
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
-    systems_t = _parse_list(systems, str, "--systems")
-    bad = [s for s in systems_t if s not in SYSTEMS]
-    if bad:
-        raise click.BadParameter(f"unknown {bad}; choose from {', '.join(SYSTEMS)}",
-                                 param_hint="--systems")
+    systems_t = tuple(str(spec) for spec in systems)
     if not have_privileges():
         raise click.ClickException("the kernel testbed needs root (CAP_NET_ADMIN)")
     try:
         with console.status("measuring...") as status:
-            rows = run_kernel_loss_bench(losses=losses_t, systems=systems_t, elements=elements,
-                                         rounds=rounds, progress=lambda m: status.update(m))
+            rows = kernel_loss_bench.run_kernel_loss_bench(
+                losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
+                progress=lambda m: status.update(m))
     except TestbedError as e:
-        raise click.ClickException(str(e))
+        raise click.ClickException(str(e)) from e
     t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss")
     for col in ("system", "loss", "p50 ms", "p99 ms", "max ms", "mean ms", "delivered"):
         t.add_column(col, justify="right")
@@ -230,7 +256,6 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
     """A parameter-server round inside a microburst, simulated on a virtual clock: the
     protocol's own burst speedup (DBLP outside a CLR against P = P_low) on a line-rate
     network, where a datagram costs no CPU."""
-    from .bench import write_json
     from .bench.burst import run_burst_bench
 
     rates_t = _parse_list(rates, float, "--rates")
@@ -261,51 +286,59 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 
 
 @cli.command()
-@click.option("--policy", type=click.Choice(["gloo", "reliable", "mlt", "ltp", "dblp"]),
-              default="dblp", show_default=True,
-              help="gloo: DDP's own allreduce over TCP (the reliable baseline).")
-@click.option("--topology", type=click.Choice(["ps", "allreduce"]), default="ps",
+@click.option("--policy", type=PolicyParam(), default=TRAIN_DEFAULTS.policy, show_default=True,
+              help="gloo: DDP's own allreduce over TCP (the reliable baseline); baseline: "
+                   "MLT at DBLP's P_low. " + POLICY_HELP.replace("Each NAME", "NAME"))
+@click.option("--topology", type=click.Choice(list(TOPOLOGIES)), default=TRAIN_DEFAULTS.topology,
               show_default=True, help="Parameter server (rank 0) or transpose allreduce.")
-@click.option("--workers", default=3, show_default=True, type=click.IntRange(2, 64),
-              help="Local worker processes (ignored under torchrun).")
-@click.option("--model", type=click.Choice(["mlp", "cnn", "charlm"]), default="mlp",
+@click.option("--workers", default=TRAIN_DEFAULTS.workers, show_default=True,
+              type=click.IntRange(2, 64), help="Local worker processes (ignored under torchrun).")
+@click.option("--model", type=click.Choice(list(MODELS)), default=TRAIN_DEFAULTS.model,
               show_default=True, help="mlp/cnn on sklearn digits; charlm on stdlib text.")
-@click.option("--epochs", default=8, show_default=True, type=click.IntRange(1, 10_000))
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--loss", "loss_spec", default="none", show_default=True,
+@click.option("--epochs", default=TRAIN_DEFAULTS.epochs, show_default=True,
+              type=click.IntRange(1, 10_000))
+@click.option("--seed", default=TRAIN_DEFAULTS.seed, show_default=True, type=int)
+@click.option("--loss", "loss_spec", default=TRAIN_DEFAULTS.loss, show_default=True,
               help="Injected loss at receivers, e.g. bernoulli:0.05, ge:rate=0.02,burst=8, "
                    "burst:rate=0.8,every=20,len=1,rank=0 (join with +).")
-@click.option("--aggregator", type=click.Choice(["zero", "unbiased", "bubble", "stale"]),
-              default="unbiased", show_default=True, help="What a lost chunk becomes.")
-@click.option("--hadamard/--no-hadamard", default=False, show_default=True,
+@click.option("--aggregator", type=click.Choice(list(AGGREGATORS)),
+              default=TRAIN_DEFAULTS.aggregator, show_default=True,
+              help="What a lost chunk becomes.")
+@click.option("--hadamard/--no-hadamard", default=TRAIN_DEFAULTS.hadamard, show_default=True,
               help="Randomized Hadamard dispersion of every message.")
-@click.option("--stale-broadcast/--reliable-broadcast", default=False, show_default=True,
+@click.option("--stale-broadcast/--reliable-broadcast", default=TRAIN_DEFAULTS.stale_broadcast,
+              show_default=True,
               help="Broadcast results under the bound, lost values keep their last value.")
-@click.option("--chunk-bytes", default=1400, show_default=True, type=click.IntRange(16, 65000))
-@click.option("--deadline", default=20.0, show_default=True, type=click.FloatRange(0.1, 3600),
+@click.option("--chunk-bytes", default=TRAIN_DEFAULTS.chunk_bytes, show_default=True,
+              type=click.IntRange(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES))
+@click.option("--deadline", default=TRAIN_DEFAULTS.receive_deadline, show_default=True,
+              type=click.FloatRange(0.1, 3600),
               help="Receive deadline in seconds; a silent peer fails the run after it.")
-@click.option("--lr", default=0.05, show_default=True, type=click.FloatRange(0, 100))
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--lr", default=TRAIN_DEFAULTS.lr, show_default=True,
+              type=click.FloatRange(0, 100))
+@click.option("--batch-size", default=TRAIN_DEFAULTS.batch_size, show_default=True,
+              type=click.IntRange(1, 4096))
 @click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
               help="Default: one pass over each rank's share (charlm: 40).")
 @probe_copies_option
-@click.option("--out", default="runs/train", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
+              type=click.Path(file_okay=False))
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (starts local workers,
     or runs as one rank under torchrun)."""
-    from .experiments.train import TrainConfig, run_rank_and_exit, run_training
+    from .experiments.train import run_rank_and_exit, run_training
     from .net.loss import parse_loss_spec
 
     try:
         parse_loss_spec(loss_spec)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--loss")
-    if policy == "gloo" and loss_spec not in ("none", ""):
+        raise click.BadParameter(str(e), param_hint="--loss") from None
+    if not policy.uses_transport and loss_spec not in ("none", ""):
         raise click.BadParameter("gloo runs over TCP: in-process loss cannot reach it "
                                  "(use the kernel testbed)", param_hint="--loss")
-    cfg = TrainConfig(policy=policy, topology=topology, workers=workers, model=model,
+    cfg = TrainConfig(policy=str(policy), topology=topology, workers=workers, model=model,
                       epochs=epochs, seed=seed, loss=loss_spec, out=out, aggregator=aggregator,
                       batch_size=batch_size, lr=lr, chunk_bytes=chunk_bytes,
                       receive_deadline=deadline, hadamard=hadamard,
@@ -325,26 +358,22 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
     report(run_training(cfg))
 
 
-def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: str,
+def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_path: str,
+                 out_dir: str,
                  repeats: int, epochs: int | None, workers: int | None, seed: int,
                  steps_per_epoch: int | None, loss_spec: str | None, command: str,
-                 network: str = "auto", probe_copies_max: int | None = None) -> None:
+                 network: str = DEFAULT_NETWORK, probe_copies_max: int | None = None) -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the table, write JSON and the report."""
-    from .experiments.compare import (SCENARIOS, choose_network, parse_policies, run_compare,
-                                      with_loss)
-    from .bench import write_json
+    from .experiments.compare import choose_network, run_compare, with_loss
     from .experiments.report import columns_for, table_cells, write_report
     from .net.loss import parse_loss_spec
 
-    sc = SCENARIOS.get(scenario.strip().lower())
-    if sc is None:
-        raise click.BadParameter(f"unknown scenario {scenario!r}; choose from "
-                                 f"{', '.join(SCENARIOS)}", param_hint="--scenario")
+    sc = SCENARIOS[scenario]
     try:
         sc = choose_network(sc, network)
     except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--network")
+        raise click.BadParameter(str(e), param_hint="--network") from None
     if sc.is_sweep:
         if policies is not None:
             raise click.BadParameter(
@@ -355,17 +384,13 @@ def _run_compare(scenario: str, policies: str | None, json_path: str, out_dir: s
                                      param_hint="--loss")
         arms = sc.arms()
     else:
-        try:
-            pols = parse_policies(policies) if policies is not None else sc.default_policies
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--policies")
         if loss_spec is not None:
             try:
                 parse_loss_spec(loss_spec)
             except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="--loss")
+                raise click.BadParameter(str(e), param_hint="--loss") from None
             sc = with_loss(sc, loss_spec)
-        arms = sc.arms(pols)
+        arms = sc.arms(policies)
     n_epochs = epochs or sc.epochs
     n_workers = workers or sc.workers
 
@@ -421,12 +446,12 @@ def _command_line(default: str) -> str:
 
 
 @cli.command()
-@click.option("--scenario", required=True,
-              help="microburst, incast, random-loss or lm-loss.")
-@click.option("--policies", default=None,
-              help="Comma-separated: gloo, reliable, mlt, ltp, dblp, baseline "
-                   "(baseline = mlt with P fixed at P_low = 0.008). Default: the "
-                   "scenario's. Sweep scenarios take none.")
+@click.option("--scenario", required=True, type=click.Choice(list(SCENARIOS), case_sensitive=False),
+              help="Policy scenarios compare policies; sweep scenarios aggregators and loss "
+                   "rates.")
+@click.option("--policies", type=PolicyParam(many=True), default=None,
+              help="Comma-separated. " + POLICY_HELP + " Default: the scenario's. "
+                   "Sweep scenarios take none.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
               help="Write the rows here (a JSON list, one object per policy or arm).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
@@ -443,8 +468,7 @@ def _command_line(default: str) -> str:
 @click.option("--loss", "loss_spec", default=None,
               help="Override a policy scenario's in-process loss spec (what-if runs and "
                    "tests).")
-@click.option("--network", type=click.Choice(["auto", "kernel", "in-process"]),
-              default="auto", show_default=True,
+@click.option("--network", type=click.Choice(NETWORKS), default=DEFAULT_NETWORK, show_default=True,
               help="Where the loss happens for scenarios that have a kernel setup "
                    "(incast): kernel = the namespace testbed's real bottleneck (root), "
                    "in-process = loss injected at the endpoints; auto = kernel when it "

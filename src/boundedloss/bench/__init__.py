@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 
-def write_json(rows, path: str) -> None:
+def _plain(row: Any) -> Any:
+    """A row as JSON-ready data: a dataclass instance as its dict, anything else as is."""
+    if dataclasses.is_dataclass(row) and not isinstance(row, type):
+        return dataclasses.asdict(row)
+    return row
+
+
+def write_json(rows: Iterable[Any], path: str) -> None:
     """Rows (dataclasses or dicts) as a JSON list at ``path``, its folder created."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    data = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]
-    p.write_text(json.dumps(data, indent=2) + "\n")
+    p.write_text(json.dumps([_plain(r) for r in rows], indent=2) + "\n")

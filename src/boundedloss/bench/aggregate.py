@@ -17,22 +17,22 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from ..aggregate import (
-    BubbleFill,
-    HadamardDispersion,
-    StaleFill,
-    UnbiasedRescale,
-    ZeroFill,
-    element_mask,
-    random_chunk_mask,
-)
-from ..workloads.digits import DigitsMLP, load_digits_split, worker_gradients
+from ..aggregate import AGGREGATORS, HadamardDispersion, element_mask, random_chunk_mask
+from ..wire import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from ..workloads.digits import DigitsData, DigitsMLP
+
+#: what a run measures unless told otherwise (``boundedloss bench aggregate``'s defaults)
+DEFAULT_LOSSES = (0.0, 0.01, 0.10, 0.30)
+DEFAULT_WORKERS = 4
+DEFAULT_PATTERNS = 5
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,12 @@ class AggregateRow:
     patterns: int
 
 
-def _warm_model(seed: int, hidden: int, steps: int = 30):
+def _warm_model(seed: int, hidden: int, steps: int = 30) -> tuple[DigitsMLP, DigitsData]:
+    # (torch here, not at the top: the command line imports this module for its defaults)
+    import torch
+
+    from ..workloads.digits import DigitsMLP, load_digits_split
+
     torch.manual_seed(seed)
     data = load_digits_split(seed)
     model = DigitsMLP(hidden=hidden, depth=2)
@@ -65,9 +70,9 @@ def _warm_model(seed: int, hidden: int, steps: int = 30):
 
 
 def _timed(fn: Callable[[], np.ndarray], runs: int) -> tuple[np.ndarray, float]:
+    """``fn()``'s result and its median time over ``runs`` calls (at least one)."""
     times = []
-    out = None
-    for _ in range(runs):
+    for _ in range(max(1, runs)):
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
@@ -76,14 +81,17 @@ def _timed(fn: Callable[[], np.ndarray], runs: int) -> tuple[np.ndarray, float]:
 
 def run_aggregate_bench(
     *,
-    losses: tuple[float, ...] = (0.0, 0.01, 0.10, 0.30),
-    workers: int = 4,
+    losses: tuple[float, ...] = DEFAULT_LOSSES,
+    workers: int = DEFAULT_WORKERS,
     hidden: int = 1024,
-    chunk_bytes: int = 1400,
-    patterns: int = 5,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    patterns: int = DEFAULT_PATTERNS,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[AggregateRow]:
+    """One row per loss rate, Hadamard or not, and aggregator (every one registered)."""
+    from ..workloads.digits import worker_gradients
+
     model, data = _warm_model(seed, hidden)
     previous = np.mean(worker_gradients(model, data, workers, 64, seed + 1), axis=0)
     grads = worker_gradients(model, data, workers, 64, seed + 2)
@@ -94,7 +102,7 @@ def run_aggregate_bench(
     msg_seed = seed + 12345
     encoded_length = hadamard.encode(grads[0], msg_seed).size
     enc_prev = hadamard.encode(previous, msg_seed)
-    aggregators = [ZeroFill(), UnbiasedRescale(), BubbleFill(), StaleFill()]
+    aggregators = [cls() for cls in AGGREGATORS.values()]
     truth_norm = float(np.linalg.norm(truth))
     truth_max = float(np.abs(truth).max())
     nbytes_in = workers * n * itemsize
@@ -110,7 +118,8 @@ def run_aggregate_bench(
             for k in range(patterns):
                 rng = np.random.default_rng([seed, int(loss * 1e6), k])
                 masks = [
-                    element_mask(random_chunk_mask(n_chunks, loss, rng), chunk_bytes, length, itemsize)
+                    element_mask(random_chunk_mask(n_chunks, loss, rng), chunk_bytes, length,
+                                 itemsize)
                     for _ in range(workers)
                 ]
                 for agg in aggregators:

@@ -19,11 +19,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
-SYSTEMS = ("gloo", "reliable", "mlt", "dblp")
+from ..aggregate import UnbiasedRescale
+from ..collective import ParameterServer
+from ..net.udp import UdpEndpoint
+from ..policy import parse_policies, parse_policy
+
+#: what a run measures unless told otherwise (``boundedloss bench kernel-loss``'s defaults)
+DEFAULT_SYSTEMS = ("gloo", "reliable", "mlt", "dblp")  # as parse_policy reads them
+DEFAULT_LOSSES = (0.0, 0.01, 0.05)
+DEFAULT_ELEMENTS = 1 << 20  # float32 values per round: 4 MB
+DEFAULT_ROUNDS = 30
 
 
 @dataclass(frozen=True)
@@ -51,16 +60,17 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--system", choices=SYSTEMS, required=True)
+    ap.add_argument("--system", required=True, help="a policy as parse_policy reads it")
     ap.add_argument("--elements", type=int, required=True)
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
+    from datetime import timedelta
+
     import numpy as np
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = a.master
@@ -69,32 +79,22 @@ def rank_main(argv: list[str] | None = None) -> None:
                             timeout=timedelta(seconds=120))
     x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
     latencies, fractions = [], []
-    coll = endpoint = None
-    if a.system != "gloo":
-        import secrets
+    spec = parse_policy(a.system)
+    coll: ParameterServer | None = None
+    endpoint: UdpEndpoint | None = None
+    if spec.uses_transport:
+        from ..torch import hook_transport
+        from ..torch.rendezvous import agree_session, default_store, exchange_addresses, local_ip
 
-        from ..aggregate import UnbiasedRescale
-        from ..collective import ParameterServer
-        from ..net.udp import UdpEndpoint
-        from ..policy import make_policy
-        from ..protocol.types import TransportConfig
-        from ..torch.hook import _local_ip
-
-        store = dist.distributed_c10d._get_default_store()
-        if a.rank == 0:
-            store.set("bench/session", str(secrets.randbits(64)))
-        session = int(store.get("bench/session").decode())
-        cfg = TransportConfig(chunk_bytes=1400, receive_deadline=30.0, peer_timeout=30.0)
-        endpoint = UdpEndpoint(_local_ip(), 0, session=session, config=cfg)
-        store.set(f"bench/ep/{a.rank}", "%s:%d" % endpoint.address)
-        peers = []
-        for r in range(a.world):
-            h, p = store.get(f"bench/ep/{r}").decode().rsplit(":", 1)
-            peers.append((h, int(p)))
-        policy = make_policy(a.system)
-        if a.system == "dblp":  # steady gradient norms after warm-up: the relaxed phase
-            policy.epoch_end(1.0)
-            policy.epoch_end(1.0)
+        store = default_store()
+        session = agree_session(store, "bench", a.rank)
+        endpoint = UdpEndpoint(local_ip(), 0, session=session, config=hook_transport())
+        peers = exchange_addresses(store, "bench", a.rank, a.world, endpoint.address)
+        policy = spec.make()
+        # steady gradient norms after warm-up: DBLP in its relaxed phase (the other
+        # policies take no notice of epoch ends)
+        policy.epoch_end(1.0)
+        policy.epoch_end(1.0)
         coll = ParameterServer(endpoint, a.rank, peers, policy=policy,
                                aggregator=UnbiasedRescale(), session=session)
     tensor = torch.from_numpy(x.copy())
@@ -115,6 +115,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     dist.barrier()
     if coll is not None:
         coll.close()
+    if endpoint is not None:
         endpoint.close()
     dist.destroy_process_group()
 
@@ -122,14 +123,17 @@ def rank_main(argv: list[str] | None = None) -> None:
 # ------------------------------------------------------------------- driver (root)
 def run_kernel_loss_bench(
     *,
-    losses: tuple[float, ...] = (0.0, 0.01, 0.05),
-    systems: tuple[str, ...] = SYSTEMS,
-    elements: int = 1 << 20,
-    rounds: int = 30,
+    losses: tuple[float, ...] = DEFAULT_LOSSES,
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS,
+    elements: int = DEFAULT_ELEMENTS,
+    rounds: int = DEFAULT_ROUNDS,
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
+    """One row per loss rate and system (each as :func:`~boundedloss.policy.parse_policy`
+    reads it; ``ValueError`` for a bad one, before the testbed comes up)."""
     from ..emulate import Testbed, TestbedConfig
 
+    names = [str(spec) for spec in parse_policies(systems)]
     rows = []
     with Testbed(TestbedConfig(workers=3)) as tb:
         nodes = ["server", "w0", "w1", "w2"]
@@ -138,7 +142,7 @@ def run_kernel_loss_bench(
         for loss in losses:
             for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
-            for system in systems:
+            for system in names:
                 port += 1
                 with tempfile.TemporaryDirectory() as tmp:
                     logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
@@ -167,7 +171,8 @@ def run_kernel_loss_bench(
                         tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
                         raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
                                            f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
-                    per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+                    per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text())
+                                for r in range(4)]
                 lat = [max(rk["lat"][i] for rk in per_rank) * 1e3 for i in range(rounds)]
                 frac = [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
                 rows.append(KernelLossRow(

@@ -6,7 +6,8 @@ interleaved with the protocol rows: the same datagram size sent as fast as Pytho
 (``sendto`` in a loop, no protocol) into a receiver doing ``recv_into`` in a loop.
 Goodput is message bytes over the time from the send being posted to the receiver's
 close as its I/O thread saw it (for the ceiling: from the first ``sendto`` to the last
-datagram received, over at least 16 MB so that it is a steady-state rate), on the machine's monotonic clock, which both processes share.
+datagram received, over at least 16 MB so that it is a steady-state rate), on the
+machine's monotonic clock, which both processes share.
 """
 
 from __future__ import annotations
@@ -16,19 +17,28 @@ import secrets
 import socket
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from multiprocessing.connection import Connection
+from typing import TypeVar
 
 import numpy as np
 
 from ..net.loss import Bernoulli
 from ..net.udp import DEFAULT_SOCKET_BUFFER, UdpEndpoint, set_socket_buffer
-from ..policy import FixedBoundPolicy, ReliablePolicy
-from ..protocol.types import TransportConfig
-from ..wire import HEADER_BYTES
+from ..policy import parse_policies, parse_policy
+from ..protocol import ReceiveResult, TransportConfig
+from ..wire import DEFAULT_CHUNK_BYTES, HEADER_BYTES
 
 MB = 1 << 20
 CEILING_MIN_BYTES = 16 * MB
+
+#: what a run measures unless told otherwise (``boundedloss bench transport``'s defaults)
+DEFAULT_MESSAGE_MB = (1, 16, 64)
+DEFAULT_CHUNK_SIZES = (DEFAULT_CHUNK_BYTES, 8192)  # the MTU-sized default, and jumbo
+DEFAULT_LOSSES = (0.0, 0.01)
+DEFAULT_POLICIES = ("reliable", "mlt")  # as parse_policy reads them
 
 
 @dataclass(frozen=True)
@@ -47,15 +57,21 @@ class TransportRow:
 
 
 # ---------------------------------------------------------------- worker side
-def _policy(name: str):
-    return ReliablePolicy() if name == "reliable" else FixedBoundPolicy(float(name.split("=")[1]))
+T = TypeVar("T")
 
 
-def _worker(conn) -> None:
+def _opened(thing: T | None, what: str) -> T:
+    """``thing``, which the driver must have opened (or posted) by now."""
+    if thing is None:
+        raise RuntimeError(f"benchmark worker: {what} used before it was opened")
+    return thing
+
+
+def _worker(conn: Connection) -> None:
     """Serve commands from the driver until told to quit."""
-    endpoint = None
-    future = None
-    raw = None
+    endpoint: UdpEndpoint | None = None
+    future: Future[ReceiveResult] | None = None
+    raw: socket.socket | None = None
     payload_cache: dict[int, np.ndarray] = {}
     while True:
         cmd, *args = conn.recv()
@@ -65,7 +81,8 @@ def _worker(conn) -> None:
             if endpoint is not None:
                 endpoint.close()
             session, chunk_bytes, loss, seed = args
-            cfg = TransportConfig(chunk_bytes=chunk_bytes, peer_timeout=30.0, receive_deadline=60.0)
+            cfg = TransportConfig(chunk_bytes=chunk_bytes, peer_timeout=30.0,
+                                  receive_deadline=60.0)
             model = Bernoulli(loss, seed=seed) if loss else None
             endpoint = UdpEndpoint(session=session, config=cfg, loss=model)
             conn.send(endpoint.address)
@@ -76,7 +93,8 @@ def _worker(conn) -> None:
             out = payload_cache.get(-nbytes)
             if out is None:
                 out = payload_cache[-nbytes] = np.ones(nbytes, dtype=np.uint8)
-            future = endpoint.receive(peer, message_id=1, round_id=rnd, policy=_policy(policy), out=out)
+            future = _opened(endpoint, "endpoint").receive(
+                peer, message_id=1, round_id=rnd, policy=parse_policy(policy).make(), out=out)
             conn.send("posted")
         elif cmd == "send":  # (peer, nbytes, round)
             peer, nbytes, rnd = args
@@ -84,13 +102,14 @@ def _worker(conn) -> None:
                 payload_cache[nbytes] = np.random.default_rng(nbytes).integers(
                     0, 255, nbytes, dtype=np.uint8
                 )
-            res = endpoint.send(peer, payload_cache[nbytes], message_id=1, round_id=rnd).result()
-            s = res.stats
-            conn.send((s.started, res.status.value, s.retransmit_rounds, s.retransmitted))
+            sent = _opened(endpoint, "endpoint").send(
+                peer, payload_cache[nbytes], message_id=1, round_id=rnd).result()
+            s = sent.stats
+            conn.send((s.started, sent.status.value, s.retransmit_rounds, s.retransmitted))
         elif cmd == "wait":
-            res = future.result()
-            s = res.stats  # finished: when the receiver closed, on the I/O thread's clock
-            conn.send((s.finished, s.delivered, s.chunks, res.close_reason.name))
+            received = _opened(future, "receive").result()
+            s = received.stats  # finished: when the receiver closed, on the I/O thread's clock
+            conn.send((s.finished, s.delivered, s.chunks, received.close_reason.name))
         elif cmd == "raw_open":
             if raw is not None:
                 raw.close()
@@ -102,7 +121,7 @@ def _worker(conn) -> None:
         elif cmd == "raw_recv":  # (count, datagram_bytes): count what arrives
             count, size = args
             buf = bytearray(65536)
-            recv = raw.recv_into
+            recv = _opened(raw, "raw socket").recv_into
             monotonic = time.monotonic
             got = 0
             t_last = 0.0
@@ -118,7 +137,7 @@ def _worker(conn) -> None:
         elif cmd == "raw_send":  # (peer, count, datagram_bytes)
             peer, count, size = args
             data = bytes(size)
-            send = raw.sendto
+            send = _opened(raw, "raw socket").sendto
             t0 = time.monotonic()
             for _ in range(count):
                 send(data, peer)
@@ -128,7 +147,6 @@ def _worker(conn) -> None:
             conn.send(t0)
     if endpoint is not None:
         endpoint.close()
-
 
 
 # ---------------------------------------------------------------- driver side
@@ -196,13 +214,20 @@ class _Pair:
 
 def run_transport_bench(
     *,
-    message_mb: tuple[int, ...] = (1, 16, 64),
-    chunk_sizes: tuple[int, ...] = (1400, 8192),
-    losses: tuple[float, ...] = (0.0, 0.01),
-    policies: tuple[str, ...] = ("reliable", "mlt=0.01"),
+    message_mb: tuple[int, ...] = DEFAULT_MESSAGE_MB,
+    chunk_sizes: tuple[int, ...] = DEFAULT_CHUNK_SIZES,
+    losses: tuple[float, ...] = DEFAULT_LOSSES,
+    policies: tuple[str, ...] = DEFAULT_POLICIES,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[TransportRow]:
+    """One row per chunk size, message size, loss rate and policy (each as
+    :func:`~boundedloss.policy.parse_policy` reads it; ``ValueError`` for a bad one,
+    or for gloo, which does not use this transport)."""
+    specs = parse_policies(policies)
+    if not all(spec.uses_transport for spec in specs):
+        raise ValueError("bench transport measures the bounded-loss transport; gloo has none")
+    names = {str(spec): spec.make().describe() for spec in specs}  # the rows' names
     pair = _Pair()
     rows: list[TransportRow] = []
     try:
@@ -216,7 +241,7 @@ def run_transport_bench(
                     # interleave: ceiling, then every protocol row, each repeat
                     ceilings.append(pair.ceiling(cb, nbytes))
                     for loss in losses:
-                        for pol in policies:
+                        for pol in names:
                             rnd += 1
                             samples.setdefault((loss, pol), []).append(
                                 pair.transfer(cb, nbytes, loss, pol, rnd)
@@ -226,13 +251,12 @@ def run_transport_bench(
                 ceiling = statistics.median(ceilings)
                 for (loss, pol), runs in samples.items():
                     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                    name = "reliable" if pol == "reliable" else f"mlt(p={pol.split('=')[1]})"
                     rows.append(
                         TransportRow(
                             chunk_bytes=cb,
                             message_bytes=nbytes,
                             loss=loss,
-                            policy=name,
+                            policy=names[pol],
                             goodput_gbps=round(med["goodput_gbps"], 3),
                             ceiling_gbps=round(ceiling, 3),
                             ratio_to_ceiling=round(med["goodput_gbps"] / ceiling, 3),

@@ -1,15 +1,18 @@
 """Collectives: who sends what to whom. Parameter server and transpose allreduce."""
 
-from .base import Collective, PeerFailure, RoundStats, message_id
-from .parameter_server import ParameterServer
+from .base import Collective, MemoryKey, PeerFailure, RoundStats, message_id
+from .parameter_server import ParameterServer, PendingBroadcast
 from .transpose import TransposeAllreduce, shard_bounds
 
-TOPOLOGIES = {"ps": ParameterServer, "allreduce": TransposeAllreduce}
+#: topology names (``--topology``, ``register(topology=...)``) and their collectives
+TOPOLOGIES: dict[str, type[Collective]] = {"ps": ParameterServer, "allreduce": TransposeAllreduce}
 
 __all__ = [
     "Collective",
+    "MemoryKey",
     "ParameterServer",
     "PeerFailure",
+    "PendingBroadcast",
     "RoundStats",
     "TOPOLOGIES",
     "TransposeAllreduce",

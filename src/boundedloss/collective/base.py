@@ -14,9 +14,9 @@ deadline therefore covers the time between rounds too; it is the failure detecto
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -24,9 +24,13 @@ from ..aggregate import Aggregator, HadamardDispersion, apply_broadcast, element
 from ..net.udp import UdpEndpoint
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
-from ..protocol.types import CloseReason, ReceiveResult, TransportError
+from ..protocol import CloseReason, ReceiveResult, TransportError
 
 PUSH, PULL = 0, 1  # message phases: contributions in, results out
+
+#: a bucket's memory slot: (bucket, role), the role saying whose value it is
+#: ("aggregate", "broadcast", "shard", "gather<rank>")
+MemoryKey = tuple[int, str]
 
 
 class PeerFailure(TransportError):
@@ -51,7 +55,7 @@ class RoundStats:
     close_reasons: tuple[str, ...]
 
 
-class _Tally:
+class Tally:
     """What one rank's receives of one collective call add up to, for RoundStats."""
 
     def __init__(self) -> None:
@@ -111,7 +115,10 @@ class Collective:
         self.hadamard = HadamardDispersion() if hadamard else None
         self.session = session
         self._pending: dict[tuple[int, int, int], _Pending] = {}  # (bucket, phase, peer)
-        self._previous: dict[tuple[int, str], np.ndarray] = {}  # per-bucket memory
+        #: per-bucket memory, (bucket, role) -> last round's value: the aggregate this
+        #: rank made, or the broadcast it accepted (stale fill and bounded drift start
+        #: from it; a checkpoint keeps it)
+        self.memory: dict[MemoryKey, np.ndarray] = {}
         self._timeout = endpoint.config.receive_deadline + endpoint.config.peer_timeout
 
     # ------------------------------------------------------------- receiving
@@ -170,13 +177,14 @@ class Collective:
         return rounds
 
     def _reduce(self, own: np.ndarray, futures: dict[int, Future], round_id: int, bucket: int,
-                what: str, tally: _Tally, memory_key: tuple) -> np.ndarray:
+                what: str, tally: Tally, memory_key: MemoryKey) -> np.ndarray:
         """Aggregate ``own`` with what arrived from each peer in ``futures`` (posting
         each peer's receive for the next round as soon as this one is in)."""
         contributions = [own]
         masks = [np.ones(own.size, dtype=bool)]
         for peer_rank, fut in futures.items():
-            res = self._wait(fut, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
+            res = self._wait(
+                fut, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
             values, mask = self._elements(res, own.size, own.dtype)
             contributions.append(values)
             masks.append(mask)
@@ -185,16 +193,17 @@ class Collective:
         agg = self.aggregator.aggregate(contributions, masks,
                                         previous=self._remembered(memory_key, own.shape))
         agg = np.ascontiguousarray(agg, dtype=own.dtype)
-        self._previous[memory_key] = agg
+        self.memory[memory_key] = agg
         return agg
 
-    def _remembered(self, memory_key: tuple, shape: tuple) -> np.ndarray | None:
+    def _remembered(self, memory_key: MemoryKey, shape: tuple) -> np.ndarray | None:
         """Last round's value for this bucket - unless the bucket changed size (DDP
         rebuilds its buckets after the first iteration): then there is none."""
-        previous = self._previous.get(memory_key)
+        previous = self.memory.get(memory_key)
         return previous if previous is not None and previous.shape == shape else None
 
-    def _accept_broadcast(self, res: ReceiveResult, size: int, dtype, memory_key: tuple) -> np.ndarray:
+    def _accept_broadcast(self, res: ReceiveResult, size: int, dtype,
+                          memory_key: MemoryKey) -> np.ndarray:
         """A received result: lost values keep their previous value (bounded drift)."""
         values, mask = self._elements(res, size, dtype)
         if mask.all():
@@ -203,7 +212,7 @@ class Collective:
             previous = self._remembered(memory_key, values.shape)
             result = apply_broadcast(values, mask, previous if previous is not None
                                      else np.zeros_like(values))
-        self._previous[memory_key] = result
+        self.memory[memory_key] = result
         return result
 
     # ----------------------------------------------------------------- masks

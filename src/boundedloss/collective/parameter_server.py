@@ -15,25 +15,43 @@ more. The sends finish in the background; a failed one is raised in a later roun
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
-from .base import PULL, PUSH, Collective, PeerFailure, RoundStats, _Tally, message_id
+from ..protocol import SendResult
+from .base import PULL, PUSH, Collective, PeerFailure, RoundStats, Tally, message_id
+
+
+@dataclass(frozen=True)
+class PendingBroadcast:
+    """A result the server sent to a worker and has not yet seen acknowledged."""
+
+    round_id: int
+    worker: int
+    future: Future[SendResult]
 
 
 class ParameterServer(Collective):
-    def __init__(self, *args, server: int = 0, **kw):
+    def __init__(self, *args: Any, server: int = 0, **kw: Any):
         super().__init__(*args, **kw)
         if not 0 <= server < self.world_size:
             raise ValueError(f"server rank {server} outside the world of {self.world_size}")
         self.server = server
-        # broadcasts still being acknowledged: bucket -> [(round, worker, send future)]
-        self._broadcasts: dict[int, list[tuple[int, int, object]]] = {}
+        self._broadcasts: dict[int, list[PendingBroadcast]] = {}  # by bucket
 
-    def allreduce_mean(self, x: np.ndarray, round_id: int, bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+    def unacknowledged_broadcasts(self, bucket: int) -> tuple[PendingBroadcast, ...]:
+        """The server's broadcasts of ``bucket`` still waiting for their STOP."""
+        return tuple(self._broadcasts.get(bucket, ()))
+
+    def allreduce_mean(self, x: np.ndarray, round_id: int,
+                       bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
         """The mean of every rank's ``x`` (1-D float array) - as far as it arrived."""
         t0 = self._clock()
         coded = np.ascontiguousarray(self._encode(np.ascontiguousarray(x), round_id, bucket))
-        tally = _Tally()
+        tally = Tally()
         if self.rank == self.server:
             result = self._serve(coded, round_id, bucket, tally)
         else:
@@ -41,7 +59,7 @@ class ParameterServer(Collective):
         out = self._decode(result, round_id, bucket, x.size)
         return out, tally.stats(round_id, bucket, self._clock() - t0)
 
-    def _serve(self, coded: np.ndarray, round_id: int, bucket: int, tally: _Tally) -> np.ndarray:
+    def _serve(self, coded: np.ndarray, round_id: int, bucket: int, tally: Tally) -> np.ndarray:
         workers = [r for r in range(self.world_size) if r != self.server]
         futures = {w: self._take(w, bucket, PUSH, round_id, coded.nbytes, self.policy)
                    for w in workers}
@@ -49,9 +67,8 @@ class ParameterServer(Collective):
         self._settle_broadcasts(bucket, before=round_id - 1)
         # (``agg`` is never written again: it is safe to send from in the background)
         self._broadcasts.setdefault(bucket, []).extend(
-            (round_id, w, self.endpoint.send(self.peers[w], agg,
-                                             message_id=message_id(bucket, PULL),
-                                             round_id=round_id))
+            PendingBroadcast(round_id, w, self.endpoint.send(
+                self.peers[w], agg, message_id=message_id(bucket, PULL), round_id=round_id))
             for w in workers)
         return agg
 
@@ -60,11 +77,11 @@ class ParameterServer(Collective):
         (a worker that pushed this round has last round's result, so those are only
         waiting for a STOP); ``before=None`` waits for all."""
         keep = []
-        for round_id, w, fut in self._broadcasts.pop(bucket, []):
-            if fut.done() or before is None or round_id < before:
-                self._wait_sends([(w, fut)])
+        for sent in self._broadcasts.pop(bucket, []):
+            if sent.future.done() or before is None or sent.round_id < before:
+                self._wait_sends([(sent.worker, sent.future)])
             else:
-                keep.append((round_id, w, fut))
+                keep.append(sent)
         if keep:
             self._broadcasts[bucket] = keep
 
@@ -79,7 +96,7 @@ class ParameterServer(Collective):
             self._broadcasts.clear()
             super().close()
 
-    def _work(self, coded: np.ndarray, round_id: int, bucket: int, tally: _Tally) -> np.ndarray:
+    def _work(self, coded: np.ndarray, round_id: int, bucket: int, tally: Tally) -> np.ndarray:
         policy = self._broadcast_policy()
         pull = self._take(self.server, bucket, PULL, round_id, coded.nbytes, policy)
         send = self.endpoint.send(self.peers[self.server], coded,

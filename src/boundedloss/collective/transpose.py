@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import PULL, PUSH, Collective, RoundStats, _Tally, message_id
+from .base import PULL, PUSH, Collective, RoundStats, Tally, message_id
 
 
 def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
@@ -26,7 +26,8 @@ def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
 
 
 class TransposeAllreduce(Collective):
-    def allreduce_mean(self, x: np.ndarray, round_id: int, bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+    def allreduce_mean(self, x: np.ndarray, round_id: int,
+                       bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
         t0 = self._clock()
         n = x.size
         coded = np.ascontiguousarray(self._encode(np.ascontiguousarray(x), round_id, bucket))
@@ -48,7 +49,7 @@ class TransposeAllreduce(Collective):
                  for r in others]
 
         # Reduce my shard.
-        tally = _Tally()
+        tally = Tally()
         mine = self._reduce(coded[lo:hi], scatter_in, round_id, bucket, "shard", tally,
                             (bucket, "shard"))
 
@@ -60,9 +61,11 @@ class TransposeAllreduce(Collective):
         out[lo:hi] = mine
         for r in others:
             rlo, rhi = bounds[r]
-            res = self._wait(gather_in[r], f"reduced shard from rank {r} (round {round_id}, bucket {bucket})")
+            res = self._wait(gather_in[r], f"reduced shard from rank {r} "
+                                           f"(round {round_id}, bucket {bucket})")
             tally.add(res)
-            out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, coded.dtype, (bucket, f"gather{r}"))
+            out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, coded.dtype,
+                                                  (bucket, f"gather{r}"))
             self._post_ahead(r, bucket, PULL, round_id + 1, (rhi - rlo) * itemsize, bpolicy)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)

@@ -3,18 +3,17 @@
 A scenario is a set of *arms*, each one training run configuration:
 
 - policy scenarios (``microburst``, ``incast``) have one arm per policy under the same
-  loss schedule (``--policies`` picks them; ``baseline`` is MLT with P fixed at DBLP's
-  P_low, the DBLP paper's baseline);
+  loss schedule (``--policies`` picks them, spelled as :func:`~boundedloss.policy.parse_policy`
+  reads them; ``baseline`` is MLT with P fixed at DBLP's P_low, the DBLP paper's baseline);
 - sweep scenarios (``random-loss``, ``lm-loss``) have one arm per aggregator and loss
   rate, plus a lossless reference, all under one bounded policy.
 
 Each arm is trained with :func:`boundedloss.experiments.train.run_training` into its own
 subdirectory of ``out`` (``runs/<arm>-r<k>``); repeats are interleaved and every other
 one runs in reverse (A, B, C, then C, B, A), so that neither slow drift of the machine
-nor an arm's place in the sequence favours one arm (measured: on the project's VM the
-same arm ran 10-20% slower when it always came last). The per-round and
-per-epoch logs are read back and summarised per arm (median over repeats), with ratios
-against the scenario's baseline arm and its reference arm.
+nor an arm's place in the sequence favours one arm. The per-round and per-epoch logs
+are read back and summarised per arm (median over repeats), with ratios against the
+scenario's baseline arm and its reference arm.
 
 A scenario with a kernel setup (``incast``) can run on the real-kernel testbed instead
 of in-process loss (:func:`choose_network`): one testbed for all its arms, every rank in
@@ -27,18 +26,20 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..emulate.testbed import Bottleneck
+from ..policy import PolicySpec, parse_policy
 from .train import TrainConfig, run_training
 
-#: Names accepted by ``--policies``; ``baseline`` is MLT with P fixed at DBLP's P_low.
-COMPARE_POLICIES = ("gloo", "reliable", "mlt", "ltp", "dblp", "baseline")
-P_LOW = 0.008  # DBLP's default P_low; the baseline's fixed bound
+if TYPE_CHECKING:
+    from ..emulate import Testbed
 
 ROW_FIELDS = (
     "policy", "scenario", "scenario_description", "wall_s", "round_ms_p50", "round_ms_p99",
@@ -53,11 +54,10 @@ class Arm:
     """One training configuration of a scenario; ``label`` names its row."""
 
     label: str
-    policy: str  # a train policy: gloo, reliable, mlt, ltp, dblp
+    policy: PolicySpec
     loss: str
     aggregator: str = "unbiased"
     hadamard: bool = False
-    mlt_p: float | None = None
     loss_rate: float | None = None  # the sweep axis (sweep scenarios only)
 
 
@@ -73,7 +73,9 @@ class KernelNetwork:
     loss: str = "none"
 
 
+#: ``--network``: where a scenario's loss happens (see :func:`choose_network`)
 NETWORKS = ("auto", "kernel", "in-process")
+DEFAULT_NETWORK = "auto"
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,12 @@ class Scenario:
     loss: str  # policy scenarios: the loss spec every policy shares
     epochs: int = 8
     aggregator: str = "unbiased"
-    default_policies: tuple[str, ...] = ("reliable", "baseline", "dblp")
+    default_policies: tuple[str, ...] = ("reliable", "baseline", "dblp")  # as parse_policy
     baseline: str = "baseline"  # the arm the time ratios compare against
     reference: str = "reliable"  # the arm the metric change compares against
-    # sweep scenarios: the bounded policy, loss rates and aggregator variants
+    # sweep scenarios: the bounded policy (as parse_policy reads it), loss rates and
+    # aggregator variants
     sweep_policy: str | None = None
-    sweep_p: float | None = None
     sweep_rates: tuple[float, ...] = ()
     sweep_aggregators: tuple[tuple[str, bool], ...] = ()  # (aggregator, hadamard)
     kernel: KernelNetwork | None = None  # how it runs on the kernel testbed, if it can
@@ -101,7 +103,7 @@ class Scenario:
     def is_sweep(self) -> bool:
         return self.sweep_policy is not None
 
-    def on_kernel(self) -> "Scenario":
+    def on_kernel(self) -> Scenario:
         """This scenario on the kernel testbed (``ValueError`` if it has no kernel setup)."""
         if self.kernel is None:
             raise ValueError(f"scenario {self.name} injects its loss in-process; it has no "
@@ -109,22 +111,23 @@ class Scenario:
         return replace(self, loss=self.kernel.loss, description=self.kernel.description,
                        network="kernel")
 
-    def arms(self, policies: tuple[str, ...] | None = None) -> list[Arm]:
-        if self.is_sweep:
-            arms = [Arm("lossless", "reliable", "none", self.aggregator, loss_rate=0.0)]
+    def arms(self, policies: Sequence[str | PolicySpec] | None = None) -> list[Arm]:
+        """The arms of a run: one per aggregator and rate (sweeps, which take no
+        ``policies``), or one per policy (default: ``default_policies``)."""
+        if self.sweep_policy is not None:
+            bounded = parse_policy(self.sweep_policy)
+            arms = [Arm("lossless", parse_policy("reliable"), "none", self.aggregator,
+                        loss_rate=0.0)]
             for rate in self.sweep_rates:
                 for agg, had in self.sweep_aggregators:
                     label = f"{agg}{'+hadamard' if had else ''}@{rate:.0%}"
-                    arms.append(Arm(label, self.sweep_policy, f"bernoulli:{rate:g}", agg, had,
-                                    self.sweep_p, rate))
+                    arms.append(Arm(label, bounded, f"bernoulli:{rate:g}", agg, had, rate))
             return arms
-        out = []
-        for p in policies or self.default_policies:
-            base, mlt_p = ("mlt", P_LOW) if p == "baseline" else (p, None)
-            # gloo runs over TCP: in-process loss cannot reach it, so it runs lossless
-            out.append(Arm(p, base, "none" if p == "gloo" else self.loss, self.aggregator,
-                           mlt_p=mlt_p))
-        return out
+        specs = [p if isinstance(p, PolicySpec) else parse_policy(p)
+                 for p in (policies or self.default_policies)]
+        # gloo runs over TCP: in-process loss cannot reach it, so it runs lossless
+        return [Arm(spec.label, spec, self.loss if spec.uses_transport else "none",
+                    self.aggregator) for spec in specs]
 
 
 def _mlt_sweep(**fields) -> Scenario:
@@ -132,7 +135,7 @@ def _mlt_sweep(**fields) -> Scenario:
     closes after its first pass and the loss rate is the fraction of gradient missing -
     against the lossless arm."""
     return Scenario(loss="none", baseline="lossless", reference="lossless",
-                    sweep_policy="mlt", sweep_p=0.4, **fields)
+                    sweep_policy="mlt:0.4", **fields)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -231,32 +234,13 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
-def parse_policies(text: str) -> tuple[str, ...]:
-    """Comma-separated policy names -> tuple (order kept, duplicates dropped);
-    ``ValueError`` naming the bad one."""
-    names: list[str] = []
-    for raw in text.split(","):
-        name = raw.strip().lower()
-        if not name:
-            continue
-        if name not in COMPARE_POLICIES:
-            raise ValueError(f"unknown policy {raw.strip()!r}; choose from "
-                             f"{', '.join(COMPARE_POLICIES)}")
-        if name not in names:
-            names.append(name)
-    if not names:
-        raise ValueError("no policies given")
-    return tuple(names)
-
-
 def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers: int,
                 seed: int, steps_per_epoch: int | None = None,
                 probe_copies_max: int | None = None) -> TrainConfig:
-    return TrainConfig(policy=arm.policy, topology=scenario.topology, workers=workers,
+    return TrainConfig(policy=str(arm.policy), topology=scenario.topology, workers=workers,
                        model=scenario.model, epochs=epochs, seed=seed, loss=arm.loss,
                        out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
-                       steps_per_epoch=steps_per_epoch, mlt_p=arm.mlt_p,
-                       probe_copies_max=probe_copies_max)
+                       steps_per_epoch=steps_per_epoch, probe_copies_max=probe_copies_max)
 
 
 # ------------------------------------------------------------------ burst rounds
@@ -375,9 +359,9 @@ def summarise(label: str, runs: list[RunResult], scenario: Scenario,
            "scenario_description": scenario.description,
            "metric_name": runs[0].metric_name, "repeats": len(runs)}
     if arm is not None:
-        row.update(transport_policy=arm.policy, aggregator=arm.aggregator,
+        row.update(transport_policy=arm.policy.name, aggregator=arm.aggregator,
                    hadamard=arm.hadamard, loss=arm.loss, loss_rate=arm.loss_rate,
-                   bound=arm.mlt_p)
+                   bound=arm.policy.fixed_bound)
     for key in stats[0]:
         row[key] = _median(s[key] for s in stats)
     return row
@@ -430,8 +414,11 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     with _network(scenario, workers) as testbed:
         runs = _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed,
                          steps_per_epoch, probe_copies_max, progress, starting, testbed)
-    dblp = runs.get("dblp")
-    clr = [r.critical_rounds() for r in dblp] if dblp else None
+    # DBLP's critical regimes, from its first arm (the rounds left out of the
+    # outside-CLR figures of every arm)
+    dblp = next((runs[a.label] for a in arms if a.policy.name == "dblp"), None)
+    clr: list[set[int] | None] | None = (
+        [r.critical_rounds() for r in dblp] if dblp else None)
     rows = [summarise(a.label, runs[a.label], scenario, clr) for a in arms]
     for row in rows:
         row["network"] = scenario.network
@@ -439,9 +426,9 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     return add_ratios(rows, scenario.baseline, scenario.reference), runs
 
 
-def _network(scenario: Scenario, workers: int):
+def _network(scenario: Scenario, workers: int) -> AbstractContextManager[Testbed | None]:
     """The kernel testbed the arms run in (one for all of them), or a null context."""
-    if scenario.network != "kernel":
+    if scenario.network != "kernel" or scenario.kernel is None:
         return contextlib.nullcontext(None)
     from ..emulate import Testbed, TestbedConfig
 
@@ -490,10 +477,12 @@ def arm_order(arms: list[Arm], repeat: int) -> list[Arm]:
 
 
 def _safe(label: str) -> str:
-    return label.replace("@", "-").replace("%", "pct").replace("+", "-")
+    """An arm's label as a folder name (``mlt:p=0.05`` -> ``mlt-p0.05``)."""
+    return (label.replace("@", "-").replace("%", "pct").replace("+", "-")
+            .replace(":", "-").replace("=", ""))
 
 
-def choose_network(scenario: Scenario, network: str = "auto") -> Scenario:
+def choose_network(scenario: Scenario, network: str = DEFAULT_NETWORK) -> Scenario:
     """The scenario on the network asked for: ``in-process`` (loss injected at the
     endpoints), ``kernel`` (the testbed; ``ValueError`` with the reason if this scenario
     has no kernel setup or the testbed cannot run here), or ``auto`` (the kernel when the

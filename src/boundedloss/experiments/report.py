@@ -113,7 +113,8 @@ def plot_bound(runs: dict[str, list[RunResult]], path: Path) -> None:
         ls, mk = styles[i % len(styles)]
         ax.step(ep, bounds, where="mid", ls=ls, marker=mk, ms=6 - i % 3, lw=2 - 0.4 * (i % 3),
                 label=policy)
-        if policy == "dblp" and not shaded:
+        # the first run with phases (DBLP's) shades its critical regimes
+        if not shaded and any(phase is not None for _, phase in per_epoch.values()):
             for e in ep:
                 if str(per_epoch[e][1]).lower().startswith("crit"):
                     ax.axvspan(e - 0.5, e + 0.5, color="orange", alpha=0.2, lw=0)
@@ -229,7 +230,8 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
         *([] if scenario.is_sweep else [f"Loss spec: `{scenario.loss}`  "]),
         f"Settings: {settings}  ",
         "Round latency is each round's step time (forward, backward, gradient exchange, "
-        "optimizer step) on its slowest rank, for every policy alike. Values are medians over repeats; "
+        "optimizer step) on its slowest rank, for every policy alike. Values are medians "
+        "over repeats; "
         f"the final metric is test {metric}. {ratios}",
         "",
         "| " + " | ".join(h for _, h, _ in columns) + " |",

@@ -21,18 +21,29 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol
 
 import numpy as np
 
-POLICIES = ("gloo", "reliable", "mlt", "ltp", "dblp")
-MODELS = ("mlp", "cnn", "charlm")
+from ..aggregate import AGGREGATORS
+from ..collective import TOPOLOGIES
+from ..policy import parse_policy
+from ..wire import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    import torch
+    from rich.progress import Progress, TaskID
+
+    from ..emulate import Testbed
+    from ..protocol import TransportConfig
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    #: a policy as the command line writes it (``dblp``, ``mlt:0.008``, ``gloo``, ...)
     policy: str = "dblp"
     topology: str = "ps"
     workers: int = 3
@@ -44,57 +55,85 @@ class TrainConfig:
     aggregator: str = "unbiased"
     batch_size: int = 32
     lr: float = 0.05
-    chunk_bytes: int = 1400
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     receive_deadline: float = 20.0
     hadamard: bool = False
     stale_broadcast: bool = False
     steps_per_epoch: int | None = None  # default: one pass over this rank's share
     die_at_round: int | None = None  # testing: rank 1 exits abruptly at this round
-    mlt_p: float | None = None  # policy "mlt" only: its fixed bound P (default: make_policy's)
     probe_copies_max: int | None = None  # the transport's PROBE copies (None: its default)
 
     def validate(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}")
-        if self.model not in MODELS:
-            raise ValueError(f"--model must be one of {', '.join(MODELS)}")
-        if self.topology not in ("ps", "allreduce"):
-            raise ValueError("--topology must be ps or allreduce")
+        try:
+            parse_policy(self.policy)
+        except ValueError as e:
+            raise ValueError(f"--policy: {e}") from None
+        for option, value, names in (("--model", self.model, MODELS),
+                                     ("--topology", self.topology, TOPOLOGIES),
+                                     ("--aggregator", self.aggregator, AGGREGATORS)):
+            if value not in names:
+                raise ValueError(f"{option} must be one of {', '.join(names)}")
         if self.workers < 2:
             raise ValueError("--workers must be >= 2")
         if self.epochs < 1:
             raise ValueError("--epochs must be >= 1")
 
+    def transport(self) -> TransportConfig:
+        """The hook's transport with this run's chunk size, deadline and PROBE copies."""
+        from ..torch import hook_transport
+
+        copies = {} if self.probe_copies_max is None else {
+            "probe_copies_max": self.probe_copies_max}
+        return hook_transport(chunk_bytes=self.chunk_bytes,
+                              receive_deadline=self.receive_deadline, **copies)
+
 
 # ------------------------------------------------------------------ one rank
-def _build(cfg: TrainConfig, rank: int, world: int):
+Batch = tuple["torch.Tensor", "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a rank trains: the model, its batches per epoch, and the test metric."""
+
+    model: torch.nn.Module
+    batches: Callable[[int], Iterator[Batch]]  # epoch -> this rank's batches
+    evaluate: Callable[[torch.nn.Module], float]
+    metric_name: str
+
+
+def _charlm(cfg: TrainConfig, rank: int, world: int) -> Workload:
     import torch
 
-    from ..workloads import charlm, digits
+    from ..workloads import charlm
 
-    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    if cfg.model == "charlm":
-        data = charlm.load_stdlib_text()
-        model = charlm.CharLM()
-        share = len(data.train) // world
-        steps = cfg.steps_per_epoch or 40
-        g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    data = charlm.load_stdlib_text()
+    steps = cfg.steps_per_epoch or 40
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
 
-        def batches(epoch: int):
-            for _ in range(steps):
-                yield charlm.batches(data.train, 64, cfg.batch_size, g)
+    def batches(epoch: int) -> Iterator[Batch]:
+        for _ in range(steps):
+            yield charlm.batches(data.train, 64, cfg.batch_size, g)
 
-        def evaluate(m) -> float:
-            return charlm.perplexity(m, data.test)
+    def evaluate(m: torch.nn.Module) -> float:
+        return charlm.perplexity(m, data.test)
 
-        return model, batches, evaluate, "perplexity", share
+    return Workload(charlm.CharLM(), batches, evaluate, "perplexity")
+
+
+def _digits(cfg: TrainConfig, rank: int, world: int) -> Workload:
+    import torch
+
+    from ..workloads import digits
+
     data = digits.load_digits_split(cfg.seed)
-    model = digits.DigitsMLP(hidden=256) if cfg.model == "mlp" else digits.DigitsCNN(16)
+    model: torch.nn.Module = (digits.DigitsMLP(hidden=256) if cfg.model == "mlp"
+                              else digits.DigitsCNN(16))
     n = len(data.y_train)
     per_rank = n // world
     steps = cfg.steps_per_epoch or max(1, per_rank // cfg.batch_size)
 
-    def batches(epoch: int):
+    def batches(epoch: int) -> Iterator[Batch]:
         order = np.random.default_rng([cfg.seed, epoch]).permutation(n)
         mine = order[rank * per_rank:(rank + 1) * per_rank]
         for s in range(steps):
@@ -102,13 +141,28 @@ def _build(cfg: TrainConfig, rank: int, world: int):
             yield data.x_train[idx], data.y_train[idx]
 
     @torch.no_grad()
-    def evaluate(m) -> float:
+    def evaluate(m: torch.nn.Module) -> float:
         m.eval()
         acc = (m(data.x_test).argmax(1) == data.y_test).float().mean().item()
         m.train()
         return acc
 
-    return model, batches, evaluate, "accuracy", per_rank
+    return Workload(model, batches, evaluate, "accuracy")
+
+
+#: ``--model`` names: mlp/cnn on sklearn's digits, charlm on the standard library's text
+MODELS: dict[str, Callable[[TrainConfig, int, int], Workload]] = {
+    "mlp": _digits,
+    "cnn": _digits,
+    "charlm": _charlm,
+}
+
+
+def _build(cfg: TrainConfig, rank: int, world: int) -> Workload:
+    import torch
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    return MODELS[cfg.model](cfg, rank, world)
 
 
 def _per_round(log: list[dict], round_id: int) -> dict:
@@ -134,51 +188,51 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     """Run one rank to the end; rank 0 writes the logs and returns the summary.
     ``keep_alive``: a list that gets the DDP model (and with it the process group), for
     a caller that ends the process without tearing them down (:func:`run_rank_and_exit`)."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
 
     from ..net.loss import parse_loss_spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.receive_deadline * 3 + 30))
-    model, batches, evaluate, metric_name, _ = _build(cfg, rank, world)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    work = _build(cfg, rank, world)
+    ddp = torch.nn.parallel.DistributedDataParallel(work.model)
     if keep_alive is not None:
         keep_alive.append(ddp)
+    spec = parse_policy(cfg.policy)
     state = None
     offload = copies = None  # UDP offload in use at the end, PROBE copies (None: gloo)
-    if cfg.policy != "gloo":
+    if spec.uses_transport:
         from .. import torch as bl_torch
 
         loss = parse_loss_spec(cfg.loss, seed=cfg.seed * 100 + rank).for_rank(rank)
         state = bl_torch.register(
-            ddp, cfg.policy, aggregator=cfg.aggregator, topology=cfg.topology,
-            chunk_bytes=cfg.chunk_bytes, receive_deadline=cfg.receive_deadline,
-            hadamard=cfg.hadamard, stale_broadcast=cfg.stale_broadcast,
+            ddp, spec.make(), aggregator=cfg.aggregator, topology=cfg.topology,
+            transport=cfg.transport(), hadamard=cfg.hadamard,
+            stale_broadcast=cfg.stale_broadcast,
             loss=None if loss.describe().startswith("none") else loss,
-            probe_copies_max=cfg.probe_copies_max,
-            **({"p": cfg.mlt_p} if cfg.policy == "mlt" and cfg.mlt_p is not None else {}),
         )
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
     milestones = sorted({max(1, int(cfg.epochs * 0.5)), max(1, int(cfg.epochs * 0.75))})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.2)
     loss_fn = torch.nn.CrossEntropyLoss()
     out = Path(cfg.out)
-    writer = None
     out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        writer = (open(out / "rounds.jsonl", "w"), open(out / "epochs.jsonl", "w"))
-    else:  # every rank's step times: a round lasts until its slowest rank is done
-        rank_log = open(out / f"rounds.rank{rank}.jsonl", "w")
+    # rank 0 logs every round and epoch; the others their own step times too, since a
+    # round lasts until its slowest rank is done
+    rounds_log: IO[str] = open(out / ("rounds.jsonl" if rank == 0
+                                      else f"rounds.rank{rank}.jsonl"), "w")
+    epochs_log: IO[str] | None = open(out / "epochs.jsonl", "w") if rank == 0 else None
     progress = _Progress(rank == 0, cfg)
     t_start = time.perf_counter()
     round_id = 0
     metric = float("nan")
     try:
         for epoch in range(cfg.epochs):
-            for x, y in batches(epoch):
+            for x, y in work.batches(epoch):
                 if cfg.die_at_round is not None and rank == 1 and round_id == cfg.die_at_round:
                     os._exit(17)  # an abrupt death: no goodbye to anyone
                 t0 = time.perf_counter()
@@ -188,32 +242,33 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
                 loss_v.backward()
                 opt.step()
                 step_ms = (time.perf_counter() - t0) * 1e3
-                if writer is not None:
+                rec: dict[str, Any]
+                if rank == 0:
                     rec = {"round": round_id, "epoch": epoch, "step_ms": round(step_ms, 3),
                            "loss": round(loss_v.item(), 5),
                            "wall_s": round(time.perf_counter() - t_start, 4)}
                     if state is not None:
                         rec.update(_per_round(state.round_log, round_id))
-                    writer[0].write(json.dumps(rec) + "\n")
                 else:
                     rec = {"round": round_id, "step_ms": round(step_ms, 3)}
                     if state is not None:  # a worker's own wait: push out, broadcast in
                         rec["comm_ms"] = _per_round(state.round_log, round_id).get("comm_ms")
-                    rank_log.write(json.dumps(rec) + "\n")
+                rounds_log.write(json.dumps(rec) + "\n")
                 round_id += 1
                 progress.step(epoch, loss_v.item())
             sched.step()  # first, so that an LR change marks the coming epoch critical
             decided = state.epoch_end(opt) if state is not None else {}
-            if rank == 0:
-                metric = evaluate(model)
-                rec = {"epoch": epoch, metric_name: metric, "lr": opt.param_groups[0]["lr"],
+            if epochs_log is not None:
+                metric = work.evaluate(work.model)
+                rec = {"epoch": epoch, work.metric_name: metric,
+                       "lr": opt.param_groups[0]["lr"],
                        "wall_s": round(time.perf_counter() - t_start, 4),
                        "grad_norm": decided.get("grad_norm"), "phase": decided.get("phase"),
                        "bound": decided.get("bound")}
-                writer[1].write(json.dumps(rec) + "\n")
-                writer[0].flush()
-                writer[1].flush()
-                progress.epoch(epoch, metric_name, metric)
+                epochs_log.write(json.dumps(rec) + "\n")
+                rounds_log.flush()
+                epochs_log.flush()
+                progress.epoch(epoch, work.metric_name, metric)
         wall = time.perf_counter() - t_start
     except RuntimeError:
         if state is not None and state.failure is not None:
@@ -221,18 +276,16 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
         raise
     finally:
         progress.close()
-        if writer is not None:
-            for f in writer:
-                f.close()
-        else:
-            rank_log.close()
+        rounds_log.close()
+        if epochs_log is not None:
+            epochs_log.close()
         if state is not None:
             # (read last: a kernel that refuses a segmented send turns it off mid-run)
             offload = state.endpoint is not None and state.endpoint.segmentation_offload
             copies = state.endpoint.config.probe_copies_max if state.endpoint else None
             state.close()
-    summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": metric_name, "final_metric": metric,
-               "wall_s": wall, "rounds": round_id, "world_size": world,
+    summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
+               "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
                "udp_segmentation_offload": offload, "probe_copies_max": copies}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -244,29 +297,30 @@ class _Progress:
     """A rich progress bar on rank 0 (plain lines when not on a terminal)."""
 
     def __init__(self, enabled: bool, cfg: TrainConfig):
-        self.bar = None
-        self.task = None
+        self.bar: tuple[Progress, TaskID] | None = None
         if not enabled:
             return
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                            transient=False)
-        self.bar.start()
-        self.task = self.bar.add_task(f"{cfg.policy}/{cfg.topology}", total=cfg.epochs, info="")
+        bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                       transient=False)
+        bar.start()
+        self.bar = bar, bar.add_task(f"{cfg.policy}/{cfg.topology}", total=cfg.epochs, info="")
 
     def step(self, epoch: int, loss: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, info=f"epoch {epoch + 1} loss {loss:.3f}")
+            bar, task = self.bar
+            bar.update(task, info=f"epoch {epoch + 1} loss {loss:.3f}")
 
     def epoch(self, epoch: int, name: str, value: float) -> None:
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, info=f"epoch {epoch + 1} {name} {value:.4f}")
+            bar, task = self.bar
+            bar.update(task, advance=1, info=f"epoch {epoch + 1} {name} {value:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:
-            self.bar.stop()
+            self.bar[0].stop()
 
 
 # ------------------------------------------------------------------ launch
@@ -279,10 +333,9 @@ def run_rank_and_exit(cfg: TrainConfig, rank: int, world: int,
     The process ends with ``os._exit``, its results written and its streams flushed,
     without tearing torch.distributed down: ProcessGroupGloo's destructor joins its
     worker threads while holding the GIL, and a worker still releasing its last work's
-    Python state waits for that GIL (pytorch/pytorch#56297) - a deadlock that left a
-    finished rank hanging, and its comparison with it, about once in 12 gloo runs here.
-    The model (and its process group) stays referenced until the exit; the OS reclaims
-    the rest."""
+    Python state waits for that GIL (pytorch/pytorch#56297) - a deadlock that can leave
+    a finished rank, and the comparison waiting for it, hanging. The model (and its
+    process group) stays referenced until the exit; the OS reclaims the rest."""
     keep: list = []
     code = 0
     try:
@@ -336,26 +389,28 @@ def _rank_context():
     return ctx
 
 
-def run_training(cfg: TrainConfig, testbed=None) -> dict:
+def run_training(cfg: TrainConfig, testbed: Testbed | None = None) -> dict:
     """Train under torchrun (one rank), in a kernel testbed's namespaces (``testbed``: an
     up :class:`~boundedloss.emulate.Testbed`; rank 0 in its server node, rank r in
     worker r-1), or as ``cfg.workers`` local processes."""
     cfg.validate()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    ranks: list[RankProcess]
     if testbed is not None:
-        ranks = _start_in_testbed(cfg, testbed)
+        ranks = list(_start_in_testbed(cfg, testbed))
     else:
         ctx = _rank_context()
         port = _free_port()
         env = dict(os.environ)
-        ranks = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port, env), daemon=False)
-                 for r in range(cfg.workers)]
-        for p in ranks:
+        local = [ctx.Process(target=_spawned, args=(r, cfg.workers, cfg, port, env),
+                             daemon=False) for r in range(cfg.workers)]
+        for p in local:
             p.start()
-    grace = 2 * cfg.receive_deadline + 10  # (two receive deadlines: see _supervise)
-    stopped = _supervise(ranks, grace)
-    names = _failure_report(ranks, stopped, grace)
+        ranks = list(local)
+    grace = 2 * cfg.receive_deadline + 10  # (two receive deadlines: see supervise)
+    stopped = supervise(ranks, grace)
+    names = failure_report(ranks, stopped, grace)
     if names:
         hint = ""
         if testbed is not None:
@@ -364,14 +419,31 @@ def run_training(cfg: TrainConfig, testbed=None) -> dict:
     return json.loads((Path(cfg.out) / "summary.json").read_text())
 
 
-def _supervise(ranks: list, grace: float) -> set[int]:
+class RankProcess(Protocol):
+    """A started rank, as :func:`supervise` sees it: a ``multiprocessing.Process`` or a
+    rank in a testbed node."""
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def join(self) -> None: ...
+
+
+def supervise(ranks: Sequence[RankProcess], grace: float) -> set[int]:
     """Wait for every rank; return the ranks that had to be stopped. Once one has ended
     (failed, or finished its work), the others get ``grace`` seconds to end too - a
     failed peer ends their round with PeerFailure, and finished ranks end together - and
     are then stopped: a run never hangs."""
     from multiprocessing.connection import wait
 
-    give_up_at = None
+    give_up_at: float | None = None
     stopped: set[int] = set()
     try:
         while any(p.is_alive() for p in ranks):
@@ -392,7 +464,7 @@ def _supervise(ranks: list, grace: float) -> set[int]:
     return stopped
 
 
-def _failure_report(ranks: list, stopped: set[int], grace: float) -> str:
+def failure_report(ranks: Sequence[RankProcess], stopped: set[int], grace: float) -> str:
     """``rank 1 (exit 17), rank 2 (stopped: still running 50 s after another ended)``."""
     return ", ".join(
         f"rank {r} (stopped: still running {grace:.0f} s after another ended)" if r in stopped
@@ -402,9 +474,9 @@ def _failure_report(ranks: list, stopped: set[int], grace: float) -> str:
 
 class _NamespaceRank:
     """A rank running in a testbed node, with the part of ``multiprocessing.Process``'s
-    interface :func:`_supervise` uses (the sentinel is a pidfd: readable at exit)."""
+    interface :func:`supervise` uses (the sentinel is a pidfd: readable at exit)."""
 
-    def __init__(self, proc, log):
+    def __init__(self, proc: subprocess.Popen, log: IO[str]):
         self.proc = proc
         self.log = log
         self.sentinel = os.pidfd_open(proc.pid)
@@ -425,7 +497,7 @@ class _NamespaceRank:
         os.close(self.sentinel)
 
 
-def _start_in_testbed(cfg: TrainConfig, testbed) -> list[_NamespaceRank]:
+def _start_in_testbed(cfg: TrainConfig, testbed: Testbed) -> list[_NamespaceRank]:
     """One ``python -m boundedloss.experiments.train`` per rank, each in its node; the
     rendezvous is at the server node's address, so Gloo's TCP and our UDP both cross the
     testbed's links (and its bottleneck into the server)."""

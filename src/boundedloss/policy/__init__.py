@@ -6,8 +6,11 @@
 - :class:`PhaseAwarePolicy` - DBLP: ``p_low`` inside a critical learning regime,
   ``p_low + k`` outside, decided by :class:`CriticalRegimeDetector`.
 
-``policy.importance`` computes MLT's per-chunk critical masks. :func:`make_policy`
-builds a policy by name.
+``policy.importance`` computes MLT's per-chunk critical masks. :data:`POLICIES` is the
+registry of names and :func:`make_policy` builds a policy by name; :func:`parse_policy`
+reads a policy as a command line writes it (``mlt:0.01``), and :data:`SYSTEM_NAMES`
+adds the systems a run can be compared on that are not a policy of ours (``gloo``,
+DDP's own allreduce; ``baseline``, MLT at DBLP's P_low).
 """
 
 from __future__ import annotations
@@ -25,41 +28,32 @@ from .importance import (
     priority_order,
 )
 from .phase_aware import (
+    DEFAULT_ETA,
+    DEFAULT_K,
+    DEFAULT_P_LOW,
+    DEFAULT_WARMUP_EPOCHS,
     CriticalRegimeDetector,
     Phase,
     PhaseAwarePolicy,
     PhaseReason,
     PhaseRecord,
 )
+from .registry import POLICIES, make_policy
 from .reliable import ReliablePolicy
-
-#: ``make_policy`` names and the classes they build.
-POLICIES: dict[str, type[Policy]] = {
-    "reliable": ReliablePolicy,
-    "mlt": FixedBoundPolicy,
-    "ltp": EarlyClosePolicy,
-    "dblp": PhaseAwarePolicy,
-}
-
-
-def make_policy(name: str, **kw) -> Policy:
-    """A fresh policy by name: ``reliable``, ``mlt`` (``p=``), ``ltp`` (see
-    :class:`EarlyClosePolicy`), ``dblp`` (``p_low=``, ``k=``, ``eta=``,
-    ``warmup_epochs=``). Keyword arguments go to the class; a wrong one raises
-    ``TypeError``, an unknown name ``ValueError``."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    cls = POLICIES.get(key)
-    if cls is None:
-        raise ValueError(f"unknown policy {name!r}; valid names: {', '.join(POLICIES)}")
-    return cls(**kw)
-
+from .spec import BASELINE, GLOO, SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
 
 __all__ = [
+    "BASELINE",
     "ClosePlan",
     "CriticalRegimeDetector",
     "DEFAULT_CRITICAL_PATTERNS",
+    "DEFAULT_ETA",
+    "DEFAULT_K",
+    "DEFAULT_P_LOW",
+    "DEFAULT_WARMUP_EPOCHS",
     "EarlyClosePolicy",
     "FixedBoundPolicy",
+    "GLOO",
     "MessageInfo",
     "Outcome",
     "POLICIES",
@@ -68,7 +62,9 @@ __all__ = [
     "PhaseReason",
     "PhaseRecord",
     "Policy",
+    "PolicySpec",
     "ReliablePolicy",
+    "SYSTEM_NAMES",
     "TensorLayout",
     "TensorSpec",
     "combine",
@@ -76,5 +72,7 @@ __all__ = [
     "critical_by_magnitude",
     "make_policy",
     "min_delivered_for_bound",
+    "parse_policies",
+    "parse_policy",
     "priority_order",
 ]

@@ -1,7 +1,7 @@
 """Validated, settable policy parameters.
 
 A :class:`Param` is a descriptor: ``policy.x = v`` checks ``v`` on its own, then the
-owner's cross-parameter check (``_check_params``), and puts the old value back if
+owner's cross-parameter check (as ``configure(x=v)``), and keeps the old value if
 either fails - a policy is never left half-configured. ``configure(**kw)`` sets several
 at once and checks them together (to move two bounds past each other).
 """
@@ -15,40 +15,44 @@ from typing import Any
 
 
 class Param:
+    """A validated attribute of a :class:`Configurable`: ``check(name, value)`` returns
+    the value to store or raises."""
+
     def __init__(self, check: Callable[[str, Any], Any], doc: str = ""):
         self.check = check
         self.__doc__ = doc
 
-    def __set_name__(self, owner, name: str) -> None:
+    def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
         self.slot = "_p_" + name
 
-    def __get__(self, obj, objtype=None):
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
         if obj is None:
             return self
         return obj.__dict__[self.slot]
 
-    def __set__(self, obj, value) -> None:
+    def __set__(self, obj: Configurable, value: Any) -> None:
         value = self.check(self.name, value)
-        had = self.slot in obj.__dict__
-        old = obj.__dict__.get(self.slot)
-        obj.__dict__[self.slot] = value
-        if getattr(obj, "_params_ready", False):
-            try:
-                obj._check_params()
-            except Exception:
-                if had:
-                    obj.__dict__[self.slot] = old
-                else:
-                    del obj.__dict__[self.slot]
-                raise
-            obj._params_changed()
+        if obj.params_ready:  # one change on its own: checked with the others, as configure
+            obj.configure(**{self.name: value})
+        else:  # in __init__ or inside configure, which checks them all at the end
+            obj.__dict__[self.slot] = value
 
 
 class Configurable:
-    """Mixin: ``configure(**kw)`` for :class:`Param` attributes, checked together."""
+    """Mixin: ``configure(**kw)`` for :class:`Param` attributes, checked together.
+
+    Subclasses set every Param in ``__init__`` and then call ``_finish_params``; they
+    may override ``_check_params`` (cross-parameter rules) and ``_params_changed``
+    (e.g. clamp state into new bounds)."""
 
     _params_ready = False
+
+    @property
+    def params_ready(self) -> bool:
+        """True once ``__init__`` has set every parameter, outside :meth:`configure`:
+        from then on an assignment is checked against the other parameters at once."""
+        return self._params_ready
 
     def _check_params(self) -> None:  # cross-parameter rules
         pass
@@ -71,7 +75,9 @@ class Configurable:
     def params(self) -> dict[str, Any]:
         return {n: getattr(self, n) for n in self.param_names()}
 
-    def configure(self, **kw) -> None:
+    def configure(self, **kw: Any) -> None:
+        """Set several parameters; if any value or the result as a whole is refused,
+        every parameter keeps its old value."""
         unknown = sorted(set(kw) - set(self.param_names()))
         if unknown:
             raise TypeError(f"unknown parameter(s) {unknown}; valid: {list(self.param_names())}")

@@ -16,8 +16,12 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from ..wire import CloseReason
+
+if TYPE_CHECKING:
+    from .phase_aware import Phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +82,17 @@ def min_delivered_for_bound(info: MessageInfo, bound: float) -> int:
 
 
 class Policy(abc.ABC):
-    """Decides when a receive is done. Subclasses implement :meth:`plan`."""
+    """Decides when a receive is done. Subclasses implement :meth:`plan`.
 
-    name: str = "policy"
+    The training loop tells every policy about epoch ends and learning-rate changes
+    (:meth:`epoch_end`, :meth:`lr_changed`) and reads :attr:`phase` and :attr:`bound`
+    for its logs; a policy that does not follow the training phase keeps the defaults
+    (nothing learned, no phase)."""
+
+    name: ClassVar[str] = "policy"
+    #: the parameter a command line's ``NAME:VALUE`` sets (``mlt:0.01`` is ``p``);
+    #: None: the policy takes its parameters as ``NAME:KEY=VALUE`` only
+    leading_param: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def plan(self, info: MessageInfo) -> ClosePlan:
@@ -88,6 +100,25 @@ class Policy(abc.ABC):
 
     def observe(self, outcome: Outcome) -> None:  # noqa: B027 - optional hook
         """Called once per closed receive; the default learns nothing."""
+
+    def epoch_end(self, grad_norm: float) -> Phase | None:
+        """A training epoch ended with gradient L2 norm ``grad_norm``; returns the phase
+        of the next epoch, or None for a policy without phases (the default)."""
+        return None
+
+    def lr_changed(self) -> None:  # noqa: B027 - optional hook
+        """The learning rate changed at this epoch boundary; the default ignores it."""
+
+    @property
+    def phase(self) -> Phase | None:
+        """The training phase in force (DBLP); None for a policy without phases."""
+        return None
+
+    @property
+    def bound(self) -> float | None:
+        """The missing fraction the next planned message may have, for logs; None
+        when the policy has no single bound ahead of a message."""
+        return None
 
     def describe(self) -> str:
         return self.name

@@ -17,7 +17,7 @@ from ._params import (
 from .base import ClosePlan, MessageInfo, Outcome, Policy
 
 
-def _optional_ratio(name: str, value):
+def _optional_ratio(name: str, value: object) -> float | None:
     return None if value is None else fraction_open_closed(name, value)
 
 
@@ -101,6 +101,13 @@ class EarlyClosePolicy(Configurable, Policy):
     floor_window = Param(positive_int, "small messages the floor is the minimum over")
     small_chunks = Param(positive_int, "a message of at most this many chunks is small")
 
+    # what was learned (see reset)
+    _ratio: float
+    _rate: float | None
+    _completion: float | None
+    _floor_samples: deque[float]
+    deadline: float | None  # the last planned acceptance deadline
+
     def __init__(
         self,
         *,
@@ -156,10 +163,10 @@ class EarlyClosePolicy(Configurable, Policy):
     def reset(self) -> None:
         """Forget every outcome: back to the initial ratio, rate and floor."""
         self._ratio = self.ratio_max if self.initial_ratio is None else self.initial_ratio
-        self._rate: float | None = None
-        self._completion: float | None = None
-        self._floor_samples: deque[float] = deque(maxlen=self.floor_window)
-        self.deadline: float | None = None  # the last planned acceptance deadline
+        self._rate = None
+        self._completion = None
+        self._floor_samples = deque(maxlen=self.floor_window)
+        self.deadline = None
         self.observed = 0
         self.deadline_closes = 0
 

@@ -14,6 +14,7 @@ class FixedBoundPolicy(Policy):
     """
 
     name = "mlt"
+    leading_param = "p"
 
     def __init__(self, p: float = 0.01):
         self.p = check_bound(p, "loss bound p")

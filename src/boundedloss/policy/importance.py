@@ -27,6 +27,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from ..wire import chunk_count
 __all__ = [
     "DEFAULT_CRITICAL_PATTERNS",
     "TensorLayout",
+    "TensorLike",
     "TensorSpec",
     "combine",
     "critical_by_layer",
@@ -46,6 +48,15 @@ __all__ = [
 #: searched anywhere in the name): biases and normalisation layers (BatchNorm,
 #: LayerNorm, GroupNorm... and the usual ``bn1`` / ``.bn.`` abbreviation).
 DEFAULT_CRITICAL_PATTERNS: tuple[str, ...] = ("bias", "norm", r"(^|[._])bn\d*([._]|$)")
+
+
+@runtime_checkable
+class TensorLike(Protocol):
+    """What :meth:`TensorLayout.from_named` reads of a torch tensor."""
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +126,13 @@ class TensorLayout:
         self.nbytes = int(nbytes)
 
     @classmethod
-    def from_named(cls, named: Iterable[tuple[str, object]], *,
+    def from_named(cls, named: Iterable[tuple[str, TensorLike | np.ndarray]], *,
                    nbytes: int | None = None) -> TensorLayout:
         """Back-to-back layout of ``(name, tensor)`` pairs: numpy arrays (``size``,
         ``itemsize``) or torch tensors (``numel()``, ``element_size()``)."""
         rows = []
         for name, t in named:
-            if hasattr(t, "element_size"):
+            if isinstance(t, TensorLike):
                 rows.append((name, int(t.numel()), int(t.element_size())))
             else:
                 a = np.asarray(t)

@@ -17,6 +17,15 @@ from dataclasses import dataclass
 from ._params import Configurable, Param, fraction_closed_open, non_negative_int, positive
 from .base import ClosePlan, MessageInfo, Policy, min_delivered_for_bound
 
+#: DBLP's reported operating point: the bound inside a critical learning regime, and
+#: what is added to it outside one
+DEFAULT_P_LOW = 0.008
+DEFAULT_K = 0.40
+#: the detector's defaults: a 50% change of the gradient norm flags a critical regime,
+#: and epoch 0 (before any boundary) is one
+DEFAULT_ETA = 0.5
+DEFAULT_WARMUP_EPOCHS = 1
+
 
 def _high(p_low: float, k: float) -> float:
     return round(p_low + k, 12)
@@ -75,7 +84,7 @@ class CriticalRegimeDetector(Configurable):
     eta = Param(positive, "relative change of the gradient norm that flags a CLR")
     warmup_epochs = Param(non_negative_int, "the first this many epochs are critical")
 
-    def __init__(self, eta: float = 0.5, warmup_epochs: int = 1):
+    def __init__(self, eta: float = DEFAULT_ETA, warmup_epochs: int = DEFAULT_WARMUP_EPOCHS):
         self.eta = eta
         self.warmup_epochs = warmup_epochs
         self.reset()
@@ -159,19 +168,21 @@ class PhaseAwarePolicy(Configurable, Policy):
     """
 
     name = "dblp"
+    leading_param = "p_low"
 
     p_low = Param(fraction_closed_open, "bound inside a critical learning regime")
     k = Param(fraction_closed_open, "added to p_low outside a critical learning regime")
 
-    def __init__(self, p_low: float = 0.008, k: float = 0.40, *, eta: float | None = None,
+    def __init__(self, p_low: float = DEFAULT_P_LOW, k: float = DEFAULT_K, *,
+                 eta: float | None = None,
                  warmup_epochs: int | None = None,
                  detector: CriticalRegimeDetector | None = None):
         if detector is not None and (eta is not None or warmup_epochs is not None):
             raise TypeError("give either a detector or eta/warmup_epochs, not both")
         if detector is None:
             detector = CriticalRegimeDetector(
-                eta=0.5 if eta is None else eta,
-                warmup_epochs=1 if warmup_epochs is None else warmup_epochs,
+                eta=DEFAULT_ETA if eta is None else eta,
+                warmup_epochs=DEFAULT_WARMUP_EPOCHS if warmup_epochs is None else warmup_epochs,
             )
         self.detector = detector
         self.p_low = p_low
@@ -195,7 +206,7 @@ class PhaseAwarePolicy(Configurable, Policy):
         return _high(self.p_low, self.k)
 
     def bound_for(self, phase: Phase) -> float:
-        return self.p_low if phase is Phase.CRITICAL else _high(self.p_low, self.k)
+        return self.p_low if phase is Phase.CRITICAL else self.p_high
 
     @property
     def bound(self) -> float:
@@ -207,6 +218,7 @@ class PhaseAwarePolicy(Configurable, Policy):
         """Forwarded to the detector; the decision is appended to ``history``."""
         det = self.detector
         phase = det.epoch_end(grad_norm)
+        assert det.last_norm is not None  # the boundary just recorded it
         self.history.append(PhaseRecord(
             epoch=det.epoch - 1, grad_norm=det.last_norm, relative_change=det.relative_change,
             phase=phase, bound=self.bound_for(phase), reason=det.reason,

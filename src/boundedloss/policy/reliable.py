@@ -8,5 +8,9 @@ class ReliablePolicy(Policy):
 
     name = "reliable"
 
+    @property
+    def bound(self) -> float:
+        return 0.0
+
     def plan(self, info: MessageInfo) -> ClosePlan:
         return ClosePlan(min_delivered=info.chunk_count, bound=0.0)

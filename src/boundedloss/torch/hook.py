@@ -13,9 +13,7 @@ baseline.
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,13 +24,39 @@ import torch
 import torch.distributed as dist
 
 from ..aggregate import Aggregator, make_aggregator
-from ..collective import TOPOLOGIES, Collective, RoundStats
+from ..collective import TOPOLOGIES, Collective, MemoryKey, RoundStats
 from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
 from ..policy import Policy, make_policy
-from ..protocol.types import TransportConfig
+from ..protocol import TransportConfig
+from .rendezvous import agree_session, default_store, exchange_addresses, local_ip
 
 _REGISTRATIONS = 0  # distinct store keys when a process registers more than once
+
+#: receives one endpoint of the hook may hold open: every bucket of every peer, both
+#: phases, posted a round ahead - far more than a point-to-point transfer needs
+HOOK_MAX_OPEN_RECEIVES = 4096
+
+
+def hook_transport(**changes: Any) -> TransportConfig:
+    """The transport the hook runs on: :class:`TransportConfig`'s defaults with
+    ``changes`` applied, except that unless given, a sender gives up on a silent peer
+    only after the receive deadline (``peer_timeout = receive_deadline``: a peer
+    still computing its backward pass is slow, not dead, and its own receives fail it
+    at that deadline anyway) and up to :data:`HOOK_MAX_OPEN_RECEIVES` receives are
+    open at once."""
+    config = TransportConfig(**changes)
+    own: dict[str, Any] = {}
+    if "peer_timeout" not in changes:
+        own["peer_timeout"] = config.receive_deadline
+    if "max_open_receives" not in changes:
+        own["max_open_receives"] = HOOK_MAX_OPEN_RECEIVES
+    return dataclasses.replace(config, **own)
+
+
+#: transport settings a caller might pass to ``register`` as keywords: they belong in
+#: ``transport=`` (refused with a message that says so, not taken for policy keywords)
+_TRANSPORT_KEYWORDS = tuple(f.name for f in dataclasses.fields(TransportConfig))
 
 
 @dataclass
@@ -44,34 +68,31 @@ class BoundedLossState:
     policy: Policy
     aggregator: Aggregator
     topology: str = "ps"
-    chunk_bytes: int = 8192
-    receive_deadline: float = 30.0
+    #: the endpoint's settings (chunk size, receive deadline, PROBE copies, ...)
+    transport: TransportConfig = field(default_factory=hook_transport)
     stale_broadcast: bool = False
     hadamard: bool = False
-    #: most copies a PROBE goes in (None: the transport's default; 1: lost PROBEs cost
-    #: retransmission timeouts, as in a transport without copies)
-    probe_copies_max: int | None = None
     rounds: dict[int, int] = field(default_factory=dict)  # bucket index -> next round id
     round_log: list[dict] = field(default_factory=list)
     epoch: int = 0
+    #: the collective's per-bucket memory, as of the last pickling (restored at register)
+    memory: dict[MemoryKey, np.ndarray] = field(default_factory=dict, repr=False)
     failure: BaseException | None = field(default=None, repr=False)
     # runtime only
     process_group: Any = field(default=None, repr=False)
     endpoint: UdpEndpoint | None = field(default=None, repr=False)
     collective: Collective | None = field(default=None, repr=False)
     executor: ThreadPoolExecutor | None = field(default=None, repr=False)
-    _epoch_norms: list[float] = field(default_factory=list, repr=False)
     _round_sq: dict[int, float] = field(default_factory=dict, repr=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False)
     _last_lrs: list[float] | None = field(default=None, repr=False)
-    _memory: dict = field(default_factory=dict, repr=False)
 
     _RUNTIME = ("process_group", "endpoint", "collective", "executor", "_lock", "failure")
 
     def __getstate__(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
         if self.collective is not None:
-            d["_memory"] = dict(self.collective._previous)
+            d["memory"] = dict(self.collective.memory)
         return d
 
     def __setstate__(self, d: dict) -> None:
@@ -83,15 +104,17 @@ class BoundedLossState:
     # ---------------------------------------------------------------- logging
     @property
     def phase(self) -> str | None:
-        phase = getattr(self.policy, "phase", None)
-        return None if phase is None else getattr(phase, "name", str(phase)).lower()
+        phase = self.policy.phase
+        return None if phase is None else phase.value
 
     @property
     def bound(self) -> float | None:
-        bound = getattr(self.policy, "bound", None)
-        return bound if isinstance(bound, float) else None
+        return self.policy.bound
 
-    def _record(self, stats: RoundStats, grad_sq: float) -> None:
+    def record(self, stats: RoundStats, grad_sq: float) -> None:
+        """Log one collective call (a bucket of a round); ``grad_sq`` is its result's
+        squared L2 norm, summed per round into the epoch's gradient norm."""
+        bound = self.bound
         entry = {
             "round": stats.round_id,
             "bucket": stats.bucket,
@@ -100,7 +123,7 @@ class BoundedLossState:
             "delivered_fraction": round(stats.delivered_fraction, 6),
             "min_delivered_fraction": round(stats.min_delivered_fraction, 6),
             "retransmit_rounds": stats.retransmit_rounds,
-            "bound": self.bound if self.bound is not None else stats.bound,
+            "bound": bound if bound is not None else stats.bound,
             "phase": self.phase,
             "close_reasons": list(stats.close_reasons),
         }
@@ -127,14 +150,14 @@ class BoundedLossState:
         lr_changed = False
         if optimizer is not None:
             lrs = [g["lr"] for g in optimizer.param_groups]
-            # before the first epoch end, compare with the LR a scheduler started from
-            before = self._last_lrs or [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
+            # at the first epoch end, compare with the LR a scheduler started from
+            before = self._last_lrs or [g.get("initial_lr", g["lr"])
+                                        for g in optimizer.param_groups]
             lr_changed = lrs != before
             self._last_lrs = lrs
-        if lr_changed and hasattr(self.policy, "lr_changed"):
+        if lr_changed:
             self.policy.lr_changed()
-        if hasattr(self.policy, "epoch_end"):
-            self.policy.epoch_end(norm)
+        self.policy.epoch_end(norm)
         self.epoch += 1
         return {"epoch": self.epoch, "grad_norm": norm, "lr_changed": lr_changed,
                 "phase": self.phase, "bound": self.bound}
@@ -155,7 +178,7 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
     index = bucket.index()
     round_id = state.rounds.get(index, 0)
     state.rounds[index] = round_id + 1
-    fut: torch.futures.Future = torch.futures.Future()
+    fut = torch.futures.Future()
 
     def work() -> None:
         try:
@@ -163,7 +186,7 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
             x = flat.numpy() if flat.dtype == torch.float32 else flat.float().numpy()
             mean, stats = state.collective.allreduce_mean(x, round_id, index)
             flat.copy_(torch.from_numpy(np.ascontiguousarray(mean)).to(flat.dtype))
-            state._record(stats, float(np.dot(mean, mean)))
+            state.record(stats, float(np.dot(mean, mean)))
             fut.set_result(tensor)
         except BaseException as e:  # noqa: BLE001 - handed to DDP, which re-raises
             state.failure = e  # DDP re-raises it re-worded; keep the original for callers
@@ -173,77 +196,62 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
     return fut
 
 
-def _local_ip() -> str:
-    """The address this host uses to reach the job's master (works in namespaces)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect((socket.gethostbyname(master), 9))
-        return s.getsockname()[0]
-    finally:
-        s.close()
-
-
 def register(
     ddp_model: torch.nn.parallel.DistributedDataParallel,
     policy: str | Policy = "dblp",
     *,
     aggregator: str | Aggregator = "unbiased",
     topology: str = "ps",
-    chunk_bytes: int = 8192,
-    receive_deadline: float = 30.0,
+    transport: TransportConfig | None = None,
     stale_broadcast: bool = False,
     hadamard: bool = False,
     loss: LossModel | None = None,
-    probe_copies_max: int | None = None,
-    process_group=None,
+    process_group: Any = None,
     state: BoundedLossState | None = None,
-    **policy_kw,
+    **policy_kw: Any,
 ) -> BoundedLossState:
     """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
 
-    Collective: call on every rank. ``state`` resumes from a checkpointed state (its
-    policy, aggregator, round counters and memory are kept; the rest is rebuilt)."""
+    Collective: call on every rank. ``transport`` sets the endpoint (default:
+    :func:`hook_transport`, i.e. ``TransportConfig``'s defaults with the hook's own;
+    ``hook_transport(chunk_bytes=8192)`` to change one). ``policy_kw`` go to
+    :func:`make_policy` when ``policy`` is a name. ``state`` resumes from a
+    checkpointed state (its policy, aggregator, transport, round counters and memory
+    are kept; the rest is rebuilt)."""
     global _REGISTRATIONS
+    moved = sorted(set(policy_kw) & set(_TRANSPORT_KEYWORDS))
+    if moved:
+        raise TypeError(f"register() takes {', '.join(moved)} in transport=, e.g. "
+                        f"transport=hook_transport({moved[0]}=...)")
+    if policy_kw and not isinstance(policy, str):
+        raise TypeError(f"policy keywords {sorted(policy_kw)} given with a policy object; "
+                        "configure the object instead")
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     if not dist.is_initialized():
         raise RuntimeError("boundedloss.torch.register needs torch.distributed initialised first")
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"topology must be one of {sorted(TOPOLOGIES)}, got {topology!r}")
     if state is None:
         state = BoundedLossState(
             policy=make_policy(policy, **policy_kw) if isinstance(policy, str) else policy,
             aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
-            topology=topology, chunk_bytes=chunk_bytes, receive_deadline=receive_deadline,
+            topology=topology, transport=transport if transport is not None else hook_transport(),
             stale_broadcast=stale_broadcast, hadamard=hadamard,
-            probe_copies_max=probe_copies_max,
         )
     rank = dist.get_rank(process_group)
     world = dist.get_world_size(process_group)
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     _REGISTRATIONS += 1
     prefix = f"boundedloss/{_REGISTRATIONS}"
 
-    if rank == 0:
-        store.set(f"{prefix}/session", str(secrets.randbits(64)))
-    session = int(store.get(f"{prefix}/session").decode())
-    copies = {} if state.probe_copies_max is None else {"probe_copies_max": state.probe_copies_max}
-    config = TransportConfig(chunk_bytes=state.chunk_bytes, receive_deadline=state.receive_deadline,
-                             peer_timeout=state.receive_deadline, max_open_receives=4096,
-                             **copies)
-    endpoint = UdpEndpoint(_local_ip(), 0, session=session, config=config, loss=loss,
+    session = agree_session(store, prefix, rank)
+    endpoint = UdpEndpoint(local_ip(), 0, session=session, config=state.transport, loss=loss,
                            name=f"boundedloss-udp-r{rank}")
-    host, port = endpoint.address
-    store.set(f"{prefix}/endpoint/{rank}", f"{host}:{port}")
-    peers = []
-    for r in range(world):
-        h, p = store.get(f"{prefix}/endpoint/{r}").decode().rsplit(":", 1)
-        peers.append((h, int(p)))
-
+    peers = exchange_addresses(store, prefix, rank, world, endpoint.address)
     collective = TOPOLOGIES[state.topology](
         endpoint, rank, peers, policy=state.policy, aggregator=state.aggregator,
         stale_broadcast=state.stale_broadcast, hadamard=state.hadamard, session=session,
     )
-    collective._previous.update(state._memory)
+    collective.memory.update(state.memory)
     state.process_group = process_group
     state.endpoint = endpoint
     state.collective = collective
@@ -252,4 +260,5 @@ def register(
     return state
 
 
-__all__ = ["BoundedLossState", "comm_hook", "register"]
+__all__ = ["HOOK_MAX_OPEN_RECEIVES", "BoundedLossState", "comm_hook", "hook_transport",
+           "register"]

@@ -23,7 +23,7 @@ class DigitsData:
     y_test: torch.Tensor
 
 
-def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
+def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
     """(images (1797, 8, 8), labels): the CSV scikit-learn's ``load_digits`` reads.
 
     Read straight from the installed package: importing ``sklearn.datasets`` costs
@@ -48,7 +48,7 @@ def _bundled_digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.25) -> DigitsData:
-    images, target = _bundled_digits()
+    images, target = bundled_digits()
     x = (images.astype(np.float32) / 16.0)[:, None, :, :]
     y = target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(y))
