@@ -25,6 +25,7 @@
 
 #ifdef __linux__
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #ifndef SOL_UDP
 #define SOL_UDP 17
@@ -816,6 +817,133 @@ static PyTypeObject DispatcherType = {
     .tp_methods = dispatcher_methods,
 };
 
+/* --------------------------------------------------------------- ceiling */
+#ifdef __linux__
+#include <time.h>
+
+/* blast(sock, ip, port, size, count, segment) -> calls: ``count`` datagrams of ``size``
+ * bytes and no protocol, the machine's own limit for that kind of send: one sendto
+ * each, or (``segment``) as many per UDP_SEGMENT send as 64 KB and 64 segments allow.
+ * A full socket buffer is waited out (poll), never dropped. */
+static PyObject *native_blast(PyObject *self, PyObject *args) {
+    PyObject *sock;
+    unsigned int ip, port, size;
+    Py_ssize_t count;
+    int segment;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OIIInp", &sock, &ip, &port, &size, &count, &segment))
+        return NULL;
+    int fd = PyObject_AsFileDescriptor(sock);
+    if (fd < 0) return NULL;
+    if (size == 0 || size > GSO_MAX_BYTES || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "blast: bad size or count");
+        return NULL;
+    }
+    unsigned int per = segment ? GSO_MAX_BYTES / size : 1;
+    if (per > SEND_MAX) per = SEND_MAX;
+    if (per < 1) per = 1;
+    unsigned char *data = PyMem_Calloc((size_t)per, size);
+    if (data == NULL) return PyErr_NoMemory();
+    struct sockaddr_in to;
+    memset(&to, 0, sizeof to);
+    to.sin_family = AF_INET;
+    to.sin_addr.s_addr = htonl(ip);
+    to.sin_port = htons((uint16_t)port);
+    char ctrl[CMSG_SPACE(sizeof(uint16_t))];
+    long long calls = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t left = count;
+    while (left > 0) {
+        unsigned int k = left < (Py_ssize_t)per ? (unsigned int)left : per;
+        struct iovec iov = {data, (size_t)k * size};
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_name = &to;
+        m.msg_namelen = sizeof to;
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        if (k > 1) {
+            memset(ctrl, 0, sizeof ctrl);
+            m.msg_control = ctrl;
+            m.msg_controllen = sizeof ctrl;
+            struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t gso = (uint16_t)size;
+            memcpy(CMSG_DATA(c), &gso, sizeof gso);
+        }
+        if (sendmsg(fd, &m, 0) < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+                struct pollfd p = {fd, POLLOUT, 0};
+                poll(&p, 1, 10);
+                continue;
+            }
+            err = errno;
+            break;
+        }
+        calls++;
+        left -= k;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(data);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLongLong(calls);
+}
+
+/* drain(sock) -> (datagrams, bytes, last): receive until a 1-byte datagram (the end
+ * marker) arrives, counting datagrams (a GRO run counts as its segments) and their
+ * bytes; ``last``: CLOCK_MONOTONIC (Python's time.monotonic) when the last one came.
+ * Blocking, one recvmsg per call, the GIL released throughout. */
+static PyObject *native_drain(PyObject *self, PyObject *arg) {
+    (void)self;
+    int fd = PyObject_AsFileDescriptor(arg);
+    if (fd < 0) return NULL;
+    unsigned char *buf = PyMem_Malloc(SLOT_BYTES);
+    if (buf == NULL) return PyErr_NoMemory();
+    long long datagrams = 0, bytes = 0;
+    double last = 0.0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        char ctrl[CMSG_SPACE(sizeof(int))];
+        struct iovec iov = {buf, SLOT_BYTES};
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = ctrl;
+        m.msg_controllen = sizeof ctrl;
+        ssize_t n = recvmsg(fd, &m, 0);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (n == 1) break;
+        int seg = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) memcpy(&seg, CMSG_DATA(c), sizeof seg);
+        datagrams += seg > 0 ? (n + seg - 1) / seg : 1;
+        bytes += n;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        last = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(buf);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(LLd)", datagrams, bytes, last);
+}
+#endif
+
 /* ------------------------------------------------------------------ fwht */
 /* The normalised Walsh-Hadamard transform of every ``width`` block of x, with the same
  * floating-point operations in the same order as aggregate.hadamard's numpy version (so
@@ -938,6 +1066,10 @@ static PyMethodDef module_methods[] = {
      "None for a datagram wire.parse accepts, else the DropReason value it fails with."},
     {"fwht", native_fwht, METH_VARARGS, "Normalised Walsh-Hadamard transform in place."},
     {"flip_signs", native_flip_signs, METH_VARARGS, "Negate the elements a bit marks."},
+#ifdef __linux__
+    {"blast", native_blast, METH_VARARGS, "Send datagrams with no protocol (the ceiling)."},
+    {"drain", native_drain, METH_O, "Receive until an end marker (the ceiling)."},
+#endif
     {NULL},
 };
 

@@ -10,6 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from . import native
 from .aggregate import AGGREGATORS
 from .bench import aggregate as aggregate_bench
 from .bench import kernel_loss as kernel_loss_bench
@@ -44,6 +45,18 @@ def _parse_list(text: str, cast, what: str) -> tuple:
     return values
 
 
+def _parse_choices(text: str, choices: dict[str, bool], what: str) -> tuple[bool, ...]:
+    """A comma-separated list of ``choices`` keys, as their values, each once."""
+    names = _parse_list(text, str.strip, what)
+    bad = [n for n in names if n not in choices]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r}: choose from {', '.join(choices)}",
+                                 param_hint=what)
+    if len(set(names)) != len(names):
+        raise click.BadParameter(f"{text!r} names one twice", param_hint=what)
+    return tuple(choices[n] for n in names)
+
+
 def _joined(values) -> str:
     """A default list as the command line writes it."""
     return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
@@ -70,8 +83,8 @@ class PolicyParam(click.ParamType):
 
 def _transport_table(rows, title: str) -> Table:
     t = Table(title=title)
-    for col in ("chunk B", "message", "loss", "policy", "goodput Gb/s", "ceiling Gb/s",
-                "ratio", "retx rounds", "retx frac", "delivered"):
+    for col in ("chunk B", "message", "loss", "policy", "offload", "path", "goodput Gb/s",
+                "ceiling Gb/s", "ratio", "retx rounds", "retx frac", "delivered"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
@@ -79,6 +92,8 @@ def _transport_table(rows, title: str) -> Table:
             f"{r.message_bytes >> 20} MB",
             f"{r.loss:.0%}",
             r.policy,
+            "on" if r.offload else "off",
+            "native" if r.native else "python",
             f"{r.goodput_gbps:.2f}",
             f"{r.ceiling_gbps:.2f}",
             f"{r.ratio_to_ceiling:.2f}",
@@ -125,10 +140,20 @@ def bench() -> None:
 @click.option("--policies", type=PolicyParam(many=True),
               default=",".join(transport_bench.DEFAULT_POLICIES), show_default=True,
               help="Comma-separated policies, not gloo. " + POLICY_HELP)
+@click.option("--offload", default="on,off", show_default=True,
+              help="UDP segmentation offload and receive coalescing: on and/or off.")
+@click.option("--paths", default="native,python", show_default=True,
+              help="Data paths: native (compiled) and/or python (the reference).")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
               help="Interleaved repeats; the median is reported.")
-def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None:
-    """Goodput of message transfers on loopback against the raw-UDP ceiling."""
+def bench_transport(json_path, sizes, chunks, losses, policies, offload, paths,
+                    repeats) -> None:
+    """Goodput of message transfers on loopback against the machine's own limit."""
+    offloads = _parse_choices(offload, {"on": True, "off": False}, "--offload")
+    native_paths = _parse_choices(paths, {"native": True, "python": False}, "--paths")
+    if any(native_paths) and not native.enabled():
+        raise click.BadParameter(f"the compiled data path is not in use ({native.status()}); "
+                                 "measure --paths python", param_hint="--paths")
     sizes_t = _parse_list(sizes, int, "--sizes")
     chunks_t = _parse_list(chunks, int, "--chunks")
     losses_t = _parse_list(losses, float, "--losses")
@@ -146,7 +171,8 @@ def bench_transport(json_path, sizes, chunks, losses, policies, repeats) -> None
     with console.status("measuring...") as status:
         rows = transport_bench.run_transport_bench(
             message_mb=sizes_t, chunk_sizes=chunks_t, losses=losses_t, policies=pols,
-            repeats=repeats, progress=lambda msg: status.update(msg),
+            offloads=offloads, native_paths=native_paths, repeats=repeats,
+            progress=lambda msg: status.update(msg),
         )
     console.print(_transport_table(rows, f"transport goodput (median of {repeats})"))
     write_json(rows, json_path)

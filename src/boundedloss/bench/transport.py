@@ -1,13 +1,17 @@
 """`boundedloss bench transport`: goodput of message transfers on loopback.
 
 Two worker processes (a sender and a receiver, so each has a core of its own) are driven
-over pipes. For each datagram size the raw-UDP ceiling is measured in the same run and
-interleaved with the protocol rows: the same datagram size sent as fast as Python can
-(``sendto`` in a loop, no protocol) into a receiver doing ``recv_into`` in a loop.
-Goodput is message bytes over the time from the send being posted to the receiver's
-close as its I/O thread saw it (for the ceiling: from the first ``sendto`` to the last
-datagram received, over at least 16 MB so that it is a steady-state rate), on the
-machine's monotonic clock, which both processes share.
+over pipes. Rows cover the data path (the compiled one, ``native``, and the Python
+reference) and UDP offload (segmentation and receive coalescing, on or off). For each
+datagram size and offload setting the machine's own limit - the ceiling - is measured in
+the same run, interleaved with the rows: a bare compiled loop of the same kind and
+datagram size, no protocol - UDP_SEGMENT sends into a UDP_GRO socket with offload, one
+datagram per system call on both sides without. (Where the extension is not built, the
+ceiling is the same loop in Python, and the rows say so.) Goodput is message bytes over
+the time from the send being posted to the receiver's close as its I/O thread saw it
+(for the ceiling: from the first send to the last datagram received, over at least 16 MB
+so that it is a steady-state rate), on the machine's monotonic clock, which both
+processes share.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ from typing import TypeVar
 
 import numpy as np
 
+from .. import native
 from ..net.loss import Bernoulli
-from ..net.udp import DEFAULT_SOCKET_BUFFER, UdpEndpoint, set_socket_buffer
+from ..net.native import ipv4_address
+from ..net.udp import DEFAULT_SOCKET_BUFFER, SOL_UDP, UDP_GRO, UdpEndpoint, set_socket_buffer
 from ..policy import parse_policies, parse_policy
 from ..protocol import ReceiveResult, TransportConfig
 from ..wire import DEFAULT_CHUNK_BYTES, HEADER_BYTES
@@ -39,6 +45,8 @@ DEFAULT_MESSAGE_MB = (1, 16, 64)
 DEFAULT_CHUNK_SIZES = (DEFAULT_CHUNK_BYTES, 8192)  # the MTU-sized default, and jumbo
 DEFAULT_LOSSES = (0.0, 0.01)
 DEFAULT_POLICIES = ("reliable", "mlt")  # as parse_policy reads them
+DEFAULT_OFFLOADS = (True, False)
+DEFAULT_NATIVE = (True, False)  # the compiled data path, and the Python reference
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class TransportRow:
     message_bytes: int
     loss: float
     policy: str
+    offload: bool  # UDP segmentation offload and receive coalescing (GSO/GRO)
+    native: bool  # the compiled data path (False: the Python reference)
     goodput_gbps: float
     ceiling_gbps: float
     ratio_to_ceiling: float
@@ -54,6 +64,7 @@ class TransportRow:
     retransmitted_fraction: float
     delivered_fraction: float
     repeats: int
+    ceiling: str  # what the ceiling loop was: "native" or "python"
 
 
 # ---------------------------------------------------------------- worker side
@@ -77,14 +88,15 @@ def _worker(conn: Connection) -> None:
         cmd, *args = conn.recv()
         if cmd == "quit":
             break
-        if cmd == "open":  # (session, chunk_bytes, loss, seed)
+        if cmd == "open":  # (session, chunk_bytes, loss, seed, offload, native)
             if endpoint is not None:
                 endpoint.close()
-            session, chunk_bytes, loss, seed = args
+            session, chunk_bytes, loss, seed, offload, use_native = args
             cfg = TransportConfig(chunk_bytes=chunk_bytes, peer_timeout=30.0,
                                   receive_deadline=60.0)
             model = Bernoulli(loss, seed=seed) if loss else None
-            endpoint = UdpEndpoint(session=session, config=cfg, loss=model)
+            endpoint = UdpEndpoint(session=session, config=cfg, loss=model,
+                                   segmentation_offload=offload, native_data_path=use_native)
             conn.send(endpoint.address)
         elif cmd == "post":  # (peer, nbytes, policy, round)
             peer, nbytes, policy, rnd = args
@@ -110,43 +122,60 @@ def _worker(conn: Connection) -> None:
             received = _opened(future, "receive").result()
             s = received.stats  # finished: when the receiver closed, on the I/O thread's clock
             conn.send((s.finished, s.delivered, s.chunks, received.close_reason.name))
-        elif cmd == "raw_open":
+        elif cmd == "raw_open":  # (offload,)
             if raw is not None:
                 raw.close()
             raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             set_socket_buffer(raw, "RCV", DEFAULT_SOCKET_BUFFER)
             set_socket_buffer(raw, "SND", DEFAULT_SOCKET_BUFFER)
+            if args[0]:
+                raw.setsockopt(SOL_UDP, UDP_GRO, 1)
             raw.bind(("127.0.0.1", 0))
             conn.send(raw.getsockname())
-        elif cmd == "raw_recv":  # (count, datagram_bytes): count what arrives
-            count, size = args
-            buf = bytearray(65536)
-            recv = _opened(raw, "raw socket").recv_into
-            monotonic = time.monotonic
-            got = 0
-            t_last = 0.0
+        elif cmd == "raw_recv":  # count what arrives until the end marker
             conn.send("ready")
-            # Blocking recv_into (no timeout: a timeout costs an extra poll() per call);
-            # the sender ends the blast with 1-byte markers.
-            while True:
-                if recv(buf) == 1:
-                    break
-                got += 1
-                t_last = monotonic()
-            conn.send((t_last, got))
-        elif cmd == "raw_send":  # (peer, count, datagram_bytes)
-            peer, count, size = args
-            data = bytes(size)
-            send = _opened(raw, "raw socket").sendto
+            # (blocking: a timeout costs an extra poll() per call; the sender ends the
+            # blast with 1-byte markers)
+            conn.send(_drain(_opened(raw, "raw socket")))
+        elif cmd == "raw_send":  # (peer, count, datagram_bytes, offload)
+            peer, count, size, offload = args
+            sock = _opened(raw, "raw socket")
             t0 = time.monotonic()
-            for _ in range(count):
-                send(data, peer)
+            _blast(sock, peer, count, size, offload)
             for _ in range(50):  # end markers, spaced so a full buffer can drain
-                send(b"E", peer)
+                sock.sendto(b"E", peer)
                 time.sleep(0.002)
             conn.send(t0)
     if endpoint is not None:
         endpoint.close()
+
+
+def _blast(sock: socket.socket, peer, count: int, size: int, offload: bool) -> None:
+    """The ceiling's sender: ``count`` datagrams of ``size`` bytes, no protocol."""
+    if native.enabled():
+        ip, port = ipv4_address(peer) or (0, 0)
+        native.module().blast(sock, ip, port, size, count, offload)
+        return
+    data = bytes(size)
+    send = sock.sendto
+    for _ in range(count):
+        send(data, peer)
+
+
+def _drain(sock: socket.socket) -> tuple[float, int]:
+    """The ceiling's receiver: (when the last datagram came, how many came)."""
+    if native.enabled():
+        got, _, t_last = native.module().drain(sock)
+        return t_last, got
+    buf = bytearray(65536)
+    recv = sock.recv_into
+    monotonic = time.monotonic
+    got = 0
+    t_last = 0.0
+    while recv(buf) != 1:
+        got += 1
+        t_last = monotonic()
+    return t_last, got
 
 
 # ---------------------------------------------------------------- driver side
@@ -162,7 +191,8 @@ class _Pair:
         for p in self.procs:
             p.start()
         self.session = secrets.randbits(64)
-        self.transfer(8192, 4 * MB, 0.0, "reliable", 0)  # warm-up: imports, first-use paths
+        # warm-up: imports, first-use paths
+        self.transfer(8192, 4 * MB, 0.0, "reliable", 0, True, native.enabled())
 
     def call(self, conn, *msg):
         conn.send(msg)
@@ -181,24 +211,26 @@ class _Pair:
             if p.is_alive():
                 p.kill()
 
-    def ceiling(self, chunk_bytes: int, message_bytes: int) -> float:
+    def ceiling(self, chunk_bytes: int, message_bytes: int, offload: bool) -> float:
         """Steady-state raw rate for this datagram size: at least 16 MB are blasted, so
         that small messages are compared against the rate, not against one wake-up."""
         size = chunk_bytes + HEADER_BYTES
         count = -(-max(message_bytes, CEILING_MIN_BYTES) // chunk_bytes)
-        rx_addr = self.call(self.rx_conn, "raw_open")
-        self.call(self.tx_conn, "raw_open")
-        assert self.call(self.rx_conn, "raw_recv", count, size) == "ready"
-        t0 = self.call(self.tx_conn, "raw_send", rx_addr, count, size)
+        rx_addr = self.call(self.rx_conn, "raw_open", offload)
+        self.call(self.tx_conn, "raw_open", False)
+        assert self.call(self.rx_conn, "raw_recv") == "ready"
+        t0 = self.call(self.tx_conn, "raw_send", rx_addr, count, size, offload)
         if not self.rx_conn.poll(180):
             raise TimeoutError("raw receiver did not report")
         t_last, got = self.rx_conn.recv()
         return got * chunk_bytes * 8 / max(t_last - t0, 1e-9) / 1e9
 
     def transfer(self, chunk_bytes: int, message_bytes: int, loss: float, policy: str,
-                 rnd: int) -> dict:
-        tx_addr = self.call(self.tx_conn, "open", self.session, chunk_bytes, 0.0, 0)
-        rx_addr = self.call(self.rx_conn, "open", self.session, chunk_bytes, loss, rnd)
+                 rnd: int, offload: bool, use_native: bool) -> dict:
+        tx_addr = self.call(self.tx_conn, "open", self.session, chunk_bytes, 0.0, 0, offload,
+                            use_native)
+        rx_addr = self.call(self.rx_conn, "open", self.session, chunk_bytes, loss, rnd,
+                            offload, use_native)
         self.call(self.rx_conn, "post", tx_addr, message_bytes, policy, rnd)
         t0, status, rounds, retx = self.call(self.tx_conn, "send", rx_addr, message_bytes, rnd)
         t_end, delivered, chunks, reason = self.call(self.rx_conn, "wait")
@@ -218,16 +250,22 @@ def run_transport_bench(
     chunk_sizes: tuple[int, ...] = DEFAULT_CHUNK_SIZES,
     losses: tuple[float, ...] = DEFAULT_LOSSES,
     policies: tuple[str, ...] = DEFAULT_POLICIES,
+    offloads: tuple[bool, ...] = DEFAULT_OFFLOADS,
+    native_paths: tuple[bool, ...] = DEFAULT_NATIVE,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[TransportRow]:
-    """One row per chunk size, message size, loss rate and policy (each as
+    """One row per chunk size, message size, loss rate, policy (each as
     :func:`~boundedloss.policy.parse_policy` reads it; ``ValueError`` for a bad one,
-    or for gloo, which does not use this transport)."""
+    or for gloo, which does not use this transport), offload and data path (``True``:
+    the compiled one - ``ValueError`` where it is not built)."""
     specs = parse_policies(policies)
     if not all(spec.uses_transport for spec in specs):
         raise ValueError("bench transport measures the bounded-loss transport; gloo has none")
+    if any(native_paths) and not native.enabled():
+        raise ValueError(f"the compiled data path is not in use: {native.status()}")
     names = {str(spec): spec.make().describe() for spec in specs}  # the rows' names
+    ceiling_kind = "native" if native.enabled() else "python"
     pair = _Pair()
     rows: list[TransportRow] = []
     try:
@@ -235,21 +273,26 @@ def run_transport_bench(
         for cb in chunk_sizes:
             for mb in message_mb:
                 nbytes = mb * MB
-                ceilings: list[float] = []
+                ceilings: dict[bool, list[float]] = {}
                 samples: dict[tuple, list[dict]] = {}
                 for rep in range(repeats):
-                    # interleave: ceiling, then every protocol row, each repeat
-                    ceilings.append(pair.ceiling(cb, nbytes))
-                    for loss in losses:
-                        for pol in names:
-                            rnd += 1
-                            samples.setdefault((loss, pol), []).append(
-                                pair.transfer(cb, nbytes, loss, pol, rnd)
-                            )
+                    # interleave: ceilings, then every protocol row, each repeat
+                    for offload in offloads:
+                        ceilings.setdefault(offload, []).append(
+                            pair.ceiling(cb, nbytes, offload))
+                    for offload in offloads:
+                        for use_native in native_paths:
+                            for loss in losses:
+                                for pol in names:
+                                    rnd += 1
+                                    samples.setdefault(
+                                        (offload, use_native, loss, pol), []).append(
+                                        pair.transfer(cb, nbytes, loss, pol, rnd, offload,
+                                                      use_native))
                     if progress:
                         progress(f"chunk {cb} B, message {mb} MB: repeat {rep + 1}/{repeats}")
-                ceiling = statistics.median(ceilings)
-                for (loss, pol), runs in samples.items():
+                for (offload, use_native, loss, pol), runs in samples.items():
+                    ceiling = statistics.median(ceilings[offload])
                     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                     rows.append(
                         TransportRow(
@@ -257,6 +300,8 @@ def run_transport_bench(
                             message_bytes=nbytes,
                             loss=loss,
                             policy=names[pol],
+                            offload=offload,
+                            native=use_native,
                             goodput_gbps=round(med["goodput_gbps"], 3),
                             ceiling_gbps=round(ceiling, 3),
                             ratio_to_ceiling=round(med["goodput_gbps"] / ceiling, 3),
@@ -264,6 +309,7 @@ def run_transport_bench(
                             retransmitted_fraction=round(med["retransmitted_fraction"], 4),
                             delivered_fraction=round(med["delivered_fraction"], 4),
                             repeats=repeats,
+                            ceiling=ceiling_kind,
                         )
                     )
     finally:
