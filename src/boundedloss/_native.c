@@ -286,6 +286,7 @@ typedef struct {
     int batch, slot;                 /* messages in the batch; the one being read */
     uint32_t offset;                 /* where in that message the next datagram starts */
     Py_ssize_t seq;                  /* datagrams of the batch read so far */
+    unsigned char *stage;            /* a segmented send, gathered (GSO_MAX_BYTES) */
     unsigned char *lose;             /* per datagram of the batch: a loss model drops it */
     Py_ssize_t lose_len, lose_cap;
 } DispatcherObject;
@@ -316,6 +317,7 @@ static void dispatcher_dealloc(DispatcherObject *d) {
     }
     PyMem_Free(d->buf);
     PyMem_Free(d->lose);
+    PyMem_Free(d->stage);
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
 
@@ -539,7 +541,7 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
 
 /* send_run(sock, ip, port, headers, payload, indices, start, chunk_bytes, nbytes,
  *          segment) -> (next, err, end, calls): the DATA datagrams of one message, chunk
- * indices[start:], each its header (48 bytes at i * 48 in headers) then its payload (at
+ * indices[start:] (indices: int64), each its header (48 bytes at i * 48 in headers) then its payload (at
  * i * chunk_bytes in payload), gathered straight from those buffers. With ``segment``
  * runs of equal-sized datagrams go out as one UDP_SEGMENT send each (the last may be
  * shorter), else up to 64 datagrams per sendmmsg. Stops at the first error: ``err`` is
@@ -550,43 +552,34 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
 #define SEND_MAX 64
 #define GSO_MAX_BYTES 65507
 static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
-    PyObject *sock, *idx_obj;
+    PyObject *sock;
     unsigned int ip, port, cb;
     unsigned long long nbytes;
     Py_ssize_t start;
     int segment;
-    Py_buffer hb, pb;
-    (void)d;
-    if (!PyArg_ParseTuple(args, "OIIy*y*OnIKp", &sock, &ip, &port, &hb, &pb, &idx_obj, &start,
+    Py_buffer hb, pb, ib;
+    if (d->stage == NULL && (d->stage = PyMem_Malloc(GSO_MAX_BYTES)) == NULL)
+        return PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "OIIy*y*y*nIKp", &sock, &ip, &port, &hb, &pb, &ib, &start,
                           &cb, &nbytes, &segment))
         return NULL;
-    PyObject *result = NULL, *seq = NULL;
-    uint32_t *idx = NULL;
+    PyObject *result = NULL;
+    const int64_t *idx = ib.buf;
+    Py_ssize_t n = ib.len / 8;
     int fd = PyObject_AsFileDescriptor(sock);
     if (fd < 0) goto done;
-    seq = PySequence_Fast(idx_obj, "indices must be a sequence");
-    if (seq == NULL) goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     uint64_t count = cb ? (nbytes + cb - 1) / cb : 0;
     if (count == 0) count = 1;
-    if (cb == 0 || start < 0 || start > n || (uint64_t)hb.len < count * HEADER_BYTES
-        || (uint64_t)pb.len != nbytes) {
+    if (cb == 0 || ib.len % 8 || start < 0 || start > n
+        || (uint64_t)hb.len < count * HEADER_BYTES || (uint64_t)pb.len != nbytes) {
         PyErr_SetString(PyExc_ValueError, "send_run: buffers disagree with the geometry");
         goto done;
     }
-    idx = PyMem_Malloc(sizeof(uint32_t) * (size_t)(n ? n : 1));
-    if (idx == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == (unsigned long)-1 && PyErr_Occurred()) goto done;
-        if (v >= count) {
+    for (Py_ssize_t i = start; i < n; i++) {
+        if (idx[i] < 0 || (uint64_t)idx[i] >= count) {
             PyErr_SetString(PyExc_ValueError, "send_run: chunk index out of range");
             goto done;
         }
-        idx[i] = (uint32_t)v;
     }
     struct sockaddr_in to;
     memset(&to, 0, sizeof to);
@@ -604,14 +597,14 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     int err = 0;
     while (i < n) {
         Py_ssize_t k;  /* datagrams in this call */
-        uint32_t size0 = HEADER_BYTES + (uint32_t)CLEN(idx[i]);
+        uint32_t size0 = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i]);
         if (segment) {
             Py_ssize_t most = GSO_MAX_BYTES / size0;
             if (most > SEND_MAX) most = SEND_MAX;
             if (most < 1) most = 1;
             k = 1;
             while (i + k < n && k < most) {
-                uint32_t sz = HEADER_BYTES + (uint32_t)CLEN(idx[i + k]);
+                uint32_t sz = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i + k]);
                 if (sz != size0) {
                     if (sz < size0) k++;  /* a short last segment closes the run */
                     break;
@@ -622,7 +615,7 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
             k = n - i < SEND_MAX ? n - i : SEND_MAX;
         }
         for (Py_ssize_t j = 0; j < k; j++) {
-            uint32_t c = idx[i + j];
+            uint64_t c = (uint64_t)idx[i + j];
             iov[2 * j].iov_base = (void *)(H + (size_t)c * HEADER_BYTES);
             iov[2 * j].iov_len = HEADER_BYTES;
             iov[2 * j + 1].iov_base = (void *)(P + (size_t)c * cb);
@@ -637,6 +630,19 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
             m.msg_namelen = sizeof to;
             m.msg_iov = iov;
             m.msg_iovlen = (size_t)(2 * k);
+            struct iovec whole;
+            if (k > 1 && d->stage != NULL) {
+                /* one contiguous buffer: the kernel segments it faster than 2k pieces */
+                size_t at = 0;
+                for (Py_ssize_t j = 0; j < 2 * k; j++) {
+                    memcpy(d->stage + at, iov[j].iov_base, iov[j].iov_len);
+                    at += iov[j].iov_len;
+                }
+                whole.iov_base = d->stage;
+                whole.iov_len = at;
+                m.msg_iov = &whole;
+                m.msg_iovlen = 1;
+            }
             if (k > 1) {
                 memset(ctrl, 0, sizeof ctrl);
                 m.msg_control = ctrl;
@@ -676,10 +682,9 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
 #undef CLEN
     result = Py_BuildValue("(nini)", i, err, end, (int)calls);
 done:
-    PyMem_Free(idx);
-    Py_XDECREF(seq);
     PyBuffer_Release(&hb);
     PyBuffer_Release(&pb);
+    PyBuffer_Release(&ib);
     return result;
 }
 #endif
@@ -821,17 +826,20 @@ static PyTypeObject DispatcherType = {
 #ifdef __linux__
 #include <time.h>
 
-/* blast(sock, ip, port, size, count, segment) -> calls: ``count`` datagrams of ``size``
- * bytes and no protocol, the machine's own limit for that kind of send: one sendto
- * each, or (``segment``) as many per UDP_SEGMENT send as 64 KB and 64 segments allow.
- * A full socket buffer is waited out (poll), never dropped. */
+/* blast(sock, ip, port, size, count, segment, source) -> calls: ``count`` datagrams of
+ * ``size`` bytes and no protocol, the machine's own limit for that kind of send: one
+ * sendto each, or (``segment``) as many per UDP_SEGMENT send as 64 KB and 64 segments
+ * allow. Their bytes come from ``source`` in order (wrapping around), as a message's
+ * would; with None, from one small buffer the cache keeps. A full socket buffer is
+ * waited out (poll), never dropped. */
 static PyObject *native_blast(PyObject *self, PyObject *args) {
-    PyObject *sock;
+    PyObject *sock, *source;
     unsigned int ip, port, size;
     Py_ssize_t count;
     int segment;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OIIInp", &sock, &ip, &port, &size, &count, &segment))
+    if (!PyArg_ParseTuple(args, "OIIInpO", &sock, &ip, &port, &size, &count, &segment,
+                          &source))
         return NULL;
     int fd = PyObject_AsFileDescriptor(sock);
     if (fd < 0) return NULL;
@@ -842,8 +850,20 @@ static PyObject *native_blast(PyObject *self, PyObject *args) {
     unsigned int per = segment ? GSO_MAX_BYTES / size : 1;
     if (per > SEND_MAX) per = SEND_MAX;
     if (per < 1) per = 1;
+    Py_buffer src = {0};
+    int has_source = source != Py_None;
+    if (has_source && PyObject_GetBuffer(source, &src, PyBUF_SIMPLE) < 0) return NULL;
+    if (has_source && (size_t)src.len < (size_t)per * size) {
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_ValueError, "blast: source shorter than one send");
+        return NULL;
+    }
     unsigned char *data = PyMem_Calloc((size_t)per, size);
-    if (data == NULL) return PyErr_NoMemory();
+    if (data == NULL) {
+        if (has_source) PyBuffer_Release(&src);
+        return PyErr_NoMemory();
+    }
+    size_t at = 0;
     struct sockaddr_in to;
     memset(&to, 0, sizeof to);
     to.sin_family = AF_INET;
@@ -857,6 +877,10 @@ static PyObject *native_blast(PyObject *self, PyObject *args) {
     while (left > 0) {
         unsigned int k = left < (Py_ssize_t)per ? (unsigned int)left : per;
         struct iovec iov = {data, (size_t)k * size};
+        if (has_source) {
+            if (at + iov.iov_len > (size_t)src.len) at = 0;
+            iov.iov_base = (unsigned char *)src.buf + at;
+        }
         struct msghdr m;
         memset(&m, 0, sizeof m);
         m.msg_name = &to;
@@ -885,9 +909,11 @@ static PyObject *native_blast(PyObject *self, PyObject *args) {
         }
         calls++;
         left -= k;
+        at += iov.iov_len;
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(data);
+    if (has_source) PyBuffer_Release(&src);
     if (err) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -895,16 +921,31 @@ static PyObject *native_blast(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(calls);
 }
 
-/* drain(sock) -> (datagrams, bytes, last): receive until a 1-byte datagram (the end
- * marker) arrives, counting datagrams (a GRO run counts as its segments) and their
- * bytes; ``last``: CLOCK_MONOTONIC (Python's time.monotonic) when the last one came.
- * Blocking, one recvmsg per call, the GIL released throughout. */
-static PyObject *native_drain(PyObject *self, PyObject *arg) {
+/* drain(sock, dest) -> (datagrams, bytes, last): receive until a 1-byte datagram (the
+ * end marker) arrives, counting datagrams (a GRO run counts as its segments) and their
+ * bytes, each copied on into ``dest`` in order (wrapping around), as a message's would
+ * be (None: not copied); ``last``: CLOCK_MONOTONIC (Python's time.monotonic) when the
+ * last one came. Blocking, one recvmsg per call, the GIL released throughout. */
+static PyObject *native_drain(PyObject *self, PyObject *args) {
+    PyObject *sock, *dest;
     (void)self;
-    int fd = PyObject_AsFileDescriptor(arg);
+    if (!PyArg_ParseTuple(args, "OO", &sock, &dest)) return NULL;
+    int fd = PyObject_AsFileDescriptor(sock);
     if (fd < 0) return NULL;
+    Py_buffer dst = {0};
+    int has_dest = dest != Py_None;
+    if (has_dest && PyObject_GetBuffer(dest, &dst, PyBUF_WRITABLE) < 0) return NULL;
+    if (has_dest && dst.len < SLOT_BYTES) {
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "drain: dest shorter than 64 KB");
+        return NULL;
+    }
+    size_t at = 0;
     unsigned char *buf = PyMem_Malloc(SLOT_BYTES);
-    if (buf == NULL) return PyErr_NoMemory();
+    if (buf == NULL) {
+        if (has_dest) PyBuffer_Release(&dst);
+        return PyErr_NoMemory();
+    }
     long long datagrams = 0, bytes = 0;
     double last = 0.0;
     int err = 0;
@@ -930,12 +971,18 @@ static PyObject *native_drain(PyObject *self, PyObject *arg) {
             if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) memcpy(&seg, CMSG_DATA(c), sizeof seg);
         datagrams += seg > 0 ? (n + seg - 1) / seg : 1;
         bytes += n;
+        if (has_dest) {
+            if (at + (size_t)n > (size_t)dst.len) at = 0;
+            memcpy((unsigned char *)dst.buf + at, buf, (size_t)n);
+            at += (size_t)n;
+        }
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         last = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(buf);
+    if (has_dest) PyBuffer_Release(&dst);
     if (err) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -1068,7 +1115,7 @@ static PyMethodDef module_methods[] = {
     {"flip_signs", native_flip_signs, METH_VARARGS, "Negate the elements a bit marks."},
 #ifdef __linux__
     {"blast", native_blast, METH_VARARGS, "Send datagrams with no protocol (the ceiling)."},
-    {"drain", native_drain, METH_O, "Receive until an end marker (the ceiling)."},
+    {"drain", native_drain, METH_VARARGS, "Receive until an end marker (the ceiling)."},
 #endif
     {NULL},
 };

@@ -6,8 +6,11 @@ reference) and UDP offload (segmentation and receive coalescing, on or off). For
 datagram size and offload setting the machine's own limit - the ceiling - is measured in
 the same run, interleaved with the rows: a bare compiled loop of the same kind and
 datagram size, no protocol - UDP_SEGMENT sends into a UDP_GRO socket with offload, one
-datagram per system call on both sides without. (Where the extension is not built, the
-ceiling is the same loop in Python, and the rows say so.) Goodput is message bytes over
+datagram per system call on both sides without - sending the message's bytes from the
+sender's buffer and copying what arrives on into a message-sized destination, as any
+transport must (``loop_ceiling_gbps``: the same loops on one small buffer the cache
+keeps, which no transport of a real message can match). Where the extension is not
+built the ceilings are the same loops in Python, and the rows say so. Goodput is message bytes over
 the time from the send being posted to the receiver's close as its I/O thread saw it
 (for the ceiling: from the first send to the last datagram received, over at least 16 MB
 so that it is a steady-state rate), on the machine's monotonic clock, which both
@@ -59,6 +62,7 @@ class TransportRow:
     native: bool  # the compiled data path (False: the Python reference)
     goodput_gbps: float
     ceiling_gbps: float
+    loop_ceiling_gbps: float
     ratio_to_ceiling: float
     retransmit_rounds: float
     retransmitted_fraction: float
@@ -100,22 +104,15 @@ def _worker(conn: Connection) -> None:
             conn.send(endpoint.address)
         elif cmd == "post":  # (peer, nbytes, policy, round)
             peer, nbytes, policy, rnd = args
-            # A warm, reused destination, as a training job's gradient buckets are (a
-            # fresh one would time the kernel's page faults, not the transport).
-            out = payload_cache.get(-nbytes)
-            if out is None:
-                out = payload_cache[-nbytes] = np.ones(nbytes, dtype=np.uint8)
             future = _opened(endpoint, "endpoint").receive(
-                peer, message_id=1, round_id=rnd, policy=parse_policy(policy).make(), out=out)
+                peer, message_id=1, round_id=rnd, policy=parse_policy(policy).make(),
+                out=_message_buffer(payload_cache, -nbytes))
             conn.send("posted")
         elif cmd == "send":  # (peer, nbytes, round)
             peer, nbytes, rnd = args
-            if nbytes not in payload_cache:
-                payload_cache[nbytes] = np.random.default_rng(nbytes).integers(
-                    0, 255, nbytes, dtype=np.uint8
-                )
             sent = _opened(endpoint, "endpoint").send(
-                peer, payload_cache[nbytes], message_id=1, round_id=rnd).result()
+                peer, _message_buffer(payload_cache, nbytes), message_id=1,
+                round_id=rnd).result()
             s = sent.stats
             conn.send((s.started, sent.status.value, s.retransmit_rounds, s.retransmitted))
         elif cmd == "wait":
@@ -132,16 +129,18 @@ def _worker(conn: Connection) -> None:
                 raw.setsockopt(SOL_UDP, UDP_GRO, 1)
             raw.bind(("127.0.0.1", 0))
             conn.send(raw.getsockname())
-        elif cmd == "raw_recv":  # count what arrives until the end marker
+        elif cmd == "raw_recv":  # (nbytes or 0): count what arrives until the end marker
+            dest = _message_buffer(payload_cache, -args[0]) if args[0] else None
             conn.send("ready")
             # (blocking: a timeout costs an extra poll() per call; the sender ends the
             # blast with 1-byte markers)
-            conn.send(_drain(_opened(raw, "raw socket")))
-        elif cmd == "raw_send":  # (peer, count, datagram_bytes, offload)
-            peer, count, size, offload = args
+            conn.send(_drain(_opened(raw, "raw socket"), dest))
+        elif cmd == "raw_send":  # (peer, count, datagram_bytes, offload, nbytes or 0)
+            peer, count, size, offload, nbytes = args
+            source = _message_buffer(payload_cache, nbytes) if nbytes else None
             sock = _opened(raw, "raw socket")
             t0 = time.monotonic()
-            _blast(sock, peer, count, size, offload)
+            _blast(sock, peer, count, size, offload, source)
             for _ in range(50):  # end markers, spaced so a full buffer can drain
                 sock.sendto(b"E", peer)
                 time.sleep(0.002)
@@ -150,11 +149,27 @@ def _worker(conn: Connection) -> None:
         endpoint.close()
 
 
-def _blast(sock: socket.socket, peer, count: int, size: int, offload: bool) -> None:
-    """The ceiling's sender: ``count`` datagrams of ``size`` bytes, no protocol."""
+def _message_buffer(cache: dict[int, np.ndarray], key: int) -> np.ndarray:
+    """The worker's message buffers, made once and reused, as a training job's gradient
+    buckets are (a fresh one would time the kernel's page faults, not the transport):
+    ``key`` > 0, a source of that many random bytes; < 0, a destination of -key bytes."""
+    buf = cache.get(key)
+    if buf is None:
+        if key > 0:
+            buf = np.random.default_rng(key).integers(0, 255, key, dtype=np.uint8)
+        else:
+            buf = np.ones(-key, dtype=np.uint8)
+        cache[key] = buf
+    return buf
+
+
+def _blast(sock: socket.socket, peer, count: int, size: int, offload: bool,
+           source: np.ndarray | None) -> None:
+    """The ceiling's sender: ``count`` datagrams of ``size`` bytes, no protocol, from
+    ``source`` (None: one buffer the cache keeps)."""
     if native.enabled():
         ip, port = ipv4_address(peer) or (0, 0)
-        native.module().blast(sock, ip, port, size, count, offload)
+        native.module().blast(sock, ip, port, size, count, offload, source)
         return
     data = bytes(size)
     send = sock.sendto
@@ -162,10 +177,11 @@ def _blast(sock: socket.socket, peer, count: int, size: int, offload: bool) -> N
         send(data, peer)
 
 
-def _drain(sock: socket.socket) -> tuple[float, int]:
-    """The ceiling's receiver: (when the last datagram came, how many came)."""
+def _drain(sock: socket.socket, dest: np.ndarray | None) -> tuple[float, int]:
+    """The ceiling's receiver: (when the last datagram came, how many came), each copied
+    on into ``dest`` (None: not copied)."""
     if native.enabled():
-        got, _, t_last = native.module().drain(sock)
+        got, _, t_last = native.module().drain(sock, dest)
         return t_last, got
     buf = bytearray(65536)
     recv = sock.recv_into
@@ -211,15 +227,18 @@ class _Pair:
             if p.is_alive():
                 p.kill()
 
-    def ceiling(self, chunk_bytes: int, message_bytes: int, offload: bool) -> float:
+    def ceiling(self, chunk_bytes: int, message_bytes: int, offload: bool,
+                move_message: bool) -> float:
         """Steady-state raw rate for this datagram size: at least 16 MB are blasted, so
-        that small messages are compared against the rate, not against one wake-up."""
+        that small messages are compared against the rate, not against one wake-up;
+        ``move_message``: from the message's source buffer into a destination."""
         size = chunk_bytes + HEADER_BYTES
         count = -(-max(message_bytes, CEILING_MIN_BYTES) // chunk_bytes)
+        nbytes = max(message_bytes, 1 << 17) if move_message else 0
         rx_addr = self.call(self.rx_conn, "raw_open", offload)
         self.call(self.tx_conn, "raw_open", False)
-        assert self.call(self.rx_conn, "raw_recv") == "ready"
-        t0 = self.call(self.tx_conn, "raw_send", rx_addr, count, size, offload)
+        assert self.call(self.rx_conn, "raw_recv", nbytes) == "ready"
+        t0 = self.call(self.tx_conn, "raw_send", rx_addr, count, size, offload, nbytes)
         if not self.rx_conn.poll(180):
             raise TimeoutError("raw receiver did not report")
         t_last, got = self.rx_conn.recv()
@@ -273,13 +292,14 @@ def run_transport_bench(
         for cb in chunk_sizes:
             for mb in message_mb:
                 nbytes = mb * MB
-                ceilings: dict[bool, list[float]] = {}
+                ceilings: dict[tuple[bool, bool], list[float]] = {}
                 samples: dict[tuple, list[dict]] = {}
                 for rep in range(repeats):
                     # interleave: ceilings, then every protocol row, each repeat
                     for offload in offloads:
-                        ceilings.setdefault(offload, []).append(
-                            pair.ceiling(cb, nbytes, offload))
+                        for move in (True, False):
+                            ceilings.setdefault((offload, move), []).append(
+                                pair.ceiling(cb, nbytes, offload, move))
                     for offload in offloads:
                         for use_native in native_paths:
                             for loss in losses:
@@ -292,7 +312,8 @@ def run_transport_bench(
                     if progress:
                         progress(f"chunk {cb} B, message {mb} MB: repeat {rep + 1}/{repeats}")
                 for (offload, use_native, loss, pol), runs in samples.items():
-                    ceiling = statistics.median(ceilings[offload])
+                    ceiling = statistics.median(ceilings[(offload, True)])
+                    loop_ceiling = statistics.median(ceilings[(offload, False)])
                     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                     rows.append(
                         TransportRow(
@@ -304,6 +325,7 @@ def run_transport_bench(
                             native=use_native,
                             goodput_gbps=round(med["goodput_gbps"], 3),
                             ceiling_gbps=round(ceiling, 3),
+                            loop_ceiling_gbps=round(loop_ceiling, 3),
                             ratio_to_ceiling=round(med["goodput_gbps"] / ceiling, 3),
                             retransmit_rounds=med["retransmit_rounds"],
                             retransmitted_fraction=round(med["retransmitted_fraction"], 4),

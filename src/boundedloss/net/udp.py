@@ -57,6 +57,7 @@ from .loss import LossModel
 from .native import NativeDataPath, ipv4_address
 
 RECV_BURST = 512
+SEND_BURST_RUNS = 2048  # datagrams polled at once when the compiled path sends them
 RECV_BATCH = 64  # messages the compiled data path reads per system call
 SEND_BURST = 256
 DEFAULT_SOCKET_BUFFER = 64 << 20
@@ -404,7 +405,10 @@ class UdpEndpoint:
                 if deadline is not None and deadline <= now:
                     mux.timer_fired(now)
                 if pos >= len(batch):
-                    batch = mux.poll(now, SEND_BURST, runs=data_path is not None)
+                    if data_path is None:
+                        batch = mux.poll(now, SEND_BURST)
+                    else:
+                        batch = mux.poll(now, SEND_BURST_RUNS, runs=True)
                     pos = 0
                 while pos < len(batch):
                     item = batch[pos]

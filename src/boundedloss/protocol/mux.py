@@ -40,6 +40,10 @@ from .types import (
     TransportError,
 )
 
+#: datagrams one sender hands out per turn in a poll for runs: a DataRun costs one step
+#: of Python whatever its length, and a turn of 512 full datagrams (0.7 MB) still lets
+#: many senders share the socket fairly
+RUN_TURN = 512
 #: a run shorter than this goes datagram by datagram: the whole-array steps cost about
 #: as much as 16 datagrams one by one
 RUN_MIN = 16
@@ -305,7 +309,7 @@ class TransferMux:
             return out
         self._turn = (self._turn + 1) % len(senders)
         senders = senders[self._turn :] + senders[: self._turn]
-        batch = self.config.send_batch
+        batch = max(self.config.send_batch, RUN_TURN) if runs else self.config.send_batch
         progressed = True
         while progressed and n < limit:
             progressed = False

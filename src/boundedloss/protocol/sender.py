@@ -81,7 +81,7 @@ class SendQueue:
             order = np.concatenate([np.flatnonzero(critical), np.flatnonzero(~critical)])
         else:
             order = np.arange(count)
-        self.order: list[int] = order.tolist()
+        self.order: np.ndarray = order.astype(np.int64)
         self.pos = 0
         self.queued = np.ones(count, dtype=bool)
         #: every chunk is still going out for the first time
@@ -90,7 +90,7 @@ class SendQueue:
     def __len__(self) -> int:
         return len(self.order) - self.pos
 
-    def take(self, k: int) -> list[int]:
+    def take(self, k: int) -> np.ndarray:
         batch = self.order[self.pos : self.pos + k]
         self.pos += k
         self.queued[batch] = False
@@ -100,11 +100,12 @@ class SendQueue:
         fresh = missing[~self.queued[missing]]
         if fresh.size:
             self.queued[fresh] = True
-            self.order.extend(fresh.tolist())
+            self.order = np.concatenate([self.order[self.pos :], fresh.astype(np.int64)])
+            self.pos = 0
 
     def drained(self) -> None:
         """Everything queued went out: the next chunks are retransmissions."""
-        self.order = []
+        self.order = np.empty(0, dtype=np.int64)
         self.pos = 0
         self.first_pass = False
 
@@ -309,7 +310,7 @@ class MessageSender:
             out.extend(
                 ((hdr[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], pay[i * cb : (i + 1) * cb]),
                  peer)
-                for i in batch
+                for i in batch.tolist()
             )
         counts = self.counts
         counts.datagrams += k

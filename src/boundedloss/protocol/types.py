@@ -184,13 +184,13 @@ class DataRun:
     headers: memoryview
     payload: memoryview
     chunk_bytes: int
-    indices: list[int]
+    indices: np.ndarray  # int64, C-contiguous
 
     def datagrams(self) -> list[tuple[tuple[memoryview, memoryview], Hashable]]:
         """The same datagrams as ``poll`` hands them out one by one."""
         hb, cb = HEADER_BYTES, self.chunk_bytes
         return [((self.headers[i * hb : (i + 1) * hb], self.payload[i * cb : (i + 1) * cb]),
-                 self.peer) for i in self.indices]
+                 self.peer) for i in self.indices.tolist()]
 
 
 class TransportError(RuntimeError):
