@@ -300,3 +300,52 @@ def test_a_bug_in_the_io_thread_fails_every_caller_at_once_with_its_cause():
         with pytest.raises(TransportError, match="a bug in the policy"):
             rx.send(tx.address, np.ones(10, np.float32), message_id=3)
     assert rx.sock.fileno() == -1  # closed all the same
+
+
+_MTU_SCRIPT = textwrap.dedent("""
+    import json, numpy as np
+    from boundedloss.net.udp import ChunkTooLarge, UdpEndpoint
+    from boundedloss.protocol import TransportConfig
+    def snmp():
+        lines = [l.split() for l in open("/proc/net/snmp") if l.startswith("Ip:")]
+        return dict(zip(lines[0][1:], map(int, lines[1][1:])))
+    out = {}
+    try:
+        with UdpEndpoint(session=1, config=TransportConfig(chunk_bytes=1425)) as a:
+            a.send(("127.0.0.1", 9), np.zeros(10, np.uint8), message_id=1)
+    except ChunkTooLarge as e:
+        out["error"] = str(e)
+    data = np.random.default_rng(3).integers(0, 256, 2_000_000, dtype=np.uint8)
+    cfg = TransportConfig(chunk_bytes=1424)
+    before = snmp()
+    with UdpEndpoint(session=1, config=cfg) as a, UdpEndpoint(session=1, config=cfg) as b:
+        f = b.receive(a.address, message_id=1, nbytes=data.nbytes)
+        a.send(b.address, data, message_id=1).result(30)
+        res = f.result(30)
+        out["complete"] = bool(res.complete and np.array_equal(res.data, data))
+    after = snmp()
+    out["fragments"] = after["FragCreates"] - before["FragCreates"]
+    print(json.dumps(out))
+""")
+
+
+def test_a_chunk_never_fragments_and_one_too_large_for_the_path_is_refused():
+    """In a network namespace of its own whose loopback has a 1,500-byte MTU: a 1,425-byte
+    chunk (a 1,501-byte packet) is a one-line error naming the MTU; 1,424-byte chunks go
+    through without a single IP fragment."""
+    cmd = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+           f"ip link set lo mtu 1500 up && {sys.executable} -c \"$0\"", _MTU_SCRIPT]
+    path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PATH": path})
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if proc.returncode != 0 and "unshare" in proc.stderr:
+        pytest.skip(f"no user and network namespace here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] == ("chunk size 1,425 B does not fit one packet to 127.0.0.1:9: the "
+                            "path MTU is 1,500 B, so chunks can be at most 1,424 B (set "
+                            "TransportConfig.chunk_bytes)")
+    assert out["complete"] and out["fragments"] == 0

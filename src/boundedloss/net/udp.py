@@ -51,7 +51,7 @@ from ..protocol.types import (
     TransportConfig,
     TransportError,
 )
-from ..wire import DropReason, peek_round
+from ..wire import HEADER_BYTES, DropReason, peek_round
 from . import native
 from .loss import LossModel
 from .native import NativeDataPath, ipv4_address
@@ -98,6 +98,38 @@ def segment_run(batch: list, start: int) -> tuple[int, int]:
             break
         end += 1
     return end, size
+
+
+# Path MTU (linux/in.h), which Python's socket module does not name: IP_MTU_DISCOVER set
+# to IP_PMTUDISC_DO sends every datagram with DF and refuses one larger than the path
+# MTU (EMSGSIZE) instead of fragmenting it; IP_MTU reads a connected socket's path MTU.
+IP_MTU_DISCOVER, IP_PMTUDISC_DO, IP_MTU = 10, 2, 14
+IPV4_UDP_OVERHEAD = 28  # IPv4 header without options, and UDP's
+
+
+def path_mtu(peer: tuple[str, int], local_host: str = "0.0.0.0") -> int | None:
+    """The path MTU toward ``peer`` as the kernel knows it (the route's, or less if a
+    smaller one was discovered); None where the kernel cannot say."""
+    if not sys.platform.startswith("linux"):
+        return None
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.bind((local_host, 0))
+        probe.connect(peer)
+        return probe.getsockopt(socket.IPPROTO_IP, IP_MTU)
+    except OSError:
+        return None
+    finally:
+        probe.close()
+
+
+def largest_chunk(mtu: int) -> int:
+    """The largest chunk whose datagram fits one IPv4 packet of ``mtu`` bytes."""
+    return mtu - IPV4_UDP_OVERHEAD - HEADER_BYTES
+
+
+class ChunkTooLarge(TransportError):
+    """The configured chunk does not fit one packet on the path to a peer."""
 
 
 # Linux's SO_SNDBUFFORCE / SO_RCVBUFFORCE, which Python's socket module does not name.
@@ -156,6 +188,11 @@ class UdpEndpoint:
             config = dataclasses.replace(config, window_bytes=fits)
         self.config = config
         self.mux = TransferMux(session, config)
+        if sys.platform.startswith("linux"):
+            # DF on every datagram: the kernel refuses one the path cannot carry rather
+            # than fragmenting it (a lost fragment loses the whole datagram)
+            self.sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+        self._fits: set[tuple[str, int]] = set()  # peers whose path carries our chunks
         #: the compiled DATA path (None: the Python core takes every datagram);
         #: ``native_data_path`` None: use it unless BOUNDEDLOSS_NATIVE=0 or not built
         self.data_path: NativeDataPath | None = None
@@ -193,6 +230,7 @@ class UdpEndpoint:
              critical: np.ndarray | None = None) -> Future:
         """Send ``payload`` (any C-contiguous buffer; not to be modified until done)."""
         peer = resolve(peer)
+        self.check_path(peer)
         fut: Future = Future()
         with self._lock:
             self._check_open()
@@ -207,6 +245,7 @@ class UdpEndpoint:
                 nbytes: int | None = None, critical: np.ndarray | None = None) -> Future:
         """Post a receive; chunks land in ``out`` (or a new uint8 array of the sender's size)."""
         peer = resolve(peer)
+        self.check_path(peer)
         fut: Future = Future()
         with self._lock:
             self._check_open()
@@ -261,6 +300,20 @@ class UdpEndpoint:
         self.close()
 
     # --------------------------------------------------------------- internals
+    def check_path(self, peer: tuple[str, int]) -> None:
+        """Raise ChunkTooLarge if a chunk's datagram does not fit one packet to ``peer``
+        (its answers come back the same way: a receive checks it too)."""
+        if peer in self._fits:
+            return
+        mtu = path_mtu(peer, self.address[0])
+        cb = self.config.chunk_bytes
+        if mtu is not None and cb > largest_chunk(mtu):
+            raise ChunkTooLarge(
+                f"chunk size {cb:,} B does not fit one packet to {peer[0]}:{peer[1]}: the "
+                f"path MTU is {mtu:,} B, so chunks can be at most {largest_chunk(mtu):,} B "
+                f"(set TransportConfig.chunk_bytes)")
+        self._fits.add(peer)
+
     def _check_open(self) -> None:
         if self._failure is not None:
             raise self._failed_error() from self._failure

@@ -28,7 +28,7 @@ from ..collective import TOPOLOGIES, Collective, MemoryKey, RoundStats
 from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
 from ..policy import Policy, make_policy
-from ..protocol import TransportConfig
+from ..protocol import TransportConfig, TransportError
 from .rendezvous import agree_session, default_store, exchange_addresses, local_ip
 
 _REGISTRATIONS = 0  # distinct store keys when a process registers more than once
@@ -247,6 +247,13 @@ def register(
     endpoint = UdpEndpoint(local_ip(), 0, session=session, config=state.transport, loss=loss,
                            name=f"boundedloss-udp-r{rank}")
     peers = exchange_addresses(store, prefix, rank, world, endpoint.address)
+    try:
+        for peer in peers:
+            if peer != endpoint.address:
+                endpoint.check_path(peer)  # a chunk the path cannot carry: say so now
+    except TransportError:
+        endpoint.close()
+        raise
     collective = TOPOLOGIES[state.topology](
         endpoint, rank, peers, policy=state.policy, aggregator=state.aggregator,
         stale_broadcast=state.stale_broadcast, hadamard=state.hadamard, session=session,
