@@ -212,6 +212,23 @@ def bench_aggregate(json_path, losses, workers, chunk_bytes, patterns, seed) -> 
     console.print(t)
     write_json(rows, json_path)
     console.print(f"rows written to {json_path}")
+    speed = aggregate_bench.run_hadamard_speed()
+    t = Table(title=f"Hadamard dispersion on a {speed[0].bucket_bytes >> 20} MB float32 "
+                    f"bucket (median of {speed[0].repeats})")
+    for col in ("operation", "path", "GB/s"):
+        t.add_column(col, justify="right")
+    for h in speed:
+        t.add_row(h.operation, "native" if h.native else "numpy", f"{h.gbs:.2f}")
+    console.print(t)
+    speed_path = _beside(json_path, "hadamard")
+    write_json(speed, speed_path)
+    console.print(f"Hadamard rows written to {speed_path}")
+
+
+def _beside(path: str, what: str) -> str:
+    """``runs/agg.json`` -> ``runs/agg.what.json``: a second table's rows."""
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.{what}.{ext}" if dot else f"{path}.{what}"
 
 
 @bench.command("kernel-loss")

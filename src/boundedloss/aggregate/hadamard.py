@@ -174,9 +174,10 @@ class HadamardDispersion:
             return np.dtype(np.float64), np.dtype(np.float64)
         return (np.dtype(np.float32) if dtype.itemsize < 4 else dtype), dtype
 
-    def _transform(self, buf: np.ndarray, n: int) -> np.ndarray:
-        """Transform the private flat buffer ``buf`` (overwritten) segment by segment;
-        returns the array holding the result (``buf`` or a scratch buffer)."""
+    def transform(self, buf: np.ndarray, n: int) -> np.ndarray:
+        """The normalised transform of every block of the flat buffer ``buf`` (of
+        ``encoded_length(n)`` elements, overwritten; no signs): returns the array holding
+        the result (``buf``, or in numpy a scratch buffer)."""
         if native.enabled() and buf.dtype in _NATIVE_DTYPES:  # in place, no scratch
             fwht = native.module().fwht
             for off, length, width in self._segments(n):
@@ -204,7 +205,7 @@ class HadamardDispersion:
         signed = np.empty(m, dtype=work)
         signed[n:] = 0
         self._times_signs(x, seed, signed[:n])
-        y = self._transform(signed, n)
+        y = self.transform(signed, n)
         return y if result == work else y.astype(result)
 
     def decode(self, y: np.ndarray, seed: int, n: int) -> np.ndarray:
@@ -215,7 +216,7 @@ class HadamardDispersion:
         if y.size != m:
             raise ValueError(f"an encoded {n}-element vector has {m} elements, got {y.size}")
         work, result = self._work_dtype(y.dtype)
-        x = self._transform(y.astype(work), n)[:n]  # a copy: y is the caller's
+        x = self.transform(y.astype(work), n)[:n]  # a copy: y is the caller's
         self._times_signs(x, seed, x)
         return x if result == work else x.astype(result)
 

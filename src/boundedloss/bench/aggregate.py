@@ -11,6 +11,10 @@ Hadamard dispersion, and is compared against the lossless mean:
   the L2 error of a lost chunk unchanged but spreads it thinly over all coordinates);
 - ``throughput_gbs`` = bytes of all contributions / aggregation time (median of runs);
   with Hadamard, the encode of every contribution and the decode are included.
+
+Then Hadamard dispersion's own speed on one gradient bucket (``run_hadamard_speed``):
+the blockwise transform alone, and a whole encode and decode (random signs included),
+bucket bytes over time, in the compiled module and in numpy, interleaved.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .. import native
 from ..aggregate import AGGREGATORS, HadamardDispersion, element_mask, random_chunk_mask
 from ..wire import DEFAULT_CHUNK_BYTES
 
@@ -33,6 +38,54 @@ if TYPE_CHECKING:
 DEFAULT_LOSSES = (0.0, 0.01, 0.10, 0.30)
 DEFAULT_WORKERS = 4
 DEFAULT_PATTERNS = 5
+
+
+DEFAULT_BUCKET_MB = 4  # DDP's first bucket is about this size
+
+
+@dataclass(frozen=True)
+class HadamardRow:
+    operation: str  # "transform" (blockwise, in place), "encode" or "decode"
+    native: bool  # the compiled module (False: numpy)
+    bucket_bytes: int
+    gbs: float  # bucket bytes / time, median of the repeats
+    repeats: int
+
+
+def run_hadamard_speed(bucket_mb: int = DEFAULT_BUCKET_MB, repeats: int = 9,
+                       seed: int = 0) -> list[HadamardRow]:
+    """Throughput of Hadamard dispersion on a float32 bucket of ``bucket_mb`` MB."""
+    import os
+
+    hadamard = HadamardDispersion()
+    n = bucket_mb * (1 << 20) // 4
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    y = hadamard.encode(x, seed)
+    work = x.copy()
+    paths = (True, False) if native.enabled() else (False,)
+    ops: dict[str, Callable[[], object]] = {
+        "transform": lambda: hadamard.transform(work, n),
+        "encode": lambda: hadamard.encode(x, seed),
+        "decode": lambda: hadamard.decode(y, seed, n),
+    }
+    times: dict[tuple[str, bool], list[float]] = {}
+    before = os.environ.get("BOUNDEDLOSS_NATIVE")
+    try:
+        for _ in range(repeats):
+            for use_native in paths:  # interleaved, each repeat
+                os.environ["BOUNDEDLOSS_NATIVE"] = "1" if use_native else "0"
+                for name, op in ops.items():
+                    t0 = time.perf_counter()
+                    op()
+                    times.setdefault((name, use_native), []).append(time.perf_counter() - t0)
+    finally:
+        if before is None:
+            os.environ.pop("BOUNDEDLOSS_NATIVE", None)
+        else:
+            os.environ["BOUNDEDLOSS_NATIVE"] = before
+    return [HadamardRow(name, use_native, x.nbytes,
+                        round(x.nbytes / statistics.median(t) / 1e9, 3), repeats)
+            for (name, use_native), t in times.items()]
 
 
 @dataclass(frozen=True)
