@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from boundedloss import native
+
 HERE = Path(__file__).parent
 
 
@@ -162,24 +164,30 @@ def test_digits_are_scikit_learns_load_digits_without_importing_it(monkeypatch):
 def test_local_ranks_see_the_launching_processs_environment_now(tmp_path):
     """Ranks fork from a server that imported torch once; they must still run with the
     launching process's environment at each launch, not the server's at its start:
-    a second run of one process with BOUNDEDLOSS_UDP_GSO=0 runs without offload."""
+    a second run of one process with BOUNDEDLOSS_UDP_GSO=0 runs without offload, and
+    with BOUNDEDLOSS_NATIVE=0 on the Python data path - as its summary.json says."""
     code = (
         "import json, os, sys\n"
         "from boundedloss.experiments.train import TrainConfig, run_training\n"
         "def run(name):\n"
         f"    cfg = TrainConfig(policy='reliable', workers=2, epochs=1, steps_per_epoch=3, "
         f"out=os.path.join({str(tmp_path)!r}, name))\n"
-        "    return run_training(cfg)['udp_segmentation_offload']\n"
+        "    s = run_training(cfg)\n"
+        "    return s['udp_segmentation_offload'], s['data_path']\n"
         "first = run('a')\n"
         "os.environ['BOUNDEDLOSS_UDP_GSO'] = '0'\n"
+        "os.environ['BOUNDEDLOSS_NATIVE'] = '0'\n"
         "print(json.dumps([first, run('b')]))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "BOUNDEDLOSS_UDP_GSO"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BOUNDEDLOSS_UDP_GSO", "BOUNDEDLOSS_NATIVE")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    first, second = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert first in (True, False) and second is False
+    (offload1, path1), (offload2, path2) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert offload1 in (True, False) and offload2 is False
+    assert path1 == ("native" if native.enabled() else f"python ({native.status()})")
+    assert path2.startswith("python (")
 
 
 def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():

@@ -9,7 +9,8 @@ that one rank. Rank 0 writes, under ``out``:
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
 - ``summary.json``  the configuration, final metric, wall time, whether the UDP
-  endpoints used segmentation offload and the most copies a PROBE went in.
+  endpoints used segmentation offload, the most copies a PROBE went in, and the data
+  path (``native``, or ``python (why)``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol
 
 import numpy as np
 
+from .. import native
 from ..aggregate import AGGREGATORS
 from ..collective import TOPOLOGIES
 from ..policy import parse_policy
@@ -204,7 +206,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
         keep_alive.append(ddp)
     spec = parse_policy(cfg.policy)
     state = None
-    offload = copies = None  # UDP offload in use at the end, PROBE copies (None: gloo)
+    # UDP offload in use at the end, PROBE copies, the data path (None: gloo)
+    offload = copies = data_path = None
     if spec.uses_transport:
         from .. import torch as bl_torch
 
@@ -283,10 +286,13 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             # (read last: a kernel that refuses a segmented send turns it off mid-run)
             offload = state.endpoint is not None and state.endpoint.segmentation_offload
             copies = state.endpoint.config.probe_copies_max if state.endpoint else None
+            data_path = (("native" if state.endpoint.data_path is not None
+                          else f"python ({native.status()})") if state.endpoint else None)
             state.close()
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
-               "udp_segmentation_offload": offload, "probe_copies_max": copies}
+               "udp_segmentation_offload": offload, "probe_copies_max": copies,
+               "data_path": data_path}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.destroy_process_group()

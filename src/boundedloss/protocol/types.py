@@ -59,8 +59,10 @@ class TransportConfig:
     #: largest message a receive posted without a size may allocate
     max_message_bytes: int = 1 << 32
     #: flow control: DATA bytes a sender may have in flight beyond the receiver's last
-    #: ACK (keep it under the receiver's socket buffer, or the kernel drops the rest)
-    window_bytes: int = 2 << 20
+    #: ACK (keep it under the receiver's socket buffer, or the kernel drops the rest; a
+    #: UdpEndpoint caps it at a quarter of its own). 8 MB covers a few ms of ACK delay at
+    #: tens of Gb/s: a smaller window leaves a fast sender waiting on the receiver's loop
+    window_bytes: int = 8 << 20
     #: pacing of DATA per sender in bits/s (None: as fast as the window allows)
     rate_bps: float | None = None
     #: pace retransmission passes at this many times the best delivery rate the peer
