@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boundedloss import wire
+from boundedloss.aggregate import HadamardDispersion
 from boundedloss.net import native
 from boundedloss.policy import EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransferMux, TransportConfig
@@ -276,3 +277,29 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
         total += len(lengths)
     counts = disp.counters()
     assert counts["taken"] > 500_000 and counts["bad_geometry"] > 0 and counts["short"] > 0
+
+
+# --------------------------------------------------------------------- Hadamard
+@pytest.mark.parametrize("block", [1, 4, 16, 64, 1 << 10, 1 << 16])
+def test_hadamard_gives_the_same_bits_compiled_and_in_numpy(block, monkeypatch) -> None:
+    """Same operations in the same order: every dtype, tails of every length, and a
+    destination that is not 16-byte aligned."""
+    rng = np.random.default_rng(block)
+    had = HadamardDispersion(block=block)
+    for n in (0, 1, 3, 17, 1000, 3 * block + 5, (1 << 17) + 12345):
+        for dtype in (np.float16, np.float32, np.float64, np.int32):
+            x = (rng.standard_normal(n) * 10).astype(dtype)
+            got = {}
+            for flag in ("0", "1"):
+                monkeypatch.setenv("BOUNDEDLOSS_NATIVE", flag)
+                y = had.encode(x, 7)
+                got[flag] = (y.tobytes(), had.decode(y, 7, n).tobytes())
+            assert got["0"] == got["1"], (n, dtype)
+    monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "1")
+    raw = np.random.default_rng(1).standard_normal(4 * block + 1).astype(np.float32)
+    unaligned = raw[1:]  # 4 bytes past numpy's alignment
+    expected = unaligned.copy()
+    monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "0")
+    expected = had.transform(expected, expected.size).copy()
+    monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "1")
+    assert had.transform(unaligned, unaligned.size).tobytes() == expected.tobytes()
