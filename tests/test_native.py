@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from boundedloss import wire
 from boundedloss.aggregate import HadamardDispersion
 from boundedloss.net import native
+from boundedloss.net.loss import Bernoulli
 from boundedloss.policy import EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransferMux, TransportConfig
-from boundedloss.wire import HEADER_BYTES, Flag, Kind, MalformedDatagram
+from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Kind, MalformedDatagram
 from conftest import PROPERTY, SENTINEL, SESSION, source_bytes
 
 pytestmark = pytest.mark.skipif(native.status().startswith("python ("),
@@ -190,6 +191,64 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
             break
     side = _twin(POLICIES[policy], nbytes, chunk_bytes, critical, sized)
     sent = _feed(side, datagrams, poll_every)
+    _same(side, sent)
+
+
+@settings(PROPERTY, max_examples=150)
+@given(
+    policy=st.sampled_from(sorted(POLICIES)),
+    chunks=st.integers(1, 400),
+    chunk_bytes=st.sampled_from([16, 250, 1400]),
+    seed=st.integers(0, 2**16),
+    runs=st.lists(st.integers(1, 64), min_size=1, max_size=30),
+    loss=st.sampled_from([0.0, 0.05, 0.3]),
+    mangle=st.integers(0, 3),
+)
+def test_native_matches_python_on_gro_runs_of_every_length(policy, chunks, chunk_bytes, seed,
+                                                           runs, loss, mangle) -> None:
+    """Batches as a socket hands them over - GRO runs of 1 to 64 equal-sized datagrams
+    (the last may be shorter), a loss model deciding per datagram - against the Python
+    core fed the same datagrams one by one."""
+    nbytes = chunks * chunk_bytes - (seed % chunk_bytes)
+    datagrams = _message(nbytes, chunk_bytes, seed)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(datagrams)).tolist() + rng.integers(
+        len(datagrams), size=len(datagrams) // 4).tolist()  # reordered, some twice
+    stream = [datagrams[i] for i in order]
+    for _ in range(mangle):  # a few malformed ones among them
+        k = int(rng.integers(len(stream)))
+        stream[k] = _mutate(rng, stream[k])
+    messages, pos = [], 0
+    for k in runs * (1 + len(stream) // max(1, sum(runs))):
+        if pos >= len(stream):
+            break
+        size = len(stream[pos])
+        run = [stream[pos]]
+        pos += 1
+        while pos < len(stream) and len(run) < k and len(stream[pos]) <= size \
+                and (size + 1) * (len(run) + 1) <= 65536:
+            run.append(stream[pos])
+            pos += 1
+            if len(run[-1]) < size:
+                break  # a short datagram closes a run
+        messages.append((b"".join(run), size) if len(run) > 1 else run[0])
+    side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, True)
+    (ref, _, _, _), (mux, path, _, _) = side
+    ref_loss = Bernoulli(loss, seed=seed) if loss else None
+    nat_loss = Bernoulli(loss, seed=seed) if loss else None
+    for lo in range(0, len(messages), 64):
+        batch = messages[lo : lo + 64]
+        t = 0.001 * (lo + 1)
+        for m in batch:
+            data, size = (m if isinstance(m, tuple) else (m, len(m)))
+            for off in range(0, max(len(data), 1), max(size, 1)):
+                d = data[off : off + size]
+                if ref_loss is not None and ref_loss.drop(t, -1):
+                    ref.drops[DropReason.INJECTED_LOSS] += 1
+                    continue
+                ref.datagram_received(d, PEER, t)
+        path.take_batch(batch, PEER, t, nat_loss)
+    sent = [[b"".join(bytes(p) for p in parts) for parts, _ in m.poll(99.0)] for m in (ref, mux)]
     _same(side, sent)
 
 

@@ -709,8 +709,7 @@ static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
         }
         Py_ssize_t seq = d->seq++;
         if (seq < d->lose_len && d->lose[seq]) {
-            d->drops[R_INJECTED_LOSS]++;
-            d->taken++;
+            d->drops[R_INJECTED_LOSS]++;  /* (as the Python path: not a datagram in) */
             continue;
         }
         int r = take(d, p, n, d->ips[s], d->ports[s], out);
@@ -720,6 +719,58 @@ static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
                                  (unsigned int)d->ports[s]);
     }
     Py_RETURN_NONE;
+}
+
+/* load(messages, ip, port) -> count: a batch from Python instead of a socket, for tests:
+ * each message a bytes-like datagram, or (bytes, segment) for a run of ``segment``-byte
+ * datagrams as UDP GRO hands them over (the last may be shorter). */
+static PyObject *dispatcher_load(DispatcherObject *d, PyObject *args) {
+    PyObject *messages;
+    unsigned int ip, port;
+    if (!PyArg_ParseTuple(args, "OII", &messages, &ip, &port)) return NULL;
+    PyObject *seq = PySequence_Fast(messages, "messages must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > RECV_SLOTS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "at most %d messages a batch", RECV_SLOTS);
+        return NULL;
+    }
+    if (d->buf == NULL && (d->buf = PyMem_Malloc((size_t)RECV_SLOTS * SLOT_BYTES)) == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    d->batch = d->slot = 0;
+    d->offset = 0;
+    d->seq = 0;
+    d->lose_len = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *data = item;
+        unsigned long segment = 0;
+        if (PyTuple_Check(item)) {
+            if (!PyArg_ParseTuple(item, "Ok", &data, &segment)) goto fail;
+        }
+        Py_buffer b;
+        if (PyObject_GetBuffer(data, &b, PyBUF_SIMPLE) < 0) goto fail;
+        if (b.len > SLOT_BYTES) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "a message over 64 KB");
+            goto fail;
+        }
+        memcpy(d->buf + (size_t)i * SLOT_BYTES, b.buf, (size_t)b.len);
+        d->lens[i] = (uint32_t)b.len;
+        d->segs[i] = segment && segment < (unsigned long)b.len ? (uint32_t)segment
+                                                               : (uint32_t)b.len;
+        d->ips[i] = ip;
+        d->ports[i] = (uint16_t)port;
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(seq);
+    d->batch = (int)n;
+    return PyLong_FromSsize_t(n);
+fail:
+    Py_DECREF(seq);
+    return NULL;
 }
 
 /* batch_rounds() -> bytes: the round id of every datagram of the batch, in order, as
@@ -806,6 +857,7 @@ static PyMethodDef dispatcher_methods[] = {
     {"batch_rounds", (PyCFunction)dispatcher_batch_rounds, METH_NOARGS,
      "Round ids of the batch's datagrams."},
     {"lose", (PyCFunction)dispatcher_lose, METH_O, "Drop datagrams of the batch."},
+    {"load", (PyCFunction)dispatcher_load, METH_VARARGS, "A batch from Python (tests)."},
     {"counters", (PyCFunction)dispatcher_counters, METH_NOARGS, "Taken and dropped counts."},
     {NULL},
 };

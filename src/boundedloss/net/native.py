@@ -80,10 +80,25 @@ class NativeDataPath:
         """One batch from ``sock`` (up to 64 messages, each a datagram or a GRO run):
         DATA taken here, the rest handed to the mux in order. ``loss`` decides, per
         datagram, which the network is made to lose. Returns the messages read."""
+        got = self.dispatcher.recv(sock)
+        if got:
+            self._take_batch(now, loss)
+        return got
+
+    def take_batch(self, messages: list, peer: Hashable, now: float,
+                   loss: LossModel | None = None) -> None:
+        """A batch as ``receive`` would have read it from a socket, all from ``peer``
+        (an IPv4 ``(host, port)``): each message a datagram or, as UDP GRO hands them
+        over, ``(run, segment)`` - equal-sized datagrams back to back, the last possibly
+        shorter. For driving the compiled path without a socket (its tests)."""
+        address = ipv4_address(peer)
+        if address is None:
+            raise ValueError(f"not an IPv4 peer: {peer!r}")
+        self.dispatcher.load(messages, address[0], address[1])
+        self._take_batch(now, loss)
+
+    def _take_batch(self, now: float, loss: LossModel | None) -> None:
         dispatcher = self.dispatcher
-        got = dispatcher.recv(sock)
-        if not got:
-            return 0
         if loss is not None:
             rounds = memoryview(dispatcher.batch_rounds()).cast("q")
             if not loss.needs_round:  # (the Python path passes -1 then, too)
@@ -95,7 +110,6 @@ class NativeDataPath:
             data, ip, port = handed
             self._mux.datagram_received(data, self._peer(ip, port), now)
             handed = dispatcher.step(outbox)
-        return got
 
     def _peer(self, ip: int, port: int) -> tuple[str, int]:
         peer = self._peers.get((ip, port))

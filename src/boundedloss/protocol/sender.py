@@ -165,6 +165,11 @@ class OutstandingProbe:
     deadline: float | None = None
 
 
+def _header_field(name: str) -> property:
+    """A read-only attribute that is the field ``name`` of the sender's ``message``."""
+    return property(lambda self: getattr(self.message, name), doc=f"``message.{name}``")
+
+
 class MessageSender:
     def __init__(
         self,
@@ -213,26 +218,12 @@ class MessageSender:
         self.counts = SendCounts()
         self.result: SendResult | None = None
 
-    # the message's identity and geometry
-    @property
-    def round_id(self) -> int:
-        return self.message.round_id
-
-    @property
-    def message_id(self) -> int:
-        return self.message.message_id
-
-    @property
-    def nbytes(self) -> int:
-        return self.message.message_bytes
-
-    @property
-    def chunk_bytes(self) -> int:
-        return self.message.chunk_bytes
-
-    @property
-    def count(self) -> int:
-        return self.message.count
+    # the message's identity and geometry, as its header holds them
+    round_id = _header_field("round_id")
+    message_id = _header_field("message_id")
+    nbytes = _header_field("message_bytes")
+    chunk_bytes = _header_field("chunk_bytes")
+    count = _header_field("count")
 
     @property
     def state(self) -> SendState:
