@@ -242,3 +242,43 @@ def test_probe_copies_reach_the_transport(tmp_path):
                            "--epochs", "1", "--steps-per-epoch", "3", *flag)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert json.loads((out / "summary.json").read_text())["probe_copies_max"] == want
+
+
+_CHUNK_SCRIPT = (
+    "import socket, threading\n"
+    "from torch.distributed import TCPStore\n"
+    "from boundedloss.torch.rendezvous import agree_chunk_bytes\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+    "master = TCPStore('127.0.0.1', port, 2, True, wait_for_workers=False)\n"
+    "got = [None, None]\n"
+    "def rank(r):  # a store client each, as ranks have\n"
+    "    store = TCPStore('127.0.0.1', port, 2, False)\n"
+    "    got[r] = agree_chunk_bytes(store, 'job', r, 2, '127.0.0.1')\n"
+    "threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]\n"
+    "[t.start() for t in threads]; [t.join() for t in threads]\n"
+    "print(got[0], got[1])\n"
+)
+
+
+def test_a_job_that_sets_no_chunk_size_takes_the_largest_one_packet_carries():
+    """register() without a transport agrees on chunks that fit one packet of the path
+    MTU between the ranks: 1,424 B on a 1,500-byte path (a network namespace of its
+    own), a jumbo frame's 8,924 B on loopback's 65,536."""
+    from boundedloss.torch.rendezvous import AUTO_CHUNK_MAX
+
+    plain = subprocess.run([sys.executable, "-c", _CHUNK_SCRIPT], capture_output=True,
+                           text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split() == [str(AUTO_CHUNK_MAX)] * 2 == ["8924", "8924"]
+    path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
+    cmd = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+           f"ip link set lo mtu 1500 up && {sys.executable} -c \"$0\"", _CHUNK_SCRIPT]
+    try:
+        narrow = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "PATH": path})
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if narrow.returncode != 0 and "unshare" in narrow.stderr:
+        pytest.skip(f"no user and network namespace here: {narrow.stderr.strip()[:200]}")
+    assert narrow.returncode == 0, narrow.stderr
+    assert narrow.stdout.split() == ["1424", "1424"]

@@ -29,7 +29,13 @@ from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
 from ..policy import Policy, make_policy
 from ..protocol import TransportConfig, TransportError
-from .rendezvous import agree_session, default_store, exchange_addresses, local_ip
+from .rendezvous import (
+    agree_chunk_bytes,
+    agree_session,
+    default_store,
+    exchange_addresses,
+    local_ip,
+)
 
 _REGISTRATIONS = 0  # distinct store keys when a process registers more than once
 
@@ -213,8 +219,10 @@ def register(
     """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
 
     Collective: call on every rank. ``transport`` sets the endpoint (default:
-    :func:`hook_transport`, i.e. ``TransportConfig``'s defaults with the hook's own;
-    ``hook_transport(chunk_bytes=8192)`` to change one). ``policy_kw`` go to
+    :func:`hook_transport`, i.e. ``TransportConfig``'s defaults with the hook's own,
+    and chunks as large as the path MTU between the ranks allows - one packet each, at
+    most a 9,000-byte jumbo frame's; ``hook_transport(chunk_bytes=8192)`` to set one:
+    a chunk the path cannot carry is then a one-line error). ``policy_kw`` go to
     :func:`make_policy` when ``policy`` is a name. ``state`` resumes from a
     checkpointed state (its policy, aggregator, transport, round counters and memory
     are kept; the rest is rebuilt)."""
@@ -230,18 +238,21 @@ def register(
         raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
     if not dist.is_initialized():
         raise RuntimeError("boundedloss.torch.register needs torch.distributed initialised first")
-    if state is None:
-        state = BoundedLossState(
-            policy=make_policy(policy, **policy_kw) if isinstance(policy, str) else policy,
-            aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
-            topology=topology, transport=transport if transport is not None else hook_transport(),
-            stale_broadcast=stale_broadcast, hadamard=hadamard,
-        )
     rank = dist.get_rank(process_group)
     world = dist.get_world_size(process_group)
     store = default_store()
     _REGISTRATIONS += 1
     prefix = f"boundedloss/{_REGISTRATIONS}"
+    if state is None:
+        if transport is None:  # chunks follow the path MTU
+            transport = hook_transport(
+                chunk_bytes=agree_chunk_bytes(store, prefix, rank, world, local_ip()))
+        state = BoundedLossState(
+            policy=make_policy(policy, **policy_kw) if isinstance(policy, str) else policy,
+            aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
+            topology=topology, transport=transport, stale_broadcast=stale_broadcast,
+            hadamard=hadamard,
+        )
 
     session = agree_session(store, prefix, rank)
     endpoint = UdpEndpoint(local_ip(), 0, session=session, config=state.transport, loss=loss,

@@ -9,6 +9,13 @@ import socket
 
 import torch.distributed as dist
 
+from ..net.udp import largest_chunk, path_mtu
+
+#: the largest chunk a job picks by itself: one that fits a 9,000-byte jumbo frame.
+#: A larger path MTU (loopback's 65,536) would only make every lost datagram take more
+#: of a gradient with it.
+AUTO_CHUNK_MAX = largest_chunk(9000)
+
 
 def local_ip() -> str:
     """The address this host uses to reach the job's master (works in namespaces)."""
@@ -32,6 +39,21 @@ def agree_session(store: dist.Store, prefix: str, rank: int) -> int:
     if rank == 0:
         store.set(f"{prefix}/session", str(secrets.randbits(64)))
     return int(store.get(f"{prefix}/session").decode())
+
+
+def agree_chunk_bytes(store: dist.Store, prefix: str, rank: int, world: int, host: str) -> int:
+    """The chunk size for a job that did not set one: the largest whose datagram fits
+    one packet of the path MTU between every pair of ranks' hosts (each rank measures
+    its own paths, IP_MTU), at most AUTO_CHUNK_MAX - the same on every rank."""
+    store.set(f"{prefix}/host/{rank}", host)
+    hosts = {store.get(f"{prefix}/host/{r}").decode() for r in range(world)}
+    mine = AUTO_CHUNK_MAX
+    for other in hosts:
+        mtu = path_mtu((other, 9), host)
+        if mtu is not None:
+            mine = min(mine, largest_chunk(mtu))
+    store.set(f"{prefix}/chunk/{rank}", str(mine))
+    return min(int(store.get(f"{prefix}/chunk/{r}").decode()) for r in range(world))
 
 
 def exchange_addresses(store: dist.Store, prefix: str, rank: int, world: int,
