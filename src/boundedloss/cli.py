@@ -245,7 +245,13 @@ def _beside(path: str, what: str) -> str:
               help="float32 values exchanged per round.")
 @click.option("--rounds", default=kernel_loss_bench.DEFAULT_ROUNDS, show_default=True,
               type=click.IntRange(1, 100_000))
-def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
+@click.option("--topology", "topologies", default=",".join(kernel_loss_bench.DEFAULT_TOPOLOGIES),
+              show_default=True,
+              help=f"boundedloss collectives, comma-separated: {', '.join(TOPOLOGIES)}.")
+@click.option("--mtu", default=kernel_loss_bench.DEFAULT_MTU, show_default=True,
+              type=click.IntRange(576, 65535),
+              help="The testbed links' MTU (9000: jumbo frames); chunks follow it.")
+def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu) -> None:
     """Round latency of a 4-rank gradient exchange under real kernel loss (needs root)."""
     from .emulate import TestbedError, have_privileges
 
@@ -253,20 +259,27 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds) -> None:
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
     systems_t = tuple(str(spec) for spec in systems)
+    topologies_t = _parse_list(topologies, str.strip, "--topology")
+    bad = [t for t in topologies_t if t not in TOPOLOGIES]
+    if bad or len(set(topologies_t)) != len(topologies_t):
+        raise click.BadParameter(f"{topologies!r}: choose from {', '.join(TOPOLOGIES)}, "
+                                 "each once", param_hint="--topology")
     if not have_privileges():
         raise click.ClickException("the kernel testbed needs root (CAP_NET_ADMIN)")
     try:
         with console.status("measuring...") as status:
             rows = kernel_loss_bench.run_kernel_loss_bench(
                 losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
-                progress=lambda m: status.update(m))
+                topologies=topologies_t, mtu=mtu, progress=lambda m: status.update(m))
     except TestbedError as e:
         raise click.ClickException(str(e)) from e
-    t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss")
-    for col in ("system", "loss", "p50 ms", "p99 ms", "max ms", "mean ms", "delivered"):
+    t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "
+                    f"MTU {mtu:,}")
+    for col in ("system", "topology", "loss", "p50 ms", "p99 ms", "max ms", "mean ms",
+                "delivered"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r.system, f"{r.loss:.0%}", f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}",
+        t.add_row(r.system, r.topology, f"{r.loss:.0%}", f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}",
                   f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}", f"{r.delivered_fraction:.4f}")
     console.print(t)
     write_json(rows, json_path)

@@ -4,9 +4,12 @@ A kernel testbed (network namespaces, needs root) with 4 ranks: rank 0 in the se
 namespace, ranks 1-3 in worker namespaces. Every namespace drops incoming packets at
 random with ``iptables -m statistic`` (TCP and UDP alike, so Gloo's TCP sees the same
 loss as our UDP). Each rank exchanges a gradient-sized float32 vector for ``rounds``
-rounds - Gloo allreduce (TCP) or the boundedloss parameter server under reliable, MLT
-(p = 1%) and DBLP (relaxed phase: P_low + k) - and times every round. A round starts
-after a Gloo barrier, so the ranks start together; latency is the slowest rank's.
+rounds - Gloo allreduce (TCP) or a boundedloss collective (the parameter server or the
+transpose allreduce, ``--topology``) under reliable, MLT (p = 1%) and DBLP (relaxed
+phase: P_low + k) - and times every round. A round starts after a Gloo barrier, so the
+ranks start together; latency is the slowest rank's. The testbed's links have the MTU
+``--mtu`` (9,000: jumbo frames, as in data centres); boundedloss's chunks follow it (one
+packet each, as ``register()`` picks them).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..aggregate import UnbiasedRescale
-from ..collective import ParameterServer
+from ..collective import TOPOLOGIES, Collective
 from ..net.udp import UdpEndpoint
 from ..policy import parse_policies, parse_policy
 
@@ -33,11 +36,17 @@ DEFAULT_SYSTEMS = ("gloo", "reliable", "mlt", "dblp")  # as parse_policy reads t
 DEFAULT_LOSSES = (0.0, 0.01, 0.05)
 DEFAULT_ELEMENTS = 1 << 20  # float32 values per round: 4 MB
 DEFAULT_ROUNDS = 30
+DEFAULT_TOPOLOGIES = tuple(TOPOLOGIES)  # both collectives
+DEFAULT_MTU = 1500  # Ethernet
+#: the topology a gloo row reports: DDP's own allreduce, whatever --topology says
+GLOO_TOPOLOGY = "gloo"
 
 
 @dataclass(frozen=True)
 class KernelLossRow:
     system: str
+    topology: str  # a boundedloss collective, or "gloo" for gloo's own allreduce
+    mtu: int
     loss: float
     rounds: int
     elements: int
@@ -61,6 +70,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--master", required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--system", required=True, help="a policy as parse_policy reads it")
+    ap.add_argument("--topology", choices=list(TOPOLOGIES), default="ps")
     ap.add_argument("--elements", type=int, required=True)
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--out", required=True)
@@ -80,23 +90,31 @@ def rank_main(argv: list[str] | None = None) -> None:
     x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
     latencies, fractions = [], []
     spec = parse_policy(a.system)
-    coll: ParameterServer | None = None
+    coll: Collective | None = None
     endpoint: UdpEndpoint | None = None
     if spec.uses_transport:
         from ..torch import hook_transport
-        from ..torch.rendezvous import agree_session, default_store, exchange_addresses, local_ip
+        from ..torch.rendezvous import (
+            agree_chunk_bytes,
+            agree_session,
+            default_store,
+            exchange_addresses,
+            local_ip,
+        )
 
         store = default_store()
         session = agree_session(store, "bench", a.rank)
-        endpoint = UdpEndpoint(local_ip(), 0, session=session, config=hook_transport())
+        chunk = agree_chunk_bytes(store, "bench", a.rank, a.world, local_ip())
+        endpoint = UdpEndpoint(local_ip(), 0, session=session,
+                               config=hook_transport(chunk_bytes=chunk))
         peers = exchange_addresses(store, "bench", a.rank, a.world, endpoint.address)
         policy = spec.make()
         # steady gradient norms after warm-up: DBLP in its relaxed phase (the other
         # policies take no notice of epoch ends)
         policy.epoch_end(1.0)
         policy.epoch_end(1.0)
-        coll = ParameterServer(endpoint, a.rank, peers, policy=policy,
-                               aggregator=UnbiasedRescale(), session=session)
+        coll = TOPOLOGIES[a.topology](endpoint, a.rank, peers, policy=policy,
+                                      aggregator=UnbiasedRescale(), session=session)
     tensor = torch.from_numpy(x.copy())
     for t in range(a.rounds + 1):  # round 0 warms up (connections, first receives)
         dist.barrier()
@@ -127,22 +145,31 @@ def run_kernel_loss_bench(
     systems: tuple[str, ...] = DEFAULT_SYSTEMS,
     elements: int = DEFAULT_ELEMENTS,
     rounds: int = DEFAULT_ROUNDS,
+    topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES,
+    mtu: int = DEFAULT_MTU,
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
-    """One row per loss rate and system (each as :func:`~boundedloss.policy.parse_policy`
-    reads it; ``ValueError`` for a bad one, before the testbed comes up)."""
+    """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
+    reads it; ``ValueError`` for a bad one, before the testbed comes up) and topology
+    (gloo: one row, its own allreduce)."""
     from ..emulate import Testbed, TestbedConfig
 
-    names = [str(spec) for spec in parse_policies(systems)]
+    specs = parse_policies(systems)
+    unknown = [t for t in topologies if t not in TOPOLOGIES]
+    if unknown:
+        raise ValueError(f"unknown topology {unknown[0]!r}; choose from "
+                         f"{', '.join(TOPOLOGIES)}")
+    arms = [(str(spec), topology if spec.uses_transport else GLOO_TOPOLOGY)
+            for spec in specs for topology in (topologies if spec.uses_transport else ("",))]
     rows = []
-    with Testbed(TestbedConfig(workers=3)) as tb:
+    with Testbed(TestbedConfig(workers=3, mtu=mtu)) as tb:
         nodes = ["server", "w0", "w1", "w2"]
         master = tb.addresses["server"]
         port = 29500
         for loss in losses:
             for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
-            for system in names:
+            for system, topology in arms:
                 port += 1
                 with tempfile.TemporaryDirectory() as tmp:
                     logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
@@ -151,7 +178,8 @@ def run_kernel_loss_bench(
                                       "--rank", str(r), "--world", "4", "--master", master,
                                       "--port", str(port), "--system", system,
                                       "--elements", str(elements), "--rounds", str(rounds),
-                                      "--out", tmp],
+                                      "--topology", topology if topology in TOPOLOGIES
+                                      else "ps", "--out", tmp],
                                stdout=logs[r], stderr=subprocess.STDOUT)
                         for r, node in enumerate(nodes)
                     ]
@@ -176,13 +204,15 @@ def run_kernel_loss_bench(
                 lat = [max(rk["lat"][i] for rk in per_rank) * 1e3 for i in range(rounds)]
                 frac = [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
                 rows.append(KernelLossRow(
-                    system=system, loss=loss, rounds=rounds, elements=elements,
+                    system=system, topology=topology, mtu=mtu, loss=loss, rounds=rounds,
+                    elements=elements,
                     p50_ms=round(_percentile(lat, 0.5), 2), p99_ms=round(_percentile(lat, 0.99), 2),
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
                 ))
                 if progress:
-                    progress(f"{system} at {loss:.0%} loss: p50 {rows[-1].p50_ms} ms")
+                    progress(f"{system} ({topology}) at {loss:.0%} loss: "
+                             f"p50 {rows[-1].p50_ms} ms")
     return rows
 
 

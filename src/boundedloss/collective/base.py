@@ -232,6 +232,12 @@ class Collective:
             return y
         return self.hadamard.decode(y, message_seed(self.session, round_id, bucket), n)
 
+    def allreduce_mean(self, x: np.ndarray, round_id: int,
+                       bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+        """The mean of every rank's ``x`` (1-D float array) - as far as it arrived;
+        every topology implements it."""
+        raise NotImplementedError
+
     def close(self) -> None:
         for pending in self._pending.values():
             self.endpoint.cancel(pending.future)
