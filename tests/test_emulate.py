@@ -11,6 +11,7 @@ and seconds.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -202,7 +203,8 @@ def test_tcp_between_namespaces(bed):
     assert out.strip() == ",".join(sorted(bed.workers))
     # torch's Gloo must bind eth0 (the host name resolves outside the namespace)
     assert bed.call("w2", ["sh", "-c", "echo $GLOO_SOCKET_IFNAME"]).stdout.strip() == "eth0"
-    assert bed.call("w2", ["sh", "-c", "echo $BOUNDEDLOSS_UDP_GSO"]).stdout.strip() == "0"
+    assert bed.call("w2", ["sh", "-c", "echo ${BOUNDEDLOSS_UDP_GSO-unset}"]).stdout.strip() \
+        == "unset"  # our endpoints keep offload on: the links carry wire-size packets
     # worker to worker
     p7 = bed.run("w7", [sys.executable, "-c",
                         "import socket\n"
@@ -233,6 +235,108 @@ def test_random_loss_matches_configured_rate(bed):
     assert bed.loss_stats().dropped_packets == n - unique  # the kernel counted the same
     bed.set_loss(0)
     assert bed.loss_stats().protocol is None  # rule, jump and chain removed
+
+
+_TCP_BULK = ("import socket,sys\n"
+             "c=socket.create_connection((sys.argv[1],9400),timeout=30)\n"
+             "c.sendall(bytes(8<<20)); c.close()\n")
+_TCP_SINK = ("import socket\n"
+             "s=socket.create_server(('0.0.0.0',9400)); s.settimeout(30); c,_=s.accept()\n"
+             "n=0\n"
+             "while (d:=c.recv(1<<20)): n+=len(d)\n"
+             "print(n)\n")
+_UDP_GSO_SEND = ("import socket,sys\n"
+                 "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                 "s.setsockopt(17,103,1400)\n"  # UDP_SEGMENT: 1,400-byte datagrams
+                 "s.connect((sys.argv[1],9401))\n"
+                 "for _ in range(500): s.send(bytes(45*1400))\n"
+                 "print(500*45)\n")
+
+
+@needs_kernel
+def test_tcp_and_udp_cross_as_wire_size_packets_each_dropped_alone(bed):
+    """A TCP stream and UDP_SEGMENT sends (45 datagrams a system call) arrive as
+    MTU-sized packets, and the random drop takes each alone: its rate per wire packet
+    is the configured one within 2 points, for TCP and for UDP."""
+    p = 0.05
+    bed.set_loss(p, "server", protocol="all")
+    sink = bed.run("server", [sys.executable, "-c", _TCP_SINK], stdout=subprocess.PIPE,
+                   text=True)
+    time.sleep(0.5)
+    assert bed.run("w0", [sys.executable, "-c", _TCP_BULK, bed.addresses["server"]]).wait(60) == 0
+    out, _ = sink.communicate(timeout=60)
+    assert int(out) == 8 << 20  # TCP recovered every byte
+    tcp = bed.loss_stats("server")
+    assert tcp.seen_packets > (8 << 20) / 1500  # not 64 KB super-packets
+    assert tcp.dropped_bytes / tcp.dropped_packets < 1600  # each drop one wire packet
+    assert abs(tcp.dropped_packets / tcp.seen_packets - p) < 0.02
+    bed.set_loss(0, "server")
+    bed.set_loss(p, "server", protocol="udp")
+    sink = bed.sink("server", 9401, idle=0.5, max_time=20)
+    sender = bed.call("w1", [sys.executable, "-c", _UDP_GSO_SEND, bed.addresses["server"]])
+    assert sender.returncode == 0, sender.stderr
+    sent = int(sender.stdout)
+    got = sink.wait()
+    udp = bed.loss_stats("server")
+    assert udp.seen_packets >= sent * 0.99  # 45 packets per system call, not one
+    assert udp.dropped_bytes / udp.dropped_packets < 1500
+    measured = 1 - got["received"] / sent
+    assert abs(measured - p) < 0.02 and abs(udp.dropped_packets / sent - p) < 0.02
+
+
+@needs_kernel
+def test_a_udp_segment_sender_reaches_a_gro_endpoint_across_the_testbed(bed):
+    """Our endpoints keep offload on in the testbed: a message sent with UDP_SEGMENT
+    from one namespace arrives whole at a UDP_GRO endpoint in another."""
+    code = ("import sys, numpy as np\n"
+            "from boundedloss.net.udp import UdpEndpoint\n"
+            "from boundedloss.protocol import TransportConfig\n"
+            "role, peer_host = sys.argv[1], sys.argv[2]\n"
+            "cfg = TransportConfig(peer_timeout=20.0, receive_deadline=20.0)\n"
+            "data = np.random.default_rng(5).integers(0, 256, 4_000_000, dtype=np.uint8)\n"
+            "with UdpEndpoint('0.0.0.0', 9402, session=7, config=cfg) as ep:\n"
+            "    assert ep.segmentation_offload and ep.receive_offload\n"
+            "    if role == 'rx':\n"
+            "        r = ep.receive((peer_host, 9402), message_id=1, nbytes=data.nbytes)"
+            ".result(30)\n"
+            "        assert r.complete and np.array_equal(r.data, data)\n"
+            "    else:\n"
+            "        assert ep.send((peer_host, 9402), data, message_id=1).result(30).ok\n"
+            "print('ok')\n")
+    rx = bed.run("server", [sys.executable, "-c", code, "rx", bed.addresses["w2"]],
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)
+    tx = bed.call("w2", [sys.executable, "-c", code, "tx", bed.addresses["server"]])
+    out, _ = rx.communicate(timeout=60)
+    assert tx.returncode == 0 and tx.stdout.strip() == "ok", tx.stdout + tx.stderr
+    assert rx.returncode == 0 and out.strip().endswith("ok"), out
+
+
+def _link_tx(bed, node: str) -> tuple[int, int]:
+    """(packets, bytes) the switch's port toward ``node`` has sent: what left the tbf."""
+    out = subprocess.run(["ip", "-n", bed.switch_namespace, "-s", "-j", "link", "show", "dev",
+                          bed.port_of(node)], capture_output=True, text=True, check=True,
+                         env={**os.environ,
+                              "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"})
+    tx = json.loads(out.stdout)[0]["stats64"]["tx"]
+    return tx["packets"], tx["bytes"]
+
+
+@needs_kernel
+def test_tbf_queues_wire_packets(bed):
+    """A TCP stream through the bottleneck leaves the tbf (the switch port toward the
+    server, which counts every frame it hands on) as MTU-sized packets, not as 64 KB
+    super-packets: the queue holds and meters what a wire would carry."""
+    bed.set_bottleneck(Bottleneck("200mbit", "32kb", "256kb"))
+    before = _link_tx(bed, "server")
+    sink = bed.run("server", [sys.executable, "-c", _TCP_SINK], stdout=subprocess.PIPE,
+                   text=True)
+    time.sleep(0.5)
+    assert bed.run("w3", [sys.executable, "-c", _TCP_BULK, bed.addresses["server"]]).wait(60) == 0
+    sink.communicate(timeout=60)
+    after = _link_tx(bed, "server")
+    packets, nbytes = after[0] - before[0], after[1] - before[1]
+    assert nbytes > 8 << 20 and packets > nbytes / 1600  # frames of at most ~1,514 B
 
 
 @needs_kernel

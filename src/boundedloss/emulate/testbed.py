@@ -628,6 +628,13 @@ class Testbed:
             cmds += [f"neigh replace {addrs[m]} lladdr {self._mac(m)} dev {NODE_IFACE} "
                      "nud permanent" for m in self.nodes if m != n]
             _run([ip, "-n", ours[n], "-batch", "-"], input="\n".join(cmds) + "\n")
+        for n in self.nodes:
+            # Wire-size packets on every link: segmentation offloads off on each node's
+            # interface, so the kernel cuts TCP and UDP_SEGMENT super-packets into
+            # MTU-sized packets before the link (one system call still), and the tbf and
+            # the random drops downstream see what a wire would carry.
+            _run([ip, "netns", "exec", ours[n], sys.executable, "-m",
+                  "boundedloss.emulate.offload", NODE_IFACE])
 
     def down(self) -> None:
         """Stop schedules and traffic, end every process left in our namespaces, delete
@@ -753,13 +760,9 @@ class Testbed:
         """The environment a command in a node gets: ``env`` (default: ours) with
         ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME`` = eth0, the node's one interface
         (Gloo otherwise binds to what the host name resolves to - 127.0.0.1 or a root
-        namespace address - and a rendezvous across namespaces times out), and
-        ``BOUNDEDLOSS_UDP_GSO=0``: a segmented send crosses the veths and the bridge as
-        one packet, so the testbed's netem and tbf would drop runs of up to 45
-        datagrams at once where a switch drops datagrams. An explicit ``env`` keeps its
-        own values; the inherited environment is overridden."""
-        node = dict(GLOO_SOCKET_IFNAME=NODE_IFACE, TP_SOCKET_IFNAME=NODE_IFACE,
-                    BOUNDEDLOSS_UDP_GSO="0")
+        namespace address - and a rendezvous across namespaces times out). An explicit
+        ``env`` keeps its own values; the inherited environment is overridden."""
+        node = dict(GLOO_SOCKET_IFNAME=NODE_IFACE, TP_SOCKET_IFNAME=NODE_IFACE)
         if env is None:
             return {**os.environ, **node}
         return {**node, **env}
