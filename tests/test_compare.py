@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -196,6 +197,40 @@ def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint)
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and hint in err, err
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--workers", "3", "--loss", "burst:rate=0.8,every=10,len=1,rank=7"],
+     "rank=7 does not exist: the run has 3 ranks"),
+    (["train", "--deadline", "nan"], "'--deadline': nan is not a finite number"),
+    (["train", "--lr", "nan"], "'--lr': nan is not a finite number"),
+    (["train", "--lr", "inf"], "'--lr'"),
+    (["train", "--out", "{file}/sub"], "cannot be made: {file} is a file"),
+    (["compare", "--scenario", "microburst", "--policies", "dblp,dblp", "--out", "{dir}/o",
+      "--json", "{dir}/r.json"], "dblp is named twice"),
+    (["compare", "--scenario", "microburst", "--workers", "2", "--out", "{dir}/o",
+      "--json", "{dir}/r.json", "--loss", "bernoulli:0.01+burst:rate=0.8,every=5,len=1,rank=2"],
+     "rank=2 does not exist: the run has 2 ranks"),
+    (["compare", "--scenario", "microburst", "--out", "{dir}/o", "--json", "{file}/r.json"],
+     "--json {file}/r.json cannot be written"),
+    (["demo", "--out", "{file}"], "is a file"),
+    (["bench", "transport", "--json", "{file}/x.json"], "cannot be written"),
+    (["bench", "kernel-loss", "--systems", "gloo,gloo", "--json", "{dir}/k.json"],
+     "gloo is named twice"),
+    (["testbed", "up", "--subnet", "127.0.0.0/24"], "not loopback or link-local"),
+])
+def test_bad_arguments_fail_in_one_line_before_anything_starts(tmp_path, capsys, argv, hint):
+    """Numbers finite and in range, ranks that exist, each name once, output folders
+    writable: checked by every command before it starts a rank or a testbed."""
+    a_file = tmp_path / "plain"
+    a_file.write_text("")
+    fill = {"file": str(a_file), "dir": str(tmp_path)}
+    t0 = time.monotonic()
+    rc = main([part.format(**fill) for part in argv])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and hint.format(**fill) in err, err
+    assert time.monotonic() - t0 < 5  # nothing was started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # nothing was written
 
 
 def test_network_choice(monkeypatch):

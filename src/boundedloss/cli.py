@@ -10,12 +10,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from . import native
+from . import checks, native
 from .aggregate import AGGREGATORS
 from .bench import aggregate as aggregate_bench
 from .bench import kernel_loss as kernel_loss_bench
 from .bench import transport as transport_bench
 from .bench import write_json
+from .checks import FiniteFloatRange
 from .collective import TOPOLOGIES
 from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
 from .experiments.train import MODELS, TrainConfig
@@ -43,6 +44,27 @@ def _parse_list(text: str, cast, what: str) -> tuple:
     if not values:
         raise click.BadParameter(f"{what} is empty")
     return values
+
+
+def _json_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A --json path must be writable before a run starts, not after it ends."""
+    if value is not None:
+        _check(checks.writable_file, value, "--json")
+    return value
+
+
+def _out_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None:
+        _check(checks.writable_folder, value, "--out")
+    return value
+
+
+def _check(check, *args: object) -> None:
+    """Run one of ``checks``' checks; its ValueError becomes a one-line usage error."""
+    try:
+        check(*args)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _parse_choices(text: str, choices: dict[str, bool], what: str) -> tuple[bool, ...]:
@@ -112,8 +134,10 @@ def cli() -> None:
 
 @cli.command()
 @click.option("--out", "out_dir", default="runs/demo", show_default=True,
+              callback=_out_folder,
               type=click.Path(file_okay=False), help="Report directory.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              callback=_json_file,
               help="Rows as JSON (default: OUT/compare.json).")
 def demo(out_dir: str, json_path: str | None) -> None:
     """The default comparison: `compare --scenario microburst` with every policy, loss
@@ -130,6 +154,7 @@ def bench() -> None:
 
 @bench.command("transport")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              callback=_json_file,
               help="Write the rows here (a JSON list).")
 @click.option("--sizes", default=_joined(transport_bench.DEFAULT_MESSAGE_MB),
               show_default=True, help="Message sizes in MB.")
@@ -168,6 +193,7 @@ def bench_transport(json_path, sizes, chunks, losses, policies, offload, paths,
         raise click.BadParameter("gloo does not use the bounded-loss transport",
                                  param_hint="--policies")
     pols = tuple(str(spec) for spec in policies)
+    _check(checks.distinct, pols, "--policies")
     with console.status("measuring...") as status:
         rows = transport_bench.run_transport_bench(
             message_mb=sizes_t, chunk_sizes=chunks_t, losses=losses_t, policies=pols,
@@ -181,6 +207,7 @@ def bench_transport(json_path, sizes, chunks, losses, policies, offload, paths,
 
 @bench.command("aggregate")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              callback=_json_file,
               help="Write the rows here (a JSON list).")
 @click.option("--losses", default=_joined(aggregate_bench.DEFAULT_LOSSES),
               show_default=True, help="Chunk loss rates per worker.")
@@ -233,6 +260,7 @@ def _beside(path: str, what: str) -> str:
 
 @bench.command("kernel-loss")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              callback=_json_file,
               help="Write the rows here (a JSON list).")
 @click.option("--losses", default=_joined(kernel_loss_bench.DEFAULT_LOSSES),
               show_default=True,
@@ -259,6 +287,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
     systems_t = tuple(str(spec) for spec in systems)
+    _check(checks.distinct, systems_t, "--systems")
     topologies_t = _parse_list(topologies, str.strip, "--topology")
     bad = [t for t in topologies_t if t not in TOPOLOGIES]
     if bad or len(set(topologies_t)) != len(topologies_t):
@@ -296,13 +325,14 @@ probe_copies_option = click.option(
 
 @bench.command("burst")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              callback=_json_file,
               help="Write the rows here (a JSON list).")
 @click.option("--rates", default="0.6,0.7,0.8,0.9", show_default=True,
               help="Loss at the server's receiver during the burst round.")
 @click.option("--message-mb", default=0.34, show_default=True,
-              type=click.FloatRange(0.001, 1024), help="Each worker's push (0.34: the digits MLP).")
-@click.option("--link-gbps", default=10.0, show_default=True, type=click.FloatRange(0.001, 1e4))
-@click.option("--rtt-us", default=100.0, show_default=True, type=click.FloatRange(0, 1e6))
+              type=FiniteFloatRange(0.001, 1024), help="Each worker's push (0.34: the digits MLP).")
+@click.option("--link-gbps", default=10.0, show_default=True, type=FiniteFloatRange(0.001, 1e4))
+@click.option("--rtt-us", default=100.0, show_default=True, type=FiniteFloatRange(0, 1e6))
 @click.option("--workers", default=3, show_default=True, type=click.IntRange(1, 256))
 @click.option("--seeds", default=20, show_default=True, type=click.IntRange(1, 10_000),
               help="Rounds simulated per arm; the median is reported.")
@@ -368,17 +398,17 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--chunk-bytes", default=TRAIN_DEFAULTS.chunk_bytes, show_default=True,
               type=click.IntRange(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES))
 @click.option("--deadline", default=TRAIN_DEFAULTS.receive_deadline, show_default=True,
-              type=click.FloatRange(0.1, 3600),
+              type=FiniteFloatRange(0.1, 3600),
               help="Receive deadline in seconds; a silent peer fails the run after it.")
 @click.option("--lr", default=TRAIN_DEFAULTS.lr, show_default=True,
-              type=click.FloatRange(0, 100))
+              type=FiniteFloatRange(0, 100))
 @click.option("--batch-size", default=TRAIN_DEFAULTS.batch_size, show_default=True,
               type=click.IntRange(1, 4096))
 @click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
               help="Default: one pass over each rank's share (charlm: 40).")
 @probe_copies_option
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
-              type=click.Path(file_okay=False))
+              type=click.Path(file_okay=False), callback=_out_folder)
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, out) -> None:
@@ -391,6 +421,7 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
         parse_loss_spec(loss_spec)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--loss") from None
+    _check(checks.loss_ranks_exist, loss_spec, workers)
     if not policy.uses_transport and loss_spec not in ("none", ""):
         raise click.BadParameter("gloo runs over TCP: in-process loss cannot reach it "
                                  "(use the kernel testbed)", param_hint="--loss")
@@ -449,6 +480,10 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         arms = sc.arms(policies)
     n_epochs = epochs or sc.epochs
     n_workers = workers or sc.workers
+    if policies is not None:
+        _check(checks.distinct, [str(p) for p in policies], "--policies")
+    for arm in arms:
+        _check(checks.loss_ranks_exist, arm.loss, n_workers)
 
     def done(res) -> None:
         s = res.stats()
@@ -509,8 +544,10 @@ def _command_line(default: str) -> str:
               help="Comma-separated. " + POLICY_HELP + " Default: the scenario's. "
                    "Sweep scenarios take none.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              callback=_json_file,
               help="Write the rows here (a JSON list, one object per policy or arm).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              callback=_out_folder,
               help="Report directory: report.md, PNG plots, runs/.")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 50),
               help="Interleaved repeats; the median is reported.")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from ..checks import FiniteFloatRange
 from .testbed import (
     SERVER,
     Bottleneck,
@@ -108,7 +109,7 @@ def testbed() -> None:
                                            "(no bottleneck without it).")
 @click.option("--burst", default=None, help="tbf bucket, e.g. 32kb [default: 32kb].")
 @click.option("--limit", default=None, help="tbf queue, e.g. 64kb [default: 64kb].")
-@click.option("--loss", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+@click.option("--loss", type=FiniteFloatRange(0, 1), default=0.0, show_default=True,
               help="Random drop probability of UDP arriving at --loss-node.")
 @click.option("--loss-node", default=SERVER, show_default=True)
 @_common
@@ -215,7 +216,7 @@ def run_cmd(node: str, timeout: float | None, prefix: str, state_dir: str | None
 
 
 @testbed.command("set")
-@click.option("--loss", type=click.FloatRange(0, 1), default=None,
+@click.option("--loss", type=FiniteFloatRange(0, 1), default=None,
               help="New drop probability (0 removes the rule).")
 @click.option("--node", default=SERVER, show_default=True, help="Node for --loss.")
 @click.option("--all-protocols", is_flag=True, help="--loss drops every protocol, not only UDP.")

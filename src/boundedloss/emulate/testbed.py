@@ -324,9 +324,11 @@ class TestbedConfig:
             net = ipaddress.ip_network(self.subnet, strict=False)
         except ValueError as e:
             raise ValueError(f"bad subnet {self.subnet!r}: {e}") from None
-        if net.version != 4 or not net.is_private:
+        if (net.version != 4 or not net.is_private or net.is_loopback or net.is_link_local
+                or net.is_unspecified or net.is_multicast):
             raise ValueError(f"subnet {self.subnet} must be a private IPv4 range "
-                             "(e.g. 10.201.0.0/24); it is used only inside our namespaces")
+                             "(e.g. 10.201.0.0/24), not loopback or link-local; it is used "
+                             "only inside our namespaces")
         if net.num_addresses - 2 < self.workers + 1:
             raise ValueError(f"subnet {self.subnet} has too few addresses for "
                              f"{self.workers} workers + 1 server")

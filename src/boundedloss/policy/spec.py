@@ -133,15 +133,17 @@ def parse_policy(text: str) -> PolicySpec:
 
 def parse_policies(text: str | Iterable[str]) -> tuple[PolicySpec, ...]:
     """Comma-separated policies (or an iterable of them), each as :func:`parse_policy`
-    reads it; order kept, repeats dropped; ``ValueError`` naming the bad one."""
+    reads it; order kept; ``ValueError`` naming the bad one, or one given twice (a
+    comparison would otherwise silently have one row fewer than asked for)."""
     parts = text.split(",") if isinstance(text, str) else text
     specs: list[PolicySpec] = []
     for part in parts:
         if not part.strip():
             continue
         spec = parse_policy(part)
-        if spec not in specs:
-            specs.append(spec)
+        if spec in specs:
+            raise ValueError(f"{spec} is named twice")
+        specs.append(spec)
     if not specs:
         raise ValueError("no policies given")
     return tuple(specs)
