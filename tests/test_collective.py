@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 
 from boundedloss.aggregate import UnbiasedRescale
 from boundedloss.collective import ParameterServer, PeerFailure, TransposeAllreduce, shard_bounds
-from boundedloss.net.loss import Bernoulli
+from boundedloss.net.loss import Bernoulli, LossModel
 from boundedloss.net.udp import UdpEndpoint
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransportConfig
@@ -107,6 +108,41 @@ def test_dead_peer_fails_the_round_within_the_deadline():
     assert "peer alive" in str(errors[0]) or "stopped answering" in str(errors[0])
 
 
+class _AfterFirst(LossModel):
+    """Delivers the first ``keep`` datagrams, then nothing: a peer gone mid-message."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.seen = 0
+
+    def drop(self, now: float, round_id: int) -> bool:
+        self.seen += 1
+        return self.seen > self.keep
+
+    def reset(self, seed: int | None = None) -> None:
+        self.seen = 0
+
+    def describe(self) -> str:
+        return f"after-first({self.keep})"
+
+    def to_spec(self) -> str:
+        return "none"
+
+
+def test_a_reliable_round_never_hands_on_part_of_a_message():
+    """Under ReliablePolicy a receive that reaches its hard deadline with part of the
+    message (here: the server hears 2 of a worker's 3 chunks, then nothing) fails the
+    round, naming the peer - it does not aggregate what arrived."""
+    _, outputs, _, errors = _run_world(
+        ParameterServer, 2, ReliablePolicy, UnbiasedRescale(), rounds=1, buckets=1,
+        deadline=1.0, losses=[_AfterFirst(2), _AfterFirst(2)])
+    assert errors and all(isinstance(e, PeerFailure) for e in errors.values())
+    assert any(re.search(r"from rank \d.* [12] of \d+ chunks arrived within the 1 s "
+                         r"receive deadline, and this receive tolerates no loss", str(e))
+               for e in errors.values()), errors
+    assert not outputs
+
+
 def test_shard_bounds_cover_everything():
     for n in (0, 1, 5, 1000):
         for w in (2, 3, 7):
@@ -166,3 +202,15 @@ def test_server_does_not_wait_for_its_broadcast_to_be_acknowledged():
     assert not th.is_alive()
     assert len(worker_out) >= 2
     np.testing.assert_allclose(worker_out[0], (x[0] + x[1]) / 2)
+
+
+def test_a_round_closed_by_a_deadline_says_so():
+    from boundedloss.collective import RoundStats
+
+    def stats(*reasons: str) -> RoundStats:
+        return RoundStats(round_id=0, bucket=0, latency_s=0.1, delivered_fraction=0.9,
+                          min_delivered_fraction=0.8, retransmit_rounds=1, bound=0.1,
+                          close_reasons=reasons)
+
+    assert stats("bound_met", "deadline").deadline_closed
+    assert not stats("bound_met", "complete", "accept_deadline").deadline_closed

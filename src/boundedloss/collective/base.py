@@ -54,6 +54,11 @@ class RoundStats:
     bound: float  # the loss bound in force for contributions this round
     close_reasons: tuple[str, ...]
 
+    @property
+    def deadline_closed(self) -> bool:
+        """A receive of this call closed at its hard deadline, with what had arrived."""
+        return CloseReason.DEADLINE.name.lower() in self.close_reasons
+
 
 class Tally:
     """What one rank's receives of one collective call add up to, for RoundStats."""
@@ -158,6 +163,13 @@ class Collective:
             raise PeerFailure(
                 f"{what}: nothing arrived within the {self.endpoint.config.receive_deadline:g} s "
                 "receive deadline - is the peer alive?"
+            )
+        if res.close_reason == CloseReason.DEADLINE and res.bound == 0.0 and not res.complete:
+            # a receive that tolerates no loss never hands on part of a message
+            raise PeerFailure(
+                f"{what}: {res.stats.delivered} of {res.stats.chunks} chunks arrived within "
+                f"the {self.endpoint.config.receive_deadline:g} s receive deadline, and this "
+                "receive tolerates no loss - is the peer alive?"
             )
         return res
 

@@ -132,6 +132,7 @@ class BoundedLossState:
             "bound": bound if bound is not None else stats.bound,
             "phase": self.phase,
             "close_reasons": list(stats.close_reasons),
+            "deadline_closed": stats.deadline_closed,
         }
         with self._lock:
             self.round_log.append(entry)
