@@ -204,11 +204,31 @@ def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():
     for p in ranks:
         p.start()
     t0 = time.monotonic()
-    stopped = supervise(ranks, grace=1.0)
+    run = supervise(ranks, grace=1.0)
     assert time.monotonic() - t0 < 20
-    assert stopped == {1} and ranks[0].exitcode == 0 and not ranks[1].is_alive()
-    assert failure_report(ranks, stopped, 1.0) == (
+    assert run.stopped == {1} and ranks[0].exitcode == 0 and not ranks[1].is_alive()
+    assert failure_report(ranks, run, 1.0) == (
         "rank 1 (stopped: still running 1 s after another ended)")
+
+
+def test_the_report_names_the_rank_that_failed_first():
+    """When one rank dies the others fail after it (PeerFailure): the run's last line
+    names the one that ended first, then the rest."""
+    import multiprocessing as mp
+
+    from boundedloss.experiments.train import failure_report, supervise
+
+    ctx = mp.get_context("spawn")
+    later = [sys.executable, "-c", "import sys, time; time.sleep(1.0); sys.exit(1)"]
+    dies = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    ranks = [ctx.Process(target=os.execv, args=(sys.executable, argv))
+             for argv in (later, dies, later)]
+    for p in ranks:
+        p.start()
+    run = supervise(ranks, grace=10.0)
+    assert run.ended[0] == 1 and not run.stopped
+    assert failure_report(ranks, run, 10.0) == (
+        "rank 1 (killed by SIGKILL) ended first; then rank 0 (exit 1), rank 2 (exit 1)")
 
 
 def test_train_runs_as_one_rank_per_process_under_torchrun(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -415,8 +416,7 @@ def run_training(cfg: TrainConfig, testbed: Testbed | None = None) -> dict:
             p.start()
         ranks = list(local)
     grace = 2 * cfg.receive_deadline + 10  # (two receive deadlines: see supervise)
-    stopped = supervise(ranks, grace)
-    names = failure_report(ranks, stopped, grace)
+    names = failure_report(ranks, supervise(ranks, grace), grace)
     if names:
         hint = ""
         if testbed is not None:
@@ -442,19 +442,31 @@ class RankProcess(Protocol):
     def join(self) -> None: ...
 
 
-def supervise(ranks: Sequence[RankProcess], grace: float) -> set[int]:
-    """Wait for every rank; return the ranks that had to be stopped. Once one has ended
-    (failed, or finished its work), the others get ``grace`` seconds to end too - a
-    failed peer ends their round with PeerFailure, and finished ranks end together - and
-    are then stopped: a run never hangs."""
+@dataclass(frozen=True)
+class Supervision:
+    """How a run's ranks ended."""
+
+    #: ranks stopped because they were still running ``grace`` s after another ended
+    stopped: frozenset[int]
+    #: every rank, in the order it was seen to end (the stopped ones last)
+    ended: tuple[int, ...]
+
+
+def supervise(ranks: Sequence[RankProcess], grace: float) -> Supervision:
+    """Wait for every rank. Once one has ended (failed, or finished its work), the
+    others get ``grace`` seconds to end too - a failed peer ends their round with
+    PeerFailure, and finished ranks end together - and are then stopped: a run never
+    hangs."""
     from multiprocessing.connection import wait
 
     give_up_at: float | None = None
     stopped: set[int] = set()
+    ended: list[int] = []
     try:
         while any(p.is_alive() for p in ranks):
             wait([p.sentinel for p in ranks if p.is_alive()], timeout=min(1.0, grace))
-            if give_up_at is None and any(p.exitcode is not None for p in ranks):
+            ended += [r for r, p in enumerate(ranks) if p.exitcode is not None and r not in ended]
+            if give_up_at is None and ended:
                 give_up_at = time.monotonic() + grace
             if give_up_at is not None and time.monotonic() > give_up_at:
                 for r, p in enumerate(ranks):
@@ -467,15 +479,33 @@ def supervise(ranks: Sequence[RankProcess], grace: float) -> set[int]:
         raise
     for p in ranks:
         p.join()
-    return stopped
+    ended += [r for r in range(len(ranks)) if r not in ended]
+    return Supervision(frozenset(stopped), tuple(ended))
 
 
-def failure_report(ranks: Sequence[RankProcess], stopped: set[int], grace: float) -> str:
-    """``rank 1 (exit 17), rank 2 (stopped: still running 50 s after another ended)``."""
-    return ", ".join(
-        f"rank {r} (stopped: still running {grace:.0f} s after another ended)" if r in stopped
-        else f"rank {r} (exit {p.exitcode})"
-        for r, p in enumerate(ranks) if p.exitcode != 0 or r in stopped)
+def _how_it_ended(r: int, p: RankProcess, run: Supervision, grace: float) -> str:
+    if r in run.stopped:
+        return f"rank {r} (stopped: still running {grace:.0f} s after another ended)"
+    code = p.exitcode or 0
+    if code < 0:
+        return f"rank {r} (killed by {signal.Signals(-code).name})"
+    return f"rank {r} (exit {code})"
+
+
+def failure_report(ranks: Sequence[RankProcess], run: Supervision, grace: float) -> str:
+    """The ranks that failed, the one that failed first named first - the others
+    usually failed because of it (a dead peer ends their rounds with PeerFailure):
+    ``rank 1 (exit 17) ended first; then rank 0 (exit 1), rank 2 (exit 1)``; empty if
+    none failed."""
+    failed = [r for r in run.ended if ranks[r].exitcode != 0 or r in run.stopped]
+    if not failed:
+        return ""
+    first, *rest = failed
+    head = _how_it_ended(first, ranks[first], run, grace)
+    if not rest:
+        return head
+    return (f"{head} ended first; then "
+            + ", ".join(_how_it_ended(r, ranks[r], run, grace) for r in rest))
 
 
 class _NamespaceRank:
