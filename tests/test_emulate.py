@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -473,3 +474,79 @@ def test_cli_up_status_run_down(tmp_path):
     finally:
         testbed_mod.sweep(prefix)
     assert leftovers(prefix) == []
+
+
+# ----------------------------------------------------------- rootless (user namespace)
+def _unprivileged() -> list[str]:
+    """The command prefix that runs as the unprivileged user (BOUNDEDLOSS_TEST_UID, which
+    CI creates; else nobody), or a pytest skip saying why it cannot here."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a command as an unprivileged user")
+    uid = os.environ.get("BOUNDEDLOSS_TEST_UID", "65534")
+    prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env",
+              f"PATH={os.path.dirname(sys.executable)}:/usr/bin:/bin"]
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import boundedloss.cli"],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+    if probe.returncode != 0:
+        pytest.skip(f"the package is not usable by uid {uid} here: "
+                    f"{probe.stderr.strip().splitlines()[-1:]}")
+    userns = subprocess.run([*prefix, "unshare", "--user", "--map-root-user", "--net", "true"],
+                            capture_output=True, text=True, timeout=30, cwd="/")
+    if userns.returncode != 0:
+        pytest.skip(f"this kernel forbids unprivileged user namespaces: {userns.stderr.strip()}")
+    return prefix
+
+
+def _their_processes(prefix: list[str]) -> int:
+    uid = prefix[1].split("=")[1]
+    return len(subprocess.run(["pgrep", "-u", uid], capture_output=True, text=True)
+               .stdout.split())
+
+
+def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
+    """bench kernel-loss as an unprivileged user: the testbed runs as root of a user
+    namespace of its own, and nothing is left behind in the host's namespaces."""
+    prefix = _unprivileged()
+    work = tempfile.mkdtemp()
+    os.chmod(work, 0o777)
+    before = list_namespaces()
+    try:
+        p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
+                            "kernel-loss", "--systems", "reliable", "--losses", "0.01",
+                            "--rounds", "3", "--elements", "65536", "--topology", "ps",
+                            "--json", f"{work}/k.json"],
+                           capture_output=True, text=True, timeout=300, cwd="/")
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = json.loads(open(f"{work}/k.json").read())
+        assert [(r["system"], r["topology"], r["loss"]) for r in rows] == [("reliable", "ps", 0.01)]
+        assert rows[0]["delivered_fraction"] == 1.0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert list_namespaces() == before
+    assert _their_processes(prefix) == 0
+
+
+def test_a_killed_rootless_run_leaves_nothing_behind():
+    """SIGKILL of the command (the unshare that stands for it) ends every process of its
+    user namespace, and the namespaces with them."""
+    prefix = _unprivileged()
+    work = tempfile.mkdtemp()
+    os.chmod(work, 0o777)
+    try:
+        p = subprocess.Popen([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
+                              "kernel-loss", "--systems", "reliable", "--losses", "0.01",
+                              "--rounds", "100000", "--topology", "ps",
+                              "--json", f"{work}/k.json"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+        deadline = time.monotonic() + 60
+        while _their_processes(prefix) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the ranks run inside the testbed
+        assert _their_processes(prefix) >= 4
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _their_processes(prefix) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _their_processes(prefix) == 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -757,9 +757,11 @@ def test_a_bad_policy_is_one_line_that_says_how_to_write_it(text, says) -> None:
     assert says in message and "\n" not in message
 
 
-def test_comma_separated_policies_keep_order_and_drop_repeats() -> None:
-    specs = parse_policies(" DBLP,baseline,dblp ,mlt:0.008")
+def test_comma_separated_policies_keep_order_and_refuse_repeats() -> None:
+    specs = parse_policies(" DBLP,baseline ,mlt:0.008")
     assert [str(s) for s in specs] == ["dblp", "baseline", "mlt:p=0.008"]
+    with pytest.raises(ValueError, match="dblp is named twice"):
+        parse_policies(" DBLP,baseline,dblp ,mlt:0.008")  # (a row would go missing)
     assert parse_policies(["reliable", "mlt"]) == (PolicySpec("reliable"), PolicySpec("mlt"))
     with pytest.raises(ValueError, match="no policies"):
         parse_policies(" , ")

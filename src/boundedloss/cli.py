@@ -281,7 +281,7 @@ def _beside(path: str, what: str) -> str:
               help="The testbed links' MTU (9000: jumbo frames); chunks follow it.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu) -> None:
     """Round latency of a 4-rank gradient exchange under real kernel loss (needs root)."""
-    from .emulate import TestbedError, have_privileges
+    from .emulate import TestbedError, rootless
 
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
@@ -293,8 +293,8 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     if bad or len(set(topologies_t)) != len(topologies_t):
         raise click.BadParameter(f"{topologies!r}: choose from {', '.join(TOPOLOGIES)}, "
                                  "each once", param_hint="--topology")
-    if not have_privileges():
-        raise click.ClickException("the kernel testbed needs root (CAP_NET_ADMIN)")
+    if rootless.needed():
+        rootless.reexec()  # the same command as root of a user namespace of its own
     try:
         with console.status("measuring...") as status:
             rows = kernel_loss_bench.run_kernel_loss_bench(
@@ -457,6 +457,11 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     from .net.loss import parse_loss_spec
 
     sc = SCENARIOS[scenario]
+    if network != "in-process" and sc.kernel is not None:
+        from .emulate import rootless
+
+        if rootless.needed() and (network == "kernel" or rootless.possible()[0]):
+            rootless.reexec()  # the testbed, as root of a user namespace of its own
     try:
         sc = choose_network(sc, network)
     except ValueError as e:
