@@ -22,10 +22,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("topology", ["ps", "allreduce"])
-def test_reliable_hook_equals_gloo_allreduce(topology):
+@pytest.mark.parametrize(("topology", "dtype"), [
+    ("ps", "float32"), ("allreduce", "float32"), ("ps", "float16"), ("allreduce", "bfloat16")])
+def test_reliable_hook_equals_gloo_allreduce(topology, dtype):
+    """float32 exactly; float16 and bfloat16 buckets travel in their own dtype (half the
+    bytes) and are averaged in float32, within a rounding of Gloo's."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "dist_equality.py"), "3", str(_port()), topology],
+        [sys.executable, str(HERE / "dist_equality.py"), "3", str(_port()), topology, dtype],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -302,3 +305,28 @@ def test_a_job_that_sets_no_chunk_size_takes_the_largest_one_packet_carries():
         pytest.skip(f"no user and network namespace here: {narrow.stderr.strip()[:200]}")
     assert narrow.returncode == 0, narrow.stderr
     assert narrow.stdout.split() == ["1424", "1424"]
+
+
+def test_bfloat16_words_round_as_torch_rounds():
+    """The collective widens bfloat16 words to float32 and narrows its float32 mean back
+    with the rounding torch uses (to nearest, ties to even), NaN kept."""
+    import numpy as np
+    import torch
+
+    from boundedloss.collective import BFLOAT16, narrow, widen
+
+    rng = np.random.default_rng(4)
+    values = np.concatenate([rng.standard_normal(10_000).astype(np.float32) * 100,
+                             np.array([0.0, -0.0, 1e-40, 3.0e38, np.inf, -np.inf, np.nan],
+                                      dtype=np.float32)])
+    ours = narrow(values, BFLOAT16)
+    theirs = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
+    assert ours.dtype == BFLOAT16
+    same = ours.view(np.int16) == theirs
+    assert same[:-1].all() and np.isnan(widen(ours)[-1])
+    back = torch.from_numpy(theirs).view(torch.bfloat16).float().numpy()
+    assert np.array_equal(widen(ours)[:-1], back[:-1])
+    with np.errstate(over="ignore"):  # (3e38 is beyond float16: inf, as numpy rounds)
+        half = narrow(values, np.dtype(np.float16))
+    assert half.dtype == np.float16
+    assert np.array_equal(widen(half), half.astype(np.float32), equal_nan=True)

@@ -1,6 +1,15 @@
 """Collectives: who sends what to whom. Parameter server and transpose allreduce."""
 
-from .base import Collective, MemoryKey, PeerFailure, RoundStats, message_id
+from .base import (
+    BFLOAT16,
+    Collective,
+    MemoryKey,
+    PeerFailure,
+    RoundStats,
+    message_id,
+    narrow,
+    widen,
+)
 from .parameter_server import ParameterServer, PendingBroadcast
 from .transpose import TransposeAllreduce, shard_bounds
 
@@ -8,6 +17,9 @@ from .transpose import TransposeAllreduce, shard_bounds
 TOPOLOGIES: dict[str, type[Collective]] = {"ps": ParameterServer, "allreduce": TransposeAllreduce}
 
 __all__ = [
+    "BFLOAT16",
+    "narrow",
+    "widen",
     "Collective",
     "MemoryKey",
     "ParameterServer",

@@ -37,6 +37,36 @@ class PeerFailure(TransportError):
     """A peer stopped answering: the round cannot finish."""
 
 
+#: bfloat16 words on the wire: numpy has no bfloat16, so they travel as uint16 marked by
+#: this dtype's metadata, and are widened to float32 to be aggregated
+BFLOAT16 = np.dtype(np.uint16, metadata={"bfloat16": True})
+
+
+def is_bfloat16(dtype: np.dtype) -> bool:
+    return bool(dtype.metadata and dtype.metadata.get("bfloat16"))
+
+
+def widen(values: np.ndarray) -> np.ndarray:
+    """Values to aggregate: 16-bit floats (and bfloat16 words) as float32, the rest as
+    they are."""
+    if is_bfloat16(values.dtype):
+        return (values.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if values.dtype.kind == "f" and values.dtype.itemsize < 4:
+        return values.astype(np.float32)
+    return values
+
+
+def narrow(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Aggregated values back in the message's dtype (bfloat16: rounded to nearest even,
+    as torch rounds)."""
+    if is_bfloat16(dtype):
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded[np.isnan(values)] = 0x7FC0  # (a quiet NaN stays a NaN)
+        return rounded.view(dtype)
+    return values.astype(dtype, copy=False)
+
+
 def message_id(bucket: int, phase: int) -> int:
     return bucket * 2 + phase
 
@@ -192,19 +222,20 @@ class Collective:
                 what: str, tally: Tally, memory_key: MemoryKey) -> np.ndarray:
         """Aggregate ``own`` with what arrived from each peer in ``futures`` (posting
         each peer's receive for the next round as soon as this one is in)."""
-        contributions = [own]
+        contributions = [widen(own)]  # (16-bit values are aggregated in float32)
         masks = [np.ones(own.size, dtype=bool)]
         for peer_rank, fut in futures.items():
             res = self._wait(
                 fut, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
             values, mask = self._elements(res, own.size, own.dtype)
-            contributions.append(values)
+            contributions.append(widen(values))
             masks.append(mask)
             tally.add(res)
             self._post_ahead(peer_rank, bucket, PUSH, round_id + 1, own.nbytes, self.policy)
+        previous = self._remembered(memory_key, own.shape)
         agg = self.aggregator.aggregate(contributions, masks,
-                                        previous=self._remembered(memory_key, own.shape))
-        agg = np.ascontiguousarray(agg, dtype=own.dtype)
+                                        previous=None if previous is None else widen(previous))
+        agg = np.ascontiguousarray(narrow(np.asarray(agg), own.dtype))
         self.memory[memory_key] = agg
         return agg
 
@@ -237,12 +268,14 @@ class Collective:
     def _encode(self, x: np.ndarray, round_id: int, bucket: int) -> np.ndarray:
         if self.hadamard is None:
             return x
-        return self.hadamard.encode(x, message_seed(self.session, round_id, bucket))
+        seed = message_seed(self.session, round_id, bucket)
+        return narrow(self.hadamard.encode(widen(x), seed), x.dtype)
 
     def _decode(self, y: np.ndarray, round_id: int, bucket: int, n: int) -> np.ndarray:
         if self.hadamard is None:
             return y
-        return self.hadamard.decode(y, message_seed(self.session, round_id, bucket), n)
+        seed = message_seed(self.session, round_id, bucket)
+        return narrow(self.hadamard.decode(widen(y), seed, n), y.dtype)
 
     def allreduce_mean(self, x: np.ndarray, round_id: int,
                        bucket: int = 0) -> tuple[np.ndarray, RoundStats]:

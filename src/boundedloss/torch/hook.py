@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..aggregate import Aggregator, make_aggregator
-from ..collective import TOPOLOGIES, Collective, MemoryKey, RoundStats
+from ..collective import BFLOAT16, TOPOLOGIES, Collective, MemoryKey, RoundStats, widen
 from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
 from ..policy import Policy, make_policy
@@ -92,8 +92,11 @@ class BoundedLossState:
     _round_sq: dict[int, float] = field(default_factory=dict, repr=False)
     _lock: Any = field(default_factory=threading.Lock, repr=False)
     _last_lrs: list[float] | None = field(default=None, repr=False)
+    #: bucket index -> a reusable pinned host buffer for a bucket on an accelerator
+    _staging: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    _RUNTIME = ("process_group", "endpoint", "collective", "executor", "_lock", "failure")
+    _RUNTIME = ("process_group", "endpoint", "collective", "executor", "_lock", "failure",
+                "_staging")
 
     def __getstate__(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
@@ -106,6 +109,21 @@ class BoundedLossState:
         for k in self._RUNTIME:
             self.__dict__[k] = None
         self._lock = threading.Lock()
+        self._staging = {}
+
+    def host_buffer(self, index: int, flat: torch.Tensor) -> torch.Tensor:
+        """Where bucket ``index``'s values are exchanged from: the bucket itself on the
+        CPU; else a pinned host buffer, reused across rounds, holding a copy of it (the
+        copy waits for the kernels that wrote the gradient)."""
+        if flat.device.type == "cpu":
+            return flat
+        with self._lock:
+            buf = self._staging.get(index)
+            if buf is None or buf.numel() != flat.numel() or buf.dtype != flat.dtype:
+                buf = torch.empty(flat.numel(), dtype=flat.dtype, pin_memory=True)
+                self._staging[index] = buf
+        buf.copy_(flat)
+        return buf
 
     # ---------------------------------------------------------------- logging
     @property
@@ -178,6 +196,28 @@ class BoundedLossState:
             self.endpoint.close()
 
 
+#: dtypes that travel as they are (numpy has them); bfloat16 travels as BFLOAT16 words;
+#: anything else as float32
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU bucket as the message the collective sends: 16-bit floats in their own
+    dtype (half the bytes; aggregated in float32), bfloat16 as its 16-bit words."""
+    if t.dtype in _NATIVE_DTYPES:
+        return t.numpy()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)
+    return t.float().numpy()
+
+
+def _as_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The collective's result as a tensor of the bucket's dtype."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+
+
 def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are strings
     """DDP comm hook ``(BoundedLossState, dist.GradBucket) -> Future[Tensor]``: the
     bucket's mean over ranks, through the bounded-loss collective."""
@@ -190,10 +230,13 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
     def work() -> None:
         try:
             flat = tensor.detach().reshape(-1)
-            x = flat.numpy() if flat.dtype == torch.float32 else flat.float().numpy()
-            mean, stats = state.collective.allreduce_mean(x, round_id, index)
-            flat.copy_(torch.from_numpy(np.ascontiguousarray(mean)).to(flat.dtype))
-            state.record(stats, float(np.dot(mean, mean)))
+            host = state.host_buffer(index, flat)
+            mean, stats = state.collective.allreduce_mean(_as_numpy(host), round_id, index)
+            host.copy_(_as_tensor(mean, host.dtype))
+            if host is not flat:
+                flat.copy_(host)  # back to the bucket's own device, before DDP reads it
+            wide = widen(mean).astype(np.float64)
+            state.record(stats, float(np.dot(wide, wide)))
             fut.set_result(tensor)
         except BaseException as e:  # noqa: BLE001 - handed to DDP, which re-raises
             state.failure = e  # DDP re-raises it re-worded; keep the original for callers
