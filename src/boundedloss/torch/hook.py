@@ -235,7 +235,7 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
             host.copy_(_as_tensor(mean, host.dtype))
             if host is not flat:
                 flat.copy_(host)  # back to the bucket's own device, before DDP reads it
-            wide = widen(mean).astype(np.float64)
+            wide = widen(mean)
             state.record(stats, float(np.dot(wide, wide)))
             fut.set_result(tensor)
         except BaseException as e:  # noqa: BLE001 - handed to DDP, which re-raises
