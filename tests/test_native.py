@@ -13,6 +13,8 @@ Skipped, with the reason, where the extension is not built.
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -362,3 +364,21 @@ def test_hadamard_gives_the_same_bits_compiled_and_in_numpy(block, monkeypatch) 
     expected = had.transform(expected, expected.size).copy()
     monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "1")
     assert had.transform(unaligned, unaligned.size).tobytes() == expected.tobytes()
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    """Sizes whose products overflow, or a chunk size no datagram can have, are refused
+    with ValueError before any pointer arithmetic (each of these once crashed)."""
+    ext = native.module()
+    with pytest.raises(ValueError):
+        ext.fwht(bytearray(64), 1 << 62, 4)
+    disp = ext.Dispatcher(SESSION)
+    with pytest.raises(ValueError):
+        disp.take_rows(bytes(128), (1 << 62) + 64, np.array([48, 48], np.uint32).tobytes(),
+                       1, 2, [], 0)
+    with pytest.raises(ValueError):
+        disp.take_rows(bytes(128), 64, b"\0\0\0", 1, 2, [], 0)  # lengths not uint32s
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with pytest.raises(ValueError):
+            disp.send_run(s, 0x7F000001, 9, bytes(48), bytes(10), np.zeros(1, np.int64), 0,
+                          1 << 31, 10, True)

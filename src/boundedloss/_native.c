@@ -409,13 +409,13 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t n, uint32_t 
         unsigned char *a = rx->ack;
         st32(a + OFF_TSEQ, (uint32_t)rx->max_tseq);
         st32(a + HEADER_BYTES, (uint32_t)rx->delivered_count);
+        Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
         PyObject *ack = PyBytes_FromStringAndSize((const char *)a, HEADER_BYTES + 4);
         PyObject *item = ack ? Py_BuildValue("((N)O)", ack, rx->peer) : NULL;
-        if (item == NULL || PyList_Append(out, item) < 0) {
-            Py_XDECREF(item);
-            return FAILED;
-        }
-        Py_DECREF(item);
+        int appended = item != NULL && PyList_Append(out, item) == 0;
+        Py_XDECREF(item);
+        Py_DECREF(rx);
+        if (!appended) return FAILED;
     }
     if (!fresh) {
         rx->duplicates++;
@@ -459,13 +459,14 @@ static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
         return NULL;
     Py_ssize_t count = lengths.len / 4, i = start;
     PyObject *result = NULL;
-    if (stride <= 0 || start < 0 || count * stride > rows.len) {
+    if (stride <= 0 || start < 0 || lengths.len % 4 || (count && stride > rows.len / count)) {
         PyErr_SetString(PyExc_ValueError, "rows, stride and lengths disagree");
         goto done;
     }
     for (; i < count; i++) {
-        uint32_t len = ((const uint32_t *)lengths.buf)[i];
-        if (len > (uint32_t)stride) {
+        uint32_t len;
+        memcpy(&len, (const unsigned char *)lengths.buf + 4 * i, sizeof len);
+        if ((Py_ssize_t)len > stride) {
             PyErr_SetString(PyExc_ValueError, "a length exceeds the stride");
             goto done;
         }
@@ -495,7 +496,7 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
     struct mmsghdr msgs[RECV_SLOTS];
     struct iovec iov[RECV_SLOTS];
     struct sockaddr_in addrs[RECV_SLOTS];
-    char ctrl[RECV_SLOTS][CMSG_SPACE(sizeof(int))];
+    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } ctrl[RECV_SLOTS];
     memset(msgs, 0, sizeof msgs);
     for (int i = 0; i < RECV_SLOTS; i++) {
         iov[i].iov_base = d->buf + (size_t)i * SLOT_BYTES;
@@ -504,8 +505,8 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
         msgs[i].msg_hdr.msg_iovlen = 1;
         msgs[i].msg_hdr.msg_name = &addrs[i];
         msgs[i].msg_hdr.msg_namelen = sizeof addrs[i];
-        msgs[i].msg_hdr.msg_control = ctrl[i];
-        msgs[i].msg_hdr.msg_controllen = sizeof ctrl[i];
+        msgs[i].msg_hdr.msg_control = ctrl[i].buf;
+        msgs[i].msg_hdr.msg_controllen = sizeof ctrl[i].buf;
     }
     int got;
     Py_BEGIN_ALLOW_THREADS
@@ -570,7 +571,7 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     if (fd < 0) goto done;
     uint64_t count = cb ? (nbytes + cb - 1) / cb : 0;
     if (count == 0) count = 1;
-    if (cb == 0 || ib.len % 8 || start < 0 || start > n
+    if (cb == 0 || cb > MAX_CHUNK_BYTES || ib.len % 8 || start < 0 || start > n
         || (uint64_t)hb.len < count * HEADER_BYTES || (uint64_t)pb.len != nbytes) {
         PyErr_SetString(PyExc_ValueError, "send_run: buffers disagree with the geometry");
         goto done;
@@ -591,7 +592,7 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
 #define CLEN(c) ((c) == count - 1 ? last_len : cb)
     struct iovec iov[2 * SEND_MAX];
     struct mmsghdr msgs[SEND_MAX];
-    char ctrl[CMSG_SPACE(sizeof(uint16_t))];
+    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } ctrl;
     Py_ssize_t i = start, end = start;
     long calls = 0;
     int err = 0;
@@ -644,9 +645,9 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
                 m.msg_iovlen = 1;
             }
             if (k > 1) {
-                memset(ctrl, 0, sizeof ctrl);
-                m.msg_control = ctrl;
-                m.msg_controllen = sizeof ctrl;
+                memset(&ctrl, 0, sizeof ctrl);
+                m.msg_control = ctrl.buf;
+                m.msg_controllen = sizeof ctrl.buf;
                 struct cmsghdr *c = CMSG_FIRSTHDR(&m);
                 c->cmsg_level = SOL_UDP;
                 c->cmsg_type = UDP_SEGMENT;
@@ -921,7 +922,7 @@ static PyObject *native_blast(PyObject *self, PyObject *args) {
     to.sin_family = AF_INET;
     to.sin_addr.s_addr = htonl(ip);
     to.sin_port = htons((uint16_t)port);
-    char ctrl[CMSG_SPACE(sizeof(uint16_t))];
+    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } ctrl;
     long long calls = 0;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -940,9 +941,9 @@ static PyObject *native_blast(PyObject *self, PyObject *args) {
         m.msg_iov = &iov;
         m.msg_iovlen = 1;
         if (k > 1) {
-            memset(ctrl, 0, sizeof ctrl);
-            m.msg_control = ctrl;
-            m.msg_controllen = sizeof ctrl;
+            memset(&ctrl, 0, sizeof ctrl);
+            m.msg_control = ctrl.buf;
+            m.msg_controllen = sizeof ctrl.buf;
             struct cmsghdr *c = CMSG_FIRSTHDR(&m);
             c->cmsg_level = SOL_UDP;
             c->cmsg_type = UDP_SEGMENT;
@@ -1003,14 +1004,14 @@ static PyObject *native_drain(PyObject *self, PyObject *args) {
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     for (;;) {
-        char ctrl[CMSG_SPACE(sizeof(int))];
+        union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } ctrl;
         struct iovec iov = {buf, SLOT_BYTES};
         struct msghdr m;
         memset(&m, 0, sizeof m);
         m.msg_iov = &iov;
         m.msg_iovlen = 1;
-        m.msg_control = ctrl;
-        m.msg_controllen = sizeof ctrl;
+        m.msg_control = ctrl.buf;
+        m.msg_controllen = sizeof ctrl.buf;
         ssize_t n = recvmsg(fd, &m, 0);
         if (n < 0) {
             if (errno == EINTR) continue;
@@ -1160,7 +1161,7 @@ static PyObject *native_fwht(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "w*nn", &b, &width_arg, &itemsize)) return NULL;
     size_t width = (size_t)width_arg;
     if (width_arg < 1 || (width & (width - 1)) || (itemsize != 4 && itemsize != 8)
-        || b.len % (itemsize * width_arg)) {
+        || width_arg > b.len / itemsize || b.len % (itemsize * width_arg)) {
         PyBuffer_Release(&b);
         PyErr_SetString(PyExc_ValueError, "fwht: width must be a power of two dividing the buffer");
         return NULL;
@@ -1247,16 +1248,16 @@ PyMODINIT_FUNC PyInit__native(void) {
         OFF_KIND, "flags", OFF_FLAGS, "plen", OFF_PLEN, "session", OFF_SESSION, "round",
         OFF_ROUND, "message", OFF_MESSAGE, "index", OFF_INDEX, "count", OFF_COUNT, "mbytes",
         OFF_MBYTES, "cbytes", OFF_CBYTES, "tseq", OFF_TSEQ);
-    Py_INCREF(&ReceiveType);
-    Py_INCREF(&DispatcherType);
-    if (layout == NULL || PyModule_AddObject(m, "LAYOUT", layout) < 0
+    /* (PyModule_AddObjectRef takes its own reference: ours are dropped either way) */
+    int failed = layout == NULL || PyModule_AddObjectRef(m, "LAYOUT", layout) < 0
         || PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0
         || PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0
         || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0
         || PyModule_AddIntConstant(m, "MAX_CHUNK_BYTES", MAX_CHUNK_BYTES) < 0
-        || PyModule_AddObject(m, "Receive", (PyObject *)&ReceiveType) < 0
-        || PyModule_AddObject(m, "Dispatcher", (PyObject *)&DispatcherType) < 0) {
-        Py_XDECREF(layout);
+        || PyModule_AddObjectRef(m, "Receive", (PyObject *)&ReceiveType) < 0
+        || PyModule_AddObjectRef(m, "Dispatcher", (PyObject *)&DispatcherType) < 0;
+    Py_XDECREF(layout);
+    if (failed) {
         Py_DECREF(m);
         return NULL;
     }

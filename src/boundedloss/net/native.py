@@ -80,10 +80,19 @@ class NativeDataPath:
         """One batch from ``sock`` (up to 64 messages, each a datagram or a GRO run):
         DATA taken here, the rest handed to the mux in order. ``loss`` decides, per
         datagram, which the network is made to lose. Returns the messages read."""
-        got = self.dispatcher.recv(sock)
+        got = self.read(sock)
         if got:
-            self._take_batch(now, loss)
+            self.take_read(now, loss)
         return got
+
+    def read(self, sock: socket.socket) -> int:
+        """One recvmmsg into the batch buffer (OSError as the socket raises it; nothing
+        read then). Returns the messages read."""
+        return self.dispatcher.recv(sock)
+
+    def take_read(self, now: float, loss: LossModel | None = None) -> None:
+        """Take what ``read`` read: DATA here, the rest handed to the mux in order."""
+        self._take_batch(now, loss)
 
     def take_batch(self, messages: list, peer: Hashable, now: float,
                    loss: LossModel | None = None) -> None:

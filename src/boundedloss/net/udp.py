@@ -357,8 +357,10 @@ class UdpEndpoint:
     def _send_run(self, data_path, run: DataRun, start: int) -> tuple[int, bool]:
         """Send ``run.indices[start:]`` through the compiled path: how far it got, and
         whether the socket is full (or out of buffers) so the loop must wait."""
-        peer = run.peer
-        ip, port = ipv4_address(peer) or (0, 0)
+        address = ipv4_address(run.peer)
+        if address is None:  # (resolve() makes every peer an IPv4 address)
+            raise TransportError(f"the compiled data path sends to IPv4 peers, not {run.peer!r}")
+        ip, port = address
         nbytes = run.payload.nbytes
         while True:
             start, err, end, calls = data_path.dispatcher.send_run(
@@ -383,10 +385,14 @@ class UdpEndpoint:
         """Drain the socket through the compiled data path, a batch per system call."""
         for _ in range(RECV_BURST // RECV_BATCH):
             try:
-                if data_path.receive(self.sock, now, self.loss) < RECV_BATCH:
-                    return  # (a short batch: the socket is drained)
-            except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP
+                got = data_path.read(self.sock)
+            except OSError as e:  # e.g. ECONNREFUSED from an earlier ICMP: nothing read
                 self.io_errors[errno.errorcode.get(e.errno or 0, str(e.errno))] += 1
+                continue
+            if got:
+                data_path.take_read(now, self.loss)
+            if got < RECV_BATCH:
+                return  # (a short batch: the socket is drained)
 
     def _io_loop(self) -> None:
         sock = self.sock
