@@ -511,7 +511,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
 
     console.print(f"[bold]boundedloss compare[/]: {sc.name}, "
                   f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
-                  f"epochs, {repeats} repeat(s), {sc.network} network")
+                  f"epochs, {repeats} repeat(s), {sc.network} network, "
+                  f"{native.status()} data path")
     rows, runs = run_compare(sc, arms, out_dir, repeats=repeats, epochs=n_epochs,
                              workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
                              probe_copies_max=probe_copies_max, progress=done,
