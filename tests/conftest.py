@@ -10,11 +10,15 @@ datagram (the FakeNetwork's loss models are kind-blind).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 
 from boundedloss import wire
@@ -99,3 +103,21 @@ class Tap:
     def departures(self, src: Hashable, kind: wire.Kind) -> list[float]:
         """When each datagram of ``kind`` from ``src`` left, in order."""
         return [c.departed for c in self.log if c.src == src and c.kind == kind]
+
+
+def run_behind_a_narrow_path(script: str, mtu: int = 1500) -> subprocess.CompletedProcess:
+    """Run the Python ``script`` in a user and network namespace of its own whose
+    loopback has the given MTU (so a path to 127.0.0.1 is that narrow); a pytest skip,
+    saying why, where the kernel gives no unprivileged namespaces."""
+    cmd = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
+           f"ip link set lo mtu {mtu} up && {sys.executable} -c \"$0\"", script]
+    path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PATH": path})
+    except FileNotFoundError:
+        pytest.skip("unshare is not installed")
+    if proc.returncode != 0 and "unshare" in proc.stderr:
+        pytest.skip(f"no user and network namespace here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    return proc

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from boundedloss import native
+from conftest import run_behind_a_narrow_path
 
 HERE = Path(__file__).parent
 
@@ -294,17 +295,7 @@ def test_a_job_that_sets_no_chunk_size_takes_the_largest_one_packet_carries():
                            text=True, timeout=120)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.split() == [str(AUTO_CHUNK_MAX)] * 2 == ["8924", "8924"]
-    path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
-    cmd = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
-           f"ip link set lo mtu 1500 up && {sys.executable} -c \"$0\"", _CHUNK_SCRIPT]
-    try:
-        narrow = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                                env={**os.environ, "PATH": path})
-    except FileNotFoundError:
-        pytest.skip("unshare is not installed")
-    if narrow.returncode != 0 and "unshare" in narrow.stderr:
-        pytest.skip(f"no user and network namespace here: {narrow.stderr.strip()[:200]}")
-    assert narrow.returncode == 0, narrow.stderr
+    narrow = run_behind_a_narrow_path(_CHUNK_SCRIPT, mtu=1500)
     assert narrow.stdout.split() == ["1424", "1424"]
 
 

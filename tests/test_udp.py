@@ -20,6 +20,7 @@ from boundedloss.net.loss import Bernoulli
 from boundedloss.net.udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, UdpEndpoint, segment_run
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import CloseReason, SendStatus, TransportConfig, TransportError
+from conftest import run_behind_a_narrow_path
 
 SESSION = 0x5EED_0000_0000_0001
 
@@ -333,17 +334,7 @@ def test_a_chunk_never_fragments_and_one_too_large_for_the_path_is_refused():
     """In a network namespace of its own whose loopback has a 1,500-byte MTU: a 1,425-byte
     chunk (a 1,501-byte packet) is a one-line error naming the MTU; 1,424-byte chunks go
     through without a single IP fragment."""
-    cmd = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
-           f"ip link set lo mtu 1500 up && {sys.executable} -c \"$0\"", _MTU_SCRIPT]
-    path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PATH": path})
-    except FileNotFoundError:
-        pytest.skip("unshare is not installed")
-    if proc.returncode != 0 and "unshare" in proc.stderr:
-        pytest.skip(f"no user and network namespace here: {proc.stderr.strip()[:200]}")
-    assert proc.returncode == 0, proc.stderr
+    proc = run_behind_a_narrow_path(_MTU_SCRIPT, mtu=1500)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["error"] == ("chunk size 1,425 B does not fit one packet to 127.0.0.1:9: the "
                             "path MTU is 1,500 B, so chunks can be at most 1,424 B (set "
