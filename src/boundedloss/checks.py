@@ -15,19 +15,6 @@ import click
 from .net.loss import Combined, LossModel, Microburst, parse_loss_spec
 
 
-def finite(value: float, option: str, lo: float | None = None,
-           hi: float | None = None) -> float:
-    """``value`` if it is a finite number within [lo, hi]."""
-    if not math.isfinite(value):
-        raise ValueError(f"{option} must be a finite number, got {value}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{option} must be in [{lo:g}, {hi:g}], got {value:g}"
-                         if lo is not None and hi is not None else
-                         f"{option} must be >= {lo:g}, got {value:g}" if lo is not None else
-                         f"{option} must be <= {hi:g}, got {value:g}")
-    return value
-
-
 def writable_folder(path: str | os.PathLike, option: str) -> None:
     """``path`` is, or can be made, a folder this process can write into."""
     p = Path(path)
