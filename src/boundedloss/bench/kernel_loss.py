@@ -159,8 +159,8 @@ def run_kernel_loss_bench(
     if unknown:
         raise ValueError(f"unknown topology {unknown[0]!r}; choose from "
                          f"{', '.join(TOPOLOGIES)}")
-    arms = [(str(spec), topology if spec.uses_transport else GLOO_TOPOLOGY)
-            for spec in specs for topology in (topologies if spec.uses_transport else ("",))]
+    arms = [(str(spec), topology) for spec in specs
+            for topology in (topologies if spec.uses_transport else (GLOO_TOPOLOGY,))]
     rows = []
     with Testbed(TestbedConfig(workers=3, mtu=mtu)) as tb:
         nodes = ["server", "w0", "w1", "w2"]
@@ -178,8 +178,8 @@ def run_kernel_loss_bench(
                                       "--rank", str(r), "--world", "4", "--master", master,
                                       "--port", str(port), "--system", system,
                                       "--elements", str(elements), "--rounds", str(rounds),
-                                      "--topology", topology if topology in TOPOLOGIES
-                                      else "ps", "--out", tmp],
+                                      *(["--topology", topology] if topology in TOPOLOGIES
+                                        else []), "--out", tmp],
                                stdout=logs[r], stderr=subprocess.STDOUT)
                         for r, node in enumerate(nodes)
                     ]

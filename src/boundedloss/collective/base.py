@@ -13,6 +13,7 @@ deadline therefore covers the time between rounds too; it is the failure detecto
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -123,7 +124,7 @@ class _Pending:
     future: Future
 
 
-class Collective:
+class Collective(abc.ABC):
     """Base class: posting ahead, waiting, failure detection, optional Hadamard."""
 
     def __init__(
@@ -277,11 +278,11 @@ class Collective:
         seed = message_seed(self.session, round_id, bucket)
         return narrow(self.hadamard.decode(widen(y), seed, n), y.dtype)
 
+    @abc.abstractmethod
     def allreduce_mean(self, x: np.ndarray, round_id: int,
                        bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
         """The mean of every rank's ``x`` (1-D float array) - as far as it arrived;
-        every topology implements it."""
-        raise NotImplementedError
+        each topology (ParameterServer, TransposeAllreduce) is one way of computing it."""
 
     def close(self) -> None:
         for pending in self._pending.values():

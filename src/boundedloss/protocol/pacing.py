@@ -35,8 +35,7 @@ class Pacer:
         self._best_rate = best_rate or 0.0
         #: this send's delivery-rate samples, one per answered pass
         self.rate_samples: list[float] = []
-        # however slow the samples say the peer is, a pass is not stretched beyond this
-        self._floor = 0.0
+        self._floor = 0.0  # the least rate pacing may use (see pass_answered)
 
     @property
     def best_rate(self) -> float:

@@ -290,19 +290,12 @@ class MessageSender:
         self._tseq_field[batch] = np.arange(tseq, tseq + k, dtype=np.uint32)
         window.next_tseq = tseq + k
         self.recovery.data_sent(now, k)
-        hdr = self._headers
-        pay = self._payload
-        cb = self.chunk_bytes
-        peer = self.peer
+        run = DataRun(self.peer, self._headers, self._payload, self.chunk_bytes, batch)
         if runs:
-            out.append(DataRun(peer, hdr, pay, cb, batch))
+            out.append(run)
         else:
-            # memoryview slices clamp at the end, so the short last chunk needs no min()
-            out.extend(
-                ((hdr[i * HEADER_BYTES : (i + 1) * HEADER_BYTES], pay[i * cb : (i + 1) * cb]),
-                 peer)
-                for i in batch.tolist()
-            )
+            out.extend(run.datagrams())
+        cb = self.chunk_bytes
         counts = self.counts
         counts.datagrams += k
         counts.payload_bytes += k * cb

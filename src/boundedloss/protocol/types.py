@@ -189,7 +189,8 @@ class DataRun:
     indices: np.ndarray  # int64, C-contiguous
 
     def datagrams(self) -> list[tuple[tuple[memoryview, memoryview], Hashable]]:
-        """The same datagrams as ``poll`` hands them out one by one."""
+        """The same datagrams one by one, as ``(parts, peer)`` (memoryview slices clamp
+        at the end, so the short last chunk needs no min())."""
         hb, cb = HEADER_BYTES, self.chunk_bytes
         return [((self.headers[i * hb : (i + 1) * hb], self.payload[i * cb : (i + 1) * cb]),
                  self.peer) for i in self.indices.tolist()]
