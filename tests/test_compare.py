@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -138,7 +139,8 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     (["--scenario", "lm-loss", "--policies", "dblp"], "--policies"),
     (["--scenario", "random-loss", "--loss", "bernoulli:0.1"], "--loss"),
     (["--scenario", "random-loss", "--network", "kernel"], "--network"),
-    (["--scenario", "microburst", "--network", "kernel"], "--network"),
+    (["--scenario", "lm-loss", "--network", "kernel"], "--network"),
+    (["--scenario", "microburst", "--policies", "gloo,gloo"], "gloo is named twice"),
     (["--scenario", "incast", "--network", "wan"], "--network"),
 ])
 def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
@@ -234,24 +236,151 @@ def test_bad_arguments_fail_in_one_line_before_anything_starts(tmp_path, capsys,
 
 
 def test_network_choice(monkeypatch):
-    """incast runs on the kernel testbed when it can (auto) or when asked (kernel: an
-    error with the reason when it cannot); scenarios without a kernel setup stay
-    in-process under auto and refuse kernel."""
+    """microburst and incast run on the kernel testbed when it can (auto) or when asked
+    (kernel: an error with the reason when it cannot; auto: in-process, with the reason
+    kept for the first line); scenarios without a kernel setup stay in-process under
+    auto and refuse kernel."""
     import boundedloss.emulate as emulate
 
-    incast, micro = SCENARIOS["incast"], SCENARIOS["microburst"]
+    incast, micro, sweep = (SCENARIOS[n] for n in ("incast", "microburst", "random-loss"))
     monkeypatch.setattr(emulate, "available", lambda: (True, ""))
     k = choose_network(incast, "auto")
     assert (k.network, k.loss) == ("kernel", "none") and "kernel testbed" in k.description
     assert choose_network(incast, "kernel") == k
     assert choose_network(incast, "in-process") is incast
-    assert choose_network(micro, "auto") is micro
+    m = choose_network(micro, "auto")
+    assert (m.network, m.loss) == ("kernel", "none") and m.kernel is not None
+    assert m.kernel.random_loss == 0.01 and m.kernel.bursts is not None
+    assert m.kernel.bursts.rate == 0.8 and m.kernel.bursts.node == "server"
+    # every system crosses the kernel network: gloo's arm is not made lossless by hand
+    assert {a.label: a.loss for a in m.arms(("gloo", "dblp"))} == {"gloo": "none", "dblp": "none"}
+    assert choose_network(sweep, "auto") is sweep
     with pytest.raises(ValueError, match="no kernel-testbed setup"):
-        choose_network(micro, "kernel")
+        choose_network(sweep, "kernel")
     monkeypatch.setattr(emulate, "available", lambda: (False, "needs root"))
-    assert choose_network(incast, "auto") is incast and incast.network == "in-process"
+    fell = choose_network(incast, "auto")
+    assert fell.network == "in-process"
+    assert fell.network_note == "no kernel network here: needs root"
     with pytest.raises(ValueError, match="cannot run here: needs root"):
         choose_network(incast, "kernel")
+
+
+def _epochs_run(metric_name, values, walls):
+    from boundedloss.experiments.compare import RunResult
+
+    return RunResult(policy="x", repeat=0, out="", rounds=[], summary={"metric_name": metric_name},
+                     epochs=[{metric_name: v, "wall_s": w} for v, w in zip(values, walls)])
+
+
+def test_time_to_target_is_the_first_epoch_that_reached_it():
+    acc = _epochs_run("accuracy", [0.5, 0.96, 0.94, 0.97], [1.0, 2.0, 3.0, 4.0])
+    assert acc.time_to_target(0.95) == 2.0  # the first to reach it, not the last
+    assert acc.time_to_target(0.5) == 1.0  # reaching it exactly counts
+    assert acc.time_to_target(0.99) is None and acc.time_to_target(None) is None
+    ppl = _epochs_run("perplexity", [9.0, 6.0, 4.0], [1.0, 2.0, 3.0])  # lower is better
+    assert ppl.time_to_target(6.0) == 2.0 and ppl.time_to_target(3.0) is None
+
+
+def test_ratios_against_gloo():
+    rows = [dict(_row("gloo", 16.0, 350.0, 0.9577), time_to_target_s=10.0,
+                 normal_round_ms_p50=10.0),
+            dict(_row("dblp", 4.0, 25.0, 0.9532), time_to_target_s=2.0,
+                 normal_round_ms_p50=12.5),
+            dict(_row("mlt", 5.0, None, 0.90), time_to_target_s=None, normal_round_ms_p50=None)]
+    by = {r["policy"]: r for r in add_ratios(rows)}
+    assert by["dblp"]["tta_speedup_vs_gloo"] == pytest.approx(5.0)
+    assert by["dblp"]["wall_speedup_vs_gloo"] == pytest.approx(4.0)
+    assert by["dblp"]["metric_change_vs_gloo"] == pytest.approx(-0.0045)
+    assert by["dblp"]["burst_over_normal_round"] == pytest.approx(2.0)
+    assert by["gloo"]["tta_speedup_vs_gloo"] == 1.0
+    assert by["gloo"]["burst_over_normal_round"] == pytest.approx(35.0)
+    assert by["mlt"]["tta_speedup_vs_gloo"] is None  # never reached the target
+    assert by["mlt"]["burst_over_normal_round"] is None
+    (alone,) = add_ratios([dict(_row("dblp", 4.0, 25.0, 0.95), time_to_target_s=2.0)])
+    assert alone["tta_speedup_vs_gloo"] is None and alone["metric_change_vs_gloo"] is None
+
+
+def test_printed_tables_fit_100_columns_with_nothing_cut():
+    """What the command prints for the demo's scenario - the decision table, then the
+    burst figures - fits 100 columns without a header or cell cut short."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from boundedloss.experiments.report import PRINT_WIDTH, printed_tables, table_cells
+
+    sc = replace(SCENARIOS["microburst"], network="kernel")
+    row = {k: 1234.5678 for k in ROW_FIELDS}
+    row.update(policy="baseline", burst_rounds=43.0, tta_speedup_vs_gloo=10.12,
+               wall_speedup_vs_gloo=10.12, metric_change_vs_gloo=-0.0123,
+               time_reduction_vs_baseline=-4.243, delivered_fraction_mean=0.9961)
+    tables = printed_tables(sc)
+    assert [len(cols) for _, cols in tables] == [7, 9]
+    assert {"time_to_target_s", "tta_speedup_vs_gloo", "final_metric"} <= {
+        k for k, _, _ in tables[0][1]}
+    for title, columns in tables:
+        out = io.StringIO()
+        console = Console(file=out, width=PRINT_WIDTH)
+        t = Table(title=title)
+        for _, header, _ in columns:
+            t.add_column(header)
+        t.add_row(*table_cells(row, columns))
+        console.print(t)
+        text = out.getvalue()
+        assert "\u2026" not in text, text  # rich's ellipsis: something was cut
+        assert max(len(line) for line in text.splitlines()) <= PRINT_WIDTH
+
+
+def test_demo_falls_back_to_in_process_saying_so_in_its_first_line(tmp_path, monkeypatch, capsys):
+    """Where no kernel network can be had, the comparison runs in-process and its first
+    line says so and why; the rows say which network ran."""
+    import boundedloss.emulate as emulate
+    from boundedloss.emulate import rootless
+
+    monkeypatch.setattr(emulate, "available", lambda: (False, "no ip netns on this host"))
+    monkeypatch.setattr(rootless, "needed", lambda: False)
+    rc = main(["compare", "--scenario", "microburst", "--policies", "dblp", "--workers", "2",
+               "--epochs", "1", "--steps-per-epoch", "2", "--json", str(tmp_path / "r.json"),
+               "--out", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "IN-PROCESS" in first and "no ip netns on this host" in first, first
+    (row,) = json.loads((tmp_path / "r.json").read_text())
+    assert row["network"] == "in-process"
+    assert "no ip netns on this host" in (tmp_path / "out" / "report.md").read_text()
+
+
+@pytest.mark.skipif(not KERNEL_OK, reason=f"kernel testbed needs root: {KERNEL_WHY}")
+def test_microburst_on_the_kernel_network(tmp_path):
+    """Every system - gloo's TCP too - crosses the same kernel network: random loss at
+    every node and timed bursts at the server. Burst rounds are the rounds a burst
+    overlapped; the time to target is the first epoch's that reached it; the testbed is
+    gone afterwards."""
+    from boundedloss.emulate import TimedBursts, leftovers
+    from boundedloss.experiments.compare import run_compare
+
+    before = set(leftovers())
+    sc = choose_network(SCENARIOS["microburst"], "kernel")
+    assert sc.kernel is not None
+    # bursts half the time, so that a short run surely meets some; a target every run
+    # reaches at its first epoch
+    sc = replace(sc, target_metric=0.0, kernel=replace(
+        sc.kernel, bursts=TimedBursts(rate=0.8, every_s=0.04, length_s=0.02)))
+    rows, runs = run_compare(sc, sc.arms(("gloo", "dblp")), str(tmp_path), epochs=1,
+                             workers=2, steps_per_epoch=20)
+    by = {r["policy"]: r for r in rows}
+    for name in ("gloo", "dblp"):
+        (run,) = runs[name]
+        assert by[name]["network"] == "kernel" and run.summary["rounds"] == 20
+        assert 0 < len(run.burst) <= 20 and by[name]["burst_rounds"] == len(run.burst)
+        assert by[name]["time_to_target_s"] == run.epochs[0]["wall_s"]
+        for r in run.rounds:
+            assert r["start_mono_s"] < r["end_mono_s"]
+    assert by["gloo"]["tta_speedup_vs_gloo"] == 1.0
+    assert by["dblp"]["tta_speedup_vs_gloo"] == pytest.approx(
+        by["gloo"]["time_to_target_s"] / by["dblp"]["time_to_target_s"])
+    assert set(leftovers()) <= before
 
 
 def test_bottleneck_figures_are_deltas_of_the_queue_counters():

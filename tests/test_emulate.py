@@ -397,6 +397,73 @@ def test_microbursts_schedule_and_cross_traffic(bed):
 
 
 @needs_kernel
+def test_a_loss_writer_changes_the_rule_in_place(bed):
+    """The writer's transactions replace the node's rule (TCP and UDP alike, or UDP
+    only), 0 leaves the chain empty, and a refused transaction is a clear error."""
+    from boundedloss.emulate import LossRuleWriter
+
+    w = bed.loss_writer("w1")
+    assert isinstance(w, LossRuleWriter)
+    w.set(0.8)
+    w.set(0.25)
+    w.close()
+    st = bed.loss_stats("w1")
+    assert (st.probability, st.protocol) == (0.25, "all")
+    w = bed.loss_writer("w1", protocol="udp")
+    w.set(0)
+    w.close()
+    assert bed.loss_stats("w1").probability == 0.0
+    bed.set_loss(0.1, "w1")  # set_loss takes over the same chain
+    assert bed.loss_stats("w1").probability == 0.1
+    with pytest.raises(ValueError):
+        bed.loss_writer("w1").set(1.5)
+    with pytest.raises(TestbedError, match="not the switch"):
+        bed.loss_writer("sw")
+
+
+def test_rounds_overlapping_a_burst():
+    from boundedloss.emulate.bursts import rounds_overlapping
+
+    rounds = [{"round": i, "start_mono_s": 10.0 + i, "end_mono_s": 10.9 + i} for i in range(5)]
+    rounds.append({"round": 9})  # a round without times (an old log) is never a burst round
+    assert rounds_overlapping([(11.5, 11.6), (12.95, 13.05)], rounds) == {1, 3}
+    assert rounds_overlapping([(12.85, 13.05)], rounds) == {2, 3}  # one burst, two rounds
+    assert rounds_overlapping([(10.9, 11.0)], rounds) == set()  # touching is not overlapping
+    assert rounds_overlapping([], rounds) == set()
+
+
+def test_timed_bursts_validation():
+    from boundedloss.emulate import TimedBursts
+
+    assert TimedBursts(0.8, 0.1, 0.01).describe() == "80% loss at server for 10 ms every 100 ms"
+    for bad in [(1.5, 0.1, 0.01), (0.8, 0.1, 0.1), (0.8, 0.1, 0.0), (0.8, 1e5, 0.01)]:
+        with pytest.raises(ValueError):
+            TimedBursts(*bad)
+
+
+@needs_kernel
+def test_timed_bursts_drop_what_arrives_during_them(bed):
+    """Bursts of 100% loss half the time into the server, under a paced stream: what is
+    lost is what arrived during the bursts the runner logged; after stop() the base
+    loss is back."""
+    from boundedloss.emulate import TimedBursts
+
+    sink = bed.sink("server", 9410, idle=1.0, max_time=15)
+    snd = bed.send("w0", "server", 9410, size=64, rate_mbit=0.848, duration=1.0)  # 1000/s
+    t0 = time.monotonic()
+    with TimedBursts(rate=1.0, every_s=0.1, length_s=0.05).start(bed) as runner:
+        time.sleep(1.0)
+    sent, got = snd.wait(), sink.wait()
+    windows = runner.windows_between(t0, t0 + 1.0)
+    assert len(windows) >= 3
+    assert all(b - a >= 0.045 for a, b in windows)  # each burst lasted its length
+    in_bursts = sum(min(b, t0 + 1.0) - a for a, b in windows) / 1.0
+    lost = 1 - got["flows"][str(bed.nodes.index("w0"))]["unique"] / sent["sent"]
+    assert abs(lost - in_bursts) < 0.2, (lost, in_bursts)
+    assert bed.loss_stats().probability == 0.0  # back to the base
+
+
+@needs_kernel
 def test_status_reports_kernel_state(bed):
     bed.set_bottleneck(Bottleneck("30mbit", "16kb", "32kb"))
     bed.set_loss(0.25, "w3", protocol="all")
@@ -520,6 +587,31 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
         rows = json.loads(open(f"{work}/k.json").read())
         assert [(r["system"], r["topology"], r["loss"]) for r in rows] == [("reliable", "ps", 0.01)]
         assert rows[0]["delivered_fraction"] == 1.0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert list_namespaces() == before
+    assert _their_processes(prefix) == 0
+
+
+def test_the_microburst_comparison_runs_without_root():
+    """compare on the kernel network as an unprivileged user (what `boundedloss demo`
+    does): it re-runs itself in a user namespace of its own, says in its first line
+    that every system crosses the kernel network, and leaves nothing behind."""
+    prefix = _unprivileged()
+    work = tempfile.mkdtemp()
+    os.chmod(work, 0o777)
+    before = list_namespaces()
+    try:
+        p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "compare",
+                            "--scenario", "microburst", "--policies", "gloo,dblp",
+                            "--workers", "2", "--epochs", "1", "--steps-per-epoch", "5",
+                            "--json", f"{work}/c.json", "--out", f"{work}/out"],
+                           capture_output=True, text=True, timeout=300, cwd="/")
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "on the kernel network" in p.stdout.splitlines()[0], p.stdout
+        rows = json.loads(open(f"{work}/c.json").read())
+        assert [(r["policy"], r["network"]) for r in rows] == [("gloo", "kernel"),
+                                                                ("dblp", "kernel")]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     assert list_namespaces() == before

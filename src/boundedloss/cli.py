@@ -140,11 +140,13 @@ def cli() -> None:
               callback=_json_file,
               help="Rows as JSON (default: OUT/compare.json).")
 def demo(out_dir: str, json_path: str | None) -> None:
-    """The default comparison: `compare --scenario microburst` with every policy, loss
-    injected in-process (no root needed)."""
+    """The default comparison: `compare --scenario microburst` with every system, gloo
+    included, on the kernel network (root, or a user namespace of its own); in-process
+    loss only where no kernel network can be had (its first line says so)."""
     json_path = json_path or os.path.join(out_dir, "compare.json")
     _run_compare("microburst", None, json_path, out_dir, 1, None, None, 0, None, None,
-                 _command_line(f"boundedloss demo --out {out_dir}"), network="in-process")
+                 _command_line(f"boundedloss demo --out {out_dir}"), network=DEFAULT_NETWORK,
+                 title="boundedloss demo")
 
 
 @cli.group()
@@ -449,23 +451,17 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  out_dir: str,
                  repeats: int, epochs: int | None, workers: int | None, seed: int,
                  steps_per_epoch: int | None, loss_spec: str | None, command: str,
-                 network: str = DEFAULT_NETWORK, probe_copies_max: int | None = None) -> None:
+                 network: str = DEFAULT_NETWORK, probe_copies_max: int | None = None,
+                 title: str = "boundedloss compare") -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
-    line per finished run, print the table, write JSON and the report."""
+    line per finished run, print the tables, write JSON and the report."""
+    from dataclasses import replace
+
     from .experiments.compare import choose_network, run_compare, with_loss
-    from .experiments.report import columns_for, table_cells, write_report
+    from .experiments.report import PRINT_WIDTH, printed_tables, table_cells, write_report
     from .net.loss import parse_loss_spec
 
     sc = SCENARIOS[scenario]
-    if network != "in-process" and sc.kernel is not None:
-        from .emulate import rootless
-
-        if rootless.needed() and (network == "kernel" or rootless.possible()[0]):
-            rootless.reexec()  # the testbed, as root of a user namespace of its own
-    try:
-        sc = choose_network(sc, network)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--network") from None
     if sc.is_sweep:
         if policies is not None:
             raise click.BadParameter(
@@ -474,21 +470,40 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         if loss_spec is not None:
             raise click.BadParameter(f"scenario {sc.name} sets its own loss rates",
                                      param_hint="--loss")
-        arms = sc.arms()
-    else:
-        if loss_spec is not None:
-            try:
-                parse_loss_spec(loss_spec)
-            except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="--loss") from None
-            sc = with_loss(sc, loss_spec)
-        arms = sc.arms(policies)
+    elif loss_spec is not None:
+        try:
+            parse_loss_spec(loss_spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--loss") from None
+        sc = with_loss(sc, loss_spec)
+        if network == "auto":
+            network = "in-process"  # a loss spec is an in-process what-if
     n_epochs = epochs or sc.epochs
     n_workers = workers or sc.workers
     if policies is not None:
         _check(checks.distinct, [str(p) for p in policies], "--policies")
-    for arm in arms:
+    for arm in (sc.arms() if sc.is_sweep else sc.arms(policies)):
         _check(checks.loss_ranks_exist, arm.loss, n_workers)
+    # the arguments are good: now the network (which may re-run this command in a
+    # user namespace of its own)
+    userns_why = ""
+    if network != "in-process" and sc.kernel is not None:
+        from .emulate import rootless
+
+        if rootless.needed():
+            ok, userns_why = rootless.possible()
+            if ok or network == "kernel":
+                rootless.reexec()  # the testbed, as root of a user namespace of its own
+    try:
+        sc = choose_network(sc, network)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--network") from None
+    if loss_spec is not None and sc.network == "kernel":
+        sc = with_loss(sc, loss_spec)  # in-process loss on top of the kernel's
+    if sc.network_note and userns_why:
+        sc = replace(sc, network_note="no kernel network here: it needs root or "
+                                      f"unprivileged user namespaces ({userns_why})")
+    arms = sc.arms() if sc.is_sweep else sc.arms(policies)
 
     def done(res) -> None:
         s = res.stats()
@@ -509,22 +524,32 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                       f"({arm.policy}, {arm.aggregator}"
                       f"{'+hadamard' if arm.hadamard else ''}, loss {arm.loss})[/]")
 
-    console.print(f"[bold]boundedloss compare[/]: {sc.name}, "
+    if sc.network == "kernel" and sc.kernel is not None:
+        where = f"on the kernel network ({sc.kernel.summary()})"
+    elif sc.kernel is not None and sc.network_note:
+        where = f"with IN-PROCESS loss, gloo lossless ({sc.network_note})"
+    else:
+        where = "with in-process loss"
+    console.print(f"[bold]{title}[/]: {sc.name} {where}; "
                   f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
-                  f"epochs, {repeats} repeat(s), {sc.network} network, "
-                  f"{native.status()} data path")
+                  f"epochs, {repeats} repeat(s), {native.status()} data path",
+                  soft_wrap=True)
     rows, runs = run_compare(sc, arms, out_dir, repeats=repeats, epochs=n_epochs,
                              workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
                              probe_copies_max=probe_copies_max, progress=done,
                              starting=starting)
-    columns = columns_for(sc)
-    t = Table(title=f"{sc.name}: {n_workers} workers, {n_epochs} epochs "
-                    f"(median of {repeats})")
-    for _, header, _ in columns:
-        t.add_column(header, justify="right")
-    for r in rows:
-        t.add_row(*table_cells(r, columns))
-    console.print(t)
+    narrow = Console(width=min(console.width, PRINT_WIDTH))
+    head = (f"{sc.name}, {sc.network} network: {n_workers} workers, {n_epochs} epochs "
+            f"(median of {repeats})")
+    if sc.target_metric is not None:
+        head += f"; target {rows[0]['metric_name']} {sc.target_metric:g}"
+    for sub, columns in printed_tables(sc):
+        t = Table(title=f"{head}{' - ' + sub if sub else ''}")
+        for key, header, _ in columns:
+            t.add_column(header, justify="left" if key == "policy" else "right")
+        for r in rows:
+            t.add_row(*table_cells(r, columns))
+        narrow.print(t)
     write_json(rows, json_path)
     settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} repeat(s), "
                 f"{sc.network} network"
@@ -566,12 +591,14 @@ def _command_line(default: str) -> str:
               help="Default: one pass over each rank's share (charlm: 40).")
 @click.option("--loss", "loss_spec", default=None,
               help="Override a policy scenario's in-process loss spec (what-if runs and "
-                   "tests).")
+                   "tests): then --network auto means in-process, and on --network "
+                   "kernel it adds to the kernel network's loss.")
 @click.option("--network", type=click.Choice(NETWORKS), default=DEFAULT_NETWORK, show_default=True,
               help="Where the loss happens for scenarios that have a kernel setup "
-                   "(incast): kernel = the namespace testbed's real bottleneck (root), "
-                   "in-process = loss injected at the endpoints; auto = kernel when it "
-                   "can run here.")
+                   "(microburst, incast): kernel = the namespace testbed, which every "
+                   "system - gloo's TCP too - crosses (root, or a user namespace of its "
+                   "own); in-process = loss injected at our endpoints (gloo runs "
+                   "lossless); auto = kernel when it can run here.")
 @probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
             steps_per_epoch, loss_spec, network, probe_copies_max) -> None:

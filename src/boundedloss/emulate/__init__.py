@@ -12,11 +12,12 @@ cross-traffic). Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 and iptable
 See docs/emulator.md.
 """
 
-from .bursts import LossSchedule
+from .bursts import BurstRunner, LossSchedule, TimedBursts
 from .testbed import (
     LOSS_CHAIN,
     NEED_ROOT,
     Bottleneck,
+    LossRuleWriter,
     LossStats,
     QdiscStats,
     Testbed,
@@ -37,7 +38,10 @@ __all__ = [
     "LOSS_CHAIN",
     "NEED_ROOT",
     "Bottleneck",
+    "BurstRunner",
+    "LossRuleWriter",
     "LossSchedule",
+    "TimedBursts",
     "LossStats",
     "QdiscStats",
     "Testbed",

@@ -1,18 +1,20 @@
-"""Microbursts as loss-probability steps: a schedule of windows applied to a testbed's
-iptables loss rule by one background thread. (The other kind of microburst, real
-cross-traffic through the bottleneck, is ``Testbed.cross_traffic``.)"""
+"""Microbursts as loss-probability steps on a testbed's iptables loss rule, applied by
+one background thread: a schedule of given windows (:class:`LossSchedule`), or bursts
+that recur in time for as long as they run (:class:`TimedBursts`). (The other kind of
+microburst, real cross-traffic through the bottleneck, is ``Testbed.cross_traffic``.)"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .testbed import SERVER, TestbedError, check_probability
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .testbed import Testbed
+    from .testbed import LossRuleWriter, Testbed
 
 #: A schedule may not run longer than this (every loop in the testbed is bounded).
 MAX_SCHEDULE_S = 3600.0
@@ -134,6 +136,116 @@ class LossSchedule:
                 self._set(self.base)
 
     def __enter__(self) -> LossSchedule:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def rounds_overlapping(windows: Sequence[tuple[float, float]],
+                       rounds: Sequence[dict]) -> set[int]:
+    """The ids of the rounds (``{"round", "start_mono_s", "end_mono_s"}``, as rank 0 of
+    a training run logs them) that overlap any ``(start, end)`` window."""
+    hit: set[int] = set()
+    for r in rounds:
+        a, b = r.get("start_mono_s"), r.get("end_mono_s")
+        if a is not None and b is not None and any(w0 < b and w1 > a for w0, w1 in windows):
+            hit.add(int(r["round"]))
+    return hit
+
+
+@dataclass(frozen=True)
+class TimedBursts:
+    """Microbursts that recur in time, as congestion does: loss ``rate`` on everything
+    arriving at ``node`` for ``length_s`` seconds every ``every_s`` seconds (the first
+    ``every_s`` after the start), the node's random loss in between. The network does
+    not know a job's rounds: a slower job meets more bursts, as it would on a real
+    network."""
+
+    rate: float
+    every_s: float
+    length_s: float
+    node: str = SERVER
+
+    def __post_init__(self):
+        check_probability(self.rate)
+        if not 0 < self.length_s < self.every_s <= MAX_SCHEDULE_S:
+            raise ValueError(f"bursts need 0 < length ({self.length_s} s) < period "
+                             f"({self.every_s} s) <= {MAX_SCHEDULE_S:g} s")
+
+    def describe(self) -> str:
+        return (f"{self.rate:.0%} loss at {self.node} for {self.length_s * 1e3:g} ms every "
+                f"{self.every_s * 1e3:g} ms")
+
+    def start(self, testbed: Testbed, *, base: float = 0.0) -> BurstRunner:
+        """Apply them to ``testbed`` from now until ``stop()``; ``base``: the node's loss
+        between bursts."""
+        return BurstRunner(self, testbed.loss_writer(self.node, protocol="all"), base)
+
+
+class BurstRunner:
+    """:class:`TimedBursts` being applied: one thread sets the burst's loss at each
+    start and ``base`` at each end through a :class:`~.testbed.LossRuleWriter`, and
+    records when each change was made (``windows``: ``(start, end)`` in
+    ``time.monotonic()`` seconds - the clock every namespace of the host shares)."""
+
+    def __init__(self, bursts: TimedBursts, writer: LossRuleWriter, base: float):
+        self.bursts = bursts
+        self.base = check_probability(base)
+        self.windows: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+        self._writer = writer
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        writer.set(self.base)
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="bl-bursts", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        b = self.bursts
+        k = 0
+        try:
+            while True:
+                k += 1
+                # on a schedule from the start, so that a late change does not shift
+                # every later burst
+                start_at = self._t0 + k * b.every_s
+                if self._stop.wait(max(0.0, start_at - time.monotonic())):
+                    return
+                self._writer.set(b.rate)
+                on = time.monotonic()
+                stopped = self._stop.wait(max(0.0, start_at + b.length_s - on))
+                self._writer.set(self.base)
+                with self._lock:
+                    self.windows.append((on, time.monotonic()))
+                if stopped:
+                    return
+        except BaseException as e:  # surfaced by stop()
+            self.error = e
+
+    def windows_between(self, start: float, end: float) -> list[tuple[float, float]]:
+        """The bursts that overlapped ``[start, end]`` (monotonic seconds)."""
+        with self._lock:
+            return [(a, b) for a, b in self.windows if a < end and b > start]
+
+    def rounds_in_bursts(self, rounds: Sequence[dict]) -> set[int]:
+        """The rounds that a burst so far overlapped (see :func:`rounds_overlapping`)."""
+        with self._lock:
+            windows = list(self.windows)
+        return rounds_overlapping(windows, rounds)
+
+    def stop(self) -> None:
+        """End the bursts, leave ``base`` in force, and re-raise an error the thread met."""
+        self._stop.set()
+        self._thread.join(10.0)
+        try:
+            self._writer.close()
+        finally:
+            if self.error is not None:
+                raise self.error
+
+    def __enter__(self) -> BurstRunner:
         return self
 
     def __exit__(self, *exc) -> None:

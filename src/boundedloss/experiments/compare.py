@@ -15,10 +15,16 @@ nor an arm's place in the sequence favours one arm. The per-round and per-epoch 
 are read back and summarised per arm (median over repeats), with ratios against the
 scenario's baseline arm and its reference arm.
 
-A scenario with a kernel setup (``incast``) can run on the real-kernel testbed instead
-of in-process loss (:func:`choose_network`): one testbed for all its arms, every rank in
-its own network namespace, a real tbf in front of the server; each row then also says
-what that queue sent and dropped.
+A scenario with a kernel setup (``microburst``, ``incast``) can run on the real-kernel
+testbed instead of in-process loss (:func:`choose_network`): one testbed for all its
+arms, every rank in its own network namespace, every system - gloo's TCP included -
+crossing the same links, random drops and timed microbursts (microburst) or the same
+tbf in front of the server (incast, whose rows also say what that queue sent and
+dropped).
+
+Every row also has the time each arm took to reach the scenario's target metric
+(``time_to_target_s``: the training time until the first epoch whose test metric
+reached it) and its ratio against gloo's (``tta_speedup_vs_gloo``).
 """
 
 from __future__ import annotations
@@ -34,18 +40,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..emulate.bursts import TimedBursts
 from ..emulate.testbed import Bottleneck
 from ..policy import PolicySpec, parse_policy
 from .train import TrainConfig, run_training
 
 if TYPE_CHECKING:
-    from ..emulate import Testbed
+    from ..emulate import BurstRunner, Testbed
 
 ROW_FIELDS = (
     "policy", "scenario", "scenario_description", "wall_s", "round_ms_p50", "round_ms_p99",
     "burst_round_ms_mean", "final_metric", "metric_name", "delivered_fraction_mean",
     "retransmit_rounds_mean", "speedup_burst_round_vs_baseline", "time_reduction_vs_baseline",
-    "metric_change_vs_reliable", "repeats",
+    "metric_change_vs_reliable", "repeats", "network", "time_to_target_s",
+    "tta_speedup_vs_gloo",
 )
 
 
@@ -63,14 +71,30 @@ class Arm:
 
 @dataclass(frozen=True)
 class KernelNetwork:
-    """How a scenario runs on the kernel testbed (root): every rank in its own network
-    namespace, a tbf ``bottleneck`` on the switch port into the server (rank 0), and
-    ``loss`` injected in-process on top (usually none). gloo's TCP crosses the same
-    links, so on the kernel it is compared like for like."""
+    """How a scenario runs on the kernel testbed (root, or a user namespace of its
+    own): every rank in its own network namespace; ``random_loss`` dropped at random
+    from everything arriving at every node (TCP and UDP alike, one wire packet at a
+    time); timed microbursts (``bursts``) on top; a tbf ``bottleneck`` on the switch
+    port into the server (rank 0); and ``loss`` injected in-process on top (usually
+    none). gloo's TCP crosses the same links, so on the kernel it is compared like for
+    like."""
 
-    bottleneck: Bottleneck
     description: str
+    bottleneck: Bottleneck | None = None
+    random_loss: float = 0.0
+    bursts: TimedBursts | None = None
     loss: str = "none"
+
+    def summary(self) -> str:
+        """One short line: what the network does to every system."""
+        parts = []
+        if self.random_loss:
+            parts.append(f"{self.random_loss:.0%} random loss at every node")
+        if self.bursts is not None:
+            parts.append(self.bursts.describe())
+        if self.bottleneck is not None:
+            parts.append(f"{self.bottleneck.describe()} into the server")
+        return "; ".join(parts) or "lossless"
 
 
 #: ``--network``: where a scenario's loss happens (see :func:`choose_network`)
@@ -98,6 +122,10 @@ class Scenario:
     sweep_aggregators: tuple[tuple[str, bool], ...] = ()  # (aggregator, hadamard)
     kernel: KernelNetwork | None = None  # how it runs on the kernel testbed, if it can
     network: str = "in-process"  # which one this run uses: "in-process" or "kernel"
+    #: the test metric every arm is timed to (accuracy: at least; perplexity: at most)
+    target_metric: float | None = None
+    #: why this run is in-process although the scenario has a kernel setup ("" if not)
+    network_note: str = ""
 
     @property
     def is_sweep(self) -> bool:
@@ -138,6 +166,10 @@ def _mlt_sweep(**fields) -> Scenario:
                     sweep_policy="mlt:0.4", **fields)
 
 
+#: the microburst scenario's bursts on the kernel testbed: one 10 ms burst of 80% loss
+#: every 100 ms into the server, about one round in ten of our policies' (~10 ms each)
+MICROBURSTS = TimedBursts(rate=0.8, every_s=0.1, length_s=0.01)
+
 SCENARIOS: dict[str, Scenario] = {
     "microburst": Scenario(
         name="microburst",
@@ -158,6 +190,24 @@ SCENARIOS: dict[str, Scenario] = {
         aggregator="zero",
         loss="bernoulli:0.01+burst:rate=0.8,every=30,len=1,offset=7,rank=0",
         default_policies=("gloo", "reliable", "baseline", "mlt", "ltp", "dblp"),
+        target_metric=0.95,
+        kernel=KernelNetwork(
+            random_loss=0.01,
+            bursts=MICROBURSTS,
+            description=(
+                "DBLP microburst on the kernel testbed: digits MLP, 3 ranks, each in its "
+                "own network namespace behind one bridge; parameter-server topology for "
+                "our policies (rank 0 serves and trains), DDP's ring allreduce over TCP "
+                "for gloo. Every node drops 1% of all arriving packets at random (TCP "
+                "and UDP alike, one wire packet at a time), and the server's incoming "
+                f"link has microbursts: {MICROBURSTS.describe()} - about one of our "
+                "rounds in ten, a network's own congestion that does not know the job's "
+                "rounds (a slower system meets more of them). Missing gradient counts "
+                "as zero (DBLP's ZeroFill); baseline = MLT with the bound fixed at "
+                "P_low = 0.8%; DBLP uses P_low inside critical learning regimes and "
+                "P_low + 40 points outside. A burst round is one a burst overlapped."
+            ),
+        ),
     ),
     "incast": Scenario(
         name="incast",
@@ -283,9 +333,22 @@ class RunResult:
         """Rounds this run spent inside a critical learning regime (DBLP's phase log)."""
         return {r["round"] for r in self.rounds if r.get("phase") == "critical"}
 
-    def stats(self, outside: set[int] | None = None) -> dict:
+    def time_to_target(self, target: float | None) -> float | None:
+        """Training time (s) until the end of the first epoch whose test metric reached
+        ``target`` (accuracy: at least it; perplexity: at most it); None if none did."""
+        if target is None:
+            return None
+        lower_is_better = self.metric_name == "perplexity"
+        for e in self.epochs:
+            v = e.get(self.metric_name)
+            if v is not None and (v <= target if lower_is_better else v >= target):
+                return float(e["wall_s"])
+        return None
+
+    def stats(self, outside: set[int] | None = None, target: float | None = None) -> dict:
         """Summary figures; ``outside``: rounds to leave out of the outside-CLR burst
-        mean (the reference DBLP run's critical rounds)."""
+        mean (the reference DBLP run's critical rounds); ``target``: the metric the
+        time to target is measured to."""
         lat = np.array([r["round_ms"] for r in self.rounds], dtype=float)
 
         def bursts(key: str, outside_clr: bool) -> float | None:
@@ -294,6 +357,8 @@ class RunResult:
                     and (not outside_clr or (outside is not None and r["round"] not in outside))]
             return float(np.mean(vals)) if vals else None
 
+        normal = [r["round_ms"] for r in self.rounds if r["round"] not in self.burst]
+        normal_p50 = float(np.median(normal)) if normal else None
         deliv = [r["delivered_fraction"] for r in self.rounds if "delivered_fraction" in r]
         retx = [r["retransmit_rounds"] for r in self.rounds if "retransmit_rounds" in r]
         return {
@@ -306,7 +371,10 @@ class RunResult:
             # None for gloo, whose allreduce runs inside DDP's backward
             "burst_comm_ms_mean": bursts("round_comm_ms", False),
             "burst_comm_ms_mean_outside_clr": bursts("round_comm_ms", True),
+            "burst_rounds": len(self.burst),
+            "normal_round_ms_p50": normal_p50,
             "final_metric": float(self.summary["final_metric"]),
+            "time_to_target_s": self.time_to_target(target),
             # gloo has no comm fields: everything arrives, nothing is retransmitted by us
             "delivered_fraction_mean": float(np.mean(deliv)) if deliv else 1.0,
             "retransmit_rounds_mean": float(np.mean(retx)) if retx else 0.0,
@@ -353,11 +421,13 @@ def summarise(label: str, runs: list[RunResult], scenario: Scenario,
               clr: list[set[int] | None] | None = None) -> dict:
     """One row: the median over repeats of each figure. ``clr[k]``: the critical rounds
     of DBLP's repeat k (None: no DBLP run to take them from)."""
-    stats = [r.stats(clr[r.repeat] if clr and r.repeat < len(clr) else None) for r in runs]
+    stats = [r.stats(clr[r.repeat] if clr and r.repeat < len(clr) else None,
+                     scenario.target_metric) for r in runs]
     arm = runs[0].arm
     row = {"policy": label, "scenario": scenario.name,
            "scenario_description": scenario.description,
-           "metric_name": runs[0].metric_name, "repeats": len(runs)}
+           "metric_name": runs[0].metric_name, "repeats": len(runs),
+           "target_metric": scenario.target_metric}
     if arm is not None:
         row.update(transport_policy=arm.policy.name, aggregator=arm.aggregator,
                    hadamard=arm.hadamard, loss=arm.loss, loss_rate=arm.loss_rate,
@@ -368,21 +438,32 @@ def summarise(label: str, runs: list[RunResult], scenario: Scenario,
 
 
 def add_ratios(rows: list[dict], baseline: str = "baseline",
-               reference: str = "reliable") -> list[dict]:
+               reference: str = "reliable", gloo: str = "gloo") -> list[dict]:
     """Fill, in place, ``speedup_burst_round_vs_baseline`` (mean burst-round latency of
     the baseline arm over this arm's; also over the bursts outside DBLP's CLR, and
     both for the rounds' communication time alone: ``speedup_burst_comm_...``),
-    ``time_reduction_vs_baseline`` (1 - wall / baseline wall), and
-    ``metric_change_vs_reliable`` (final metric minus the reference arm's; also
-    relative); None where a reference is missing."""
+    ``time_reduction_vs_baseline`` (1 - wall / baseline wall),
+    ``burst_over_normal_round`` (this arm's mean burst round over its median other
+    round), ``tta_speedup_vs_gloo`` and ``wall_speedup_vs_gloo`` (the gloo arm's time to
+    the target metric, and wall time, over this arm's), and ``metric_change_vs_reliable``
+    (final metric minus the reference arm's; also relative); None where a reference is
+    missing."""
     by = {r["policy"]: r for r in rows}
     base = by.get(baseline)
     ref = by.get(reference)
+    tcp = by.get(gloo)
 
     def ratio(num, den):
         return num / den if num is not None and den else None
 
     for r in rows:
+        r["burst_over_normal_round"] = ratio(r.get("burst_round_ms_mean"),
+                                             r.get("normal_round_ms_p50"))
+        r["tta_speedup_vs_gloo"] = ratio(tcp.get("time_to_target_s") if tcp else None,
+                                         r.get("time_to_target_s"))
+        r["wall_speedup_vs_gloo"] = ratio(tcp.get("wall_s") if tcp else None, r.get("wall_s"))
+        r["metric_change_vs_gloo"] = (r["final_metric"] - tcp["final_metric"]
+                                      if tcp is not None else None)
         for what in ("round", "comm"):
             for suffix in ("", "_outside_clr"):
                 key = f"burst_{what}_ms_mean{suffix}"
@@ -411,9 +492,9 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     arm (None: its default)."""
     epochs = epochs or scenario.epochs
     workers = workers or scenario.workers
-    with _network(scenario, workers) as testbed:
+    with _network(scenario, workers) as network:
         runs = _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed,
-                         steps_per_epoch, probe_copies_max, progress, starting, testbed)
+                         steps_per_epoch, probe_copies_max, progress, starting, network)
     # DBLP's critical regimes, from its first arm (the rounds left out of the
     # outside-CLR figures of every arm)
     dblp = next((runs[a.label] for a in arms if a.policy.name == "dblp"), None)
@@ -426,17 +507,41 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     return add_ratios(rows, scenario.baseline, scenario.reference), runs
 
 
-def _network(scenario: Scenario, workers: int) -> AbstractContextManager[Testbed | None]:
-    """The kernel testbed the arms run in (one for all of them), or a null context."""
+@dataclass(frozen=True)
+class KernelRun:
+    """The kernel network the arms of a run cross: the testbed, and its bursts (if the
+    scenario has them) running from before the first arm to after the last."""
+
+    testbed: Testbed
+    bursts: BurstRunner | None = None
+
+
+def _network(scenario: Scenario, workers: int) -> AbstractContextManager[KernelRun | None]:
+    """The kernel network the arms run in (one for all of them), or a null context."""
     if scenario.network != "kernel" or scenario.kernel is None:
         return contextlib.nullcontext(None)
+    return _kernel_network(scenario.kernel, workers)
+
+
+@contextlib.contextmanager
+def _kernel_network(kernel: KernelNetwork, workers: int):
     from ..emulate import Testbed, TestbedConfig
 
-    return Testbed(TestbedConfig(workers=workers - 1, bottleneck=scenario.kernel.bottleneck))
+    with Testbed(TestbedConfig(workers=workers - 1, bottleneck=kernel.bottleneck)) as tb:
+        if kernel.random_loss > 0:
+            for node in tb.nodes:
+                tb.set_loss(kernel.random_loss, node, protocol="all")
+        if kernel.bursts is None:
+            yield KernelRun(tb)
+            return
+        with kernel.bursts.start(tb, base=kernel.random_loss) as bursts:
+            yield KernelRun(tb, bursts)
 
 
 def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per_epoch,
-              probe_copies_max, progress, starting, testbed) -> dict[str, list[RunResult]]:
+              probe_copies_max, progress, starting,
+              network: KernelRun | None) -> dict[str, list[RunResult]]:
+    testbed = network.testbed if network is not None else None
     runs: dict[str, list[RunResult]] = {a.label: [] for a in arms}
     for k in range(repeats):
         for arm in arm_order(arms, k):
@@ -451,7 +556,9 @@ def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per
             # every arm marks the scenario's burst rounds (gloo's too, though its TCP
             # path cannot take the loss), so the rounds compared are the same
             res = read_run(arm.label, k, out, scenario.loss, arm)
-            if before is not None:
+            if network is not None and network.bursts is not None:
+                res.burst = network.bursts.rounds_in_bursts(res.rounds)
+            if testbed is not None and before is not None:
                 res.bottleneck = bottleneck_figures(before, testbed.qdisc_stats())
             runs[arm.label].append(res)
             if progress is not None:
@@ -499,7 +606,7 @@ def choose_network(scenario: Scenario, network: str = DEFAULT_NETWORK) -> Scenar
         return kernel
     if network == "kernel":
         raise ValueError(f"the kernel testbed cannot run here: {why}")
-    return scenario
+    return replace(scenario, network_note=f"no kernel network here: {why}")
 
 
 def with_loss(scenario: Scenario, loss_spec: str) -> Scenario:

@@ -128,16 +128,28 @@ def plot_bound(runs: dict[str, list[RunResult]], path: Path) -> None:
     _save(plt, fig, ax, path)
 
 
+#: a table column: (row key, header, format spec)
+Column = tuple[str, str, str]
+Columns = tuple[Column, ...]
+
+
 def _fmt(v, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    """``v`` formatted by ``spec``; a spec ending in ``x`` marks a ratio (``2.50x``)."""
+    if v is None:
+        return "-"
+    return format(v, spec[:-1]) + "x" if spec.endswith("x") else format(v, spec)
 
 
-TABLE_COLUMNS = (
+TABLE_COLUMNS: Columns = (
     ("policy", "policy", "s"),
     ("wall_s", "wall s", ".1f"),
+    ("time_to_target_s", "time to target s", ".1f"),
+    ("tta_speedup_vs_gloo", "time to target vs gloo", ".2f"),
     ("round_ms_p50", "round p50 ms", ".1f"),
     ("round_ms_p99", "round p99 ms", ".1f"),
+    ("burst_rounds", "burst rounds", ".0f"),
     ("burst_round_ms_mean", "burst round ms", ".1f"),
+    ("burst_over_normal_round", "burst / normal round", ".2f"),
     ("speedup_burst_round_vs_baseline", "burst speedup vs baseline", ".2f"),
     ("speedup_burst_round_outside_clr_vs_baseline", "burst speedup outside CLR", ".2f"),
     ("speedup_burst_comm_outside_clr_vs_baseline", "burst comm speedup outside CLR", ".2f"),
@@ -148,7 +160,7 @@ TABLE_COLUMNS = (
     ("retransmit_rounds_mean", "retx rounds", ".2f"),
 )
 #: sweep scenarios: no bursts; the metric against the lossless run, also relative
-SWEEP_COLUMNS = (
+SWEEP_COLUMNS: Columns = (
     ("policy", "arm", "s"),
     ("wall_s", "wall s", ".1f"),
     ("round_ms_p50", "round p50 ms", ".1f"),
@@ -160,20 +172,82 @@ SWEEP_COLUMNS = (
 )
 
 
-#: kernel-testbed runs (incast): no bursts; what the bottleneck's queue did instead
-KERNEL_COLUMNS = tuple(c for c in TABLE_COLUMNS if "burst" not in c[0]) + (
+#: kernel-testbed runs through a bottleneck (incast): what its queue did
+BOTTLENECK_COLUMNS: Columns = (
     ("bottleneck_sent_mb", "sent into server MB", ".1f"),
     ("bottleneck_drop_fraction", "queue drops", ".1%"),
 )
 
+#: what the command prints for a policy scenario (the report has every column): first
+#: what a user decides on, then the burst figures against the baseline - each table
+#: narrow enough for 100 columns
+DECISION_COLUMNS: Columns = (
+    ("policy", "system", "s"),
+    ("wall_s", "wall s", ".1f"),
+    ("time_to_target_s", "to target s", ".1f"),
+    ("tta_speedup_vs_gloo", "to target vs gloo", ".2fx"),
+    ("wall_speedup_vs_gloo", "wall vs gloo", ".2fx"),
+    ("final_metric", "final", ".4f"),
+    ("metric_change_vs_gloo", "final vs gloo", "+.4f"),
+)
+BURST_COLUMNS: Columns = (
+    ("policy", "policy", "s"),
+    ("burst_rounds", "bursts", ".0f"),
+    ("normal_round_ms_p50", "round ms", ".1f"),
+    ("burst_round_ms_mean", "burst ms", ".1f"),
+    ("burst_over_normal_round", "burst/rnd", ".2fx"),
+    ("speedup_burst_round_vs_baseline", "vs base", ".2fx"),
+    ("speedup_burst_comm_outside_clr_vs_baseline", "comm out CLR", ".2fx"),
+    ("time_reduction_vs_baseline", "time vs base", "+.1%"),
+    ("delivered_fraction_mean", "deliv", ".3f"),
+)
+#: the widest a printed table may be
+PRINT_WIDTH = 100
 
-def columns_for(scenario: Scenario) -> tuple:
+
+def _has_bursts(scenario: Scenario) -> bool:
+    if scenario.network == "kernel":
+        return scenario.kernel is not None and scenario.kernel.bursts is not None
+    return "burst" in scenario.loss
+
+
+def columns_for(scenario: Scenario) -> Columns:
+    """The report's columns (every figure of a row that the scenario has)."""
     if scenario.is_sweep:
         return SWEEP_COLUMNS
-    return KERNEL_COLUMNS if scenario.network == "kernel" else TABLE_COLUMNS
+    cols: Columns = TABLE_COLUMNS
+    if not _has_bursts(scenario):
+        cols = tuple(c for c in cols if "burst" not in c[0])
+    if scenario.target_metric is None:
+        cols = tuple(c for c in cols if "target" not in c[0])
+    if (scenario.network == "kernel" and scenario.kernel is not None
+            and scenario.kernel.bottleneck is not None):
+        cols += BOTTLENECK_COLUMNS
+    return cols
 
 
-def table_cells(row: dict, columns: tuple = TABLE_COLUMNS) -> list[str]:
+def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
+    """``(title, columns)`` of each table the command prints: sweeps their one table;
+    policy scenarios what a user decides on, then (with bursts) the burst figures, then
+    (through a bottleneck) what its queue did."""
+    if scenario.is_sweep:
+        return [("", SWEEP_COLUMNS)]
+    target = scenario.target_metric
+    decide: Columns = DECISION_COLUMNS
+    if target is None:
+        decide = tuple(c for c in decide if "target" not in c[0])
+    tables: list[tuple[str, Columns]] = [("", decide)]
+    if _has_bursts(scenario):
+        tables.append((f"bursts: against {scenario.baseline}", BURST_COLUMNS))
+    if (scenario.network == "kernel" and scenario.kernel is not None
+            and scenario.kernel.bottleneck is not None):
+        tables.append(("the bottleneck into the server",
+                       (("policy", "policy", "s"), ("round_ms_p50", "round p50 ms", ".1f"),
+                        *BOTTLENECK_COLUMNS)))
+    return tables
+
+
+def table_cells(row: dict, columns: Columns = TABLE_COLUMNS) -> list[str]:
     return [_fmt(row.get(k), spec) for k, _, spec in columns]
 
 
@@ -222,12 +296,26 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
                   "the burst rounds that fell outside DBLP's critical learning regimes; "
                   "time reduction: 1 - wall / its wall) and the metric change against "
                   f"`{scenario.reference}`.")
+    if scenario.network == "kernel":
+        where = "Network: the kernel testbed (every system crosses the same links and loss)  "
+    else:
+        where = ("Network: loss injected in-process at our endpoints (gloo's TCP cannot "
+                 "take it and runs lossless)"
+                 + (f"; {scenario.network_note}" if scenario.network_note else "") + "  ")
+    target = ""
+    if scenario.target_metric is not None:
+        target = (f"Time to target: training time until the end of the first epoch whose "
+                  f"test {metric} reached {scenario.target_metric:g} (an accuracy every "
+                  "system reaches); its ratio is gloo's time over the system's.  ")
     lines = [
         f"# boundedloss compare: {scenario.name}",
         "",
         scenario.description,
         "",
-        *([] if scenario.is_sweep else [f"Loss spec: `{scenario.loss}`  "]),
+        where,
+        *([] if scenario.is_sweep or scenario.loss == "none"
+          else [f"In-process loss spec: `{scenario.loss}`  "]),
+        *([target] if target else []),
         f"Settings: {settings}  ",
         "Round latency is each round's step time (forward, backward, gradient exchange, "
         "optimizer step) on its slowest rank, for every policy alike. Values are medians "
