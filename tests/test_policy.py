@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -782,3 +783,122 @@ def test_every_policy_takes_the_training_loops_calls() -> None:
     assert isinstance(dblp, Policy) and dblp.phase is Phase.RELAXED
     dblp.lr_changed()
     assert dblp.epoch_end(1.0) is Phase.CRITICAL and dblp.bound == dblp.p_low
+
+
+# =====================================================================  checkpoints
+
+
+def _through_torch_save(state: dict) -> dict:
+    """``state`` written by torch.save and read back by torch.load's default loader
+    (weights_only: plain values only)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def _trained(name: str) -> Policy:
+    """A policy of each registered name with parameters off their defaults and
+    something learned (a KeyError for a name without one: add it here)."""
+    if name == "reliable":
+        return ReliablePolicy()
+    if name == "mlt":
+        return FixedBoundPolicy(0.03)
+    if name == "ltp":
+        ltp = EarlyClosePolicy(ratio_min=0.8, margin=2.0, floor_window=4)
+        ltp.plan(info(100))
+        for o in (outcome(C.ACCEPT_DEADLINE, 0.02, 85), outcome(C.COMPLETE, 0.001, 4, chunks=4),
+                  outcome(C.BOUND_MET, 0.004, 97), outcome(C.COMPLETE, 0.0005, 3, chunks=3)):
+            ltp.observe(o)
+        return ltp
+    if name == "dblp":
+        dblp = PhaseAwarePolicy(p_low=0.01, k=0.3, eta=0.4)
+        for norm in (2.0, 2.1, 0.9):
+            dblp.epoch_end(norm)
+        dblp.lr_changed()  # pending at the checkpoint: the next epoch is critical
+        return dblp
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_resumes_from_its_state_dict_as_it_was(name) -> None:
+    """state_dict() is plain values torch.save writes and torch.load(weights_only=True)
+    reads; a fresh policy of the same name loaded with it has the same parameters and
+    learned state, and from then on plans and decides exactly as the original."""
+    original = _trained(name)
+    state = original.state_dict()
+    assert state["policy"] == name
+    resumed = make_policy(name)
+    resumed.load_state_dict(_through_torch_save(state))
+    assert resumed.state_dict() == state
+    assert (resumed.phase, resumed.bound) == (original.phase, original.bound)
+    for chunks in (3, 40, 1000):
+        assert resumed.plan(info(chunks)) == original.plan(info(chunks))
+    for norm in (0.85, 0.2, 0.21):  # what they decide from here on
+        assert resumed.epoch_end(norm) == original.epoch_end(norm)
+        for o in (outcome(C.ACCEPT_DEADLINE, 0.05, 80), outcome(C.COMPLETE, 0.001, 100)):
+            original.observe(o)
+            resumed.observe(o)
+        assert resumed.plan(info(200)) == original.plan(info(200))
+        assert resumed.state_dict() == original.state_dict()
+
+
+def test_dblp_state_dict_keeps_phase_detector_and_history() -> None:
+    dblp = _trained("dblp")
+    resumed = PhaseAwarePolicy()
+    resumed.load_state_dict(dblp.state_dict())
+    assert resumed.history == dblp.history and len(resumed.history) == 3
+    assert resumed.history[-1].reason is PhaseReason.GRAD_NORM_CHANGE
+    assert (resumed.p_low, resumed.k, resumed.detector.eta) == (0.01, 0.3, 0.4)
+    assert resumed.detector.epoch == 3 and resumed.detector.last_norm == 0.9
+    assert resumed.detector.lr_change_pending
+    assert resumed.phase is Phase.CRITICAL and resumed.bound == 0.01
+    # the pending LR change marks the next epoch critical, as it would have
+    assert resumed.epoch_end(0.9) is Phase.CRITICAL
+    assert resumed.history[-1].reason is PhaseReason.LR_CHANGE
+
+
+@pytest.mark.parametrize("source", list(POLICIES))
+def test_a_policy_refuses_another_policys_state_dict_in_one_line(source) -> None:
+    state = _trained(source).state_dict()
+    for target in POLICIES:
+        if target == source:
+            continue
+        policy = make_policy(target)
+        before = policy.state_dict()
+        with pytest.raises(ValueError) as refused:
+            policy.load_state_dict(state)
+        message = str(refused.value)
+        assert "\n" not in message and repr(source) in message and repr(target) in message
+        assert policy.state_dict() == before
+
+
+@pytest.mark.parametrize(("name", "change", "says"), [
+    ("dblp", lambda s: s["detector"].update(phase="bogus"), "'bogus' is not a valid Phase"),
+    ("dblp", lambda s: s["params"].update(k=0.995), "p_low + k must be < 1"),
+    ("dblp", lambda s: s["history"][1].update(reason="guess"), "not a valid PhaseReason"),
+    ("dblp", lambda s: s["detector"].pop("last_norm"), "missing 'last_norm'"),
+    ("dblp", lambda s: s.pop("history"), "missing history"),
+    ("ltp", lambda s: s["learned"].update(ratio=0.5), "ratio 0.5 outside"),
+    ("ltp", lambda s: s["learned"].update(rate=-1.0), "rate must be > 0"),
+    ("ltp", lambda s: s.update(extra=1), "unknown extra"),
+    ("mlt", lambda s: s.update(p=1.5), "loss bound p must be a fraction"),
+    ("reliable", lambda s: s.update(p=0.1), "unknown p"),
+])
+def test_a_refused_state_dict_changes_nothing(name, change, says) -> None:
+    """A value refused anywhere in a state_dict is one ValueError line naming the policy,
+    and the policy is left exactly as it was (no partial load)."""
+    state = _trained(name).state_dict()
+    change(state)
+    policy = make_policy(name)
+    if name == "dblp":
+        policy.epoch_end(5.0)  # something of its own that a partial load would lose
+    before = policy.state_dict()
+    with pytest.raises(ValueError, match=re.escape(says)) as refused:
+        policy.load_state_dict(state)
+    assert "\n" not in str(refused.value) and name in str(refused.value)
+    assert policy.state_dict() == before

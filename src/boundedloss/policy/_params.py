@@ -8,9 +8,10 @@ at once and checks them together (to move two bounds past each other).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -94,6 +95,39 @@ class Configurable:
         finally:
             self._params_ready = True
         self._params_changed()
+
+
+@contextlib.contextmanager
+def all_or_nothing(*objects: object) -> Iterator[None]:
+    """Undo every attribute the block set on ``objects`` if it raises (a policy's
+    ``load_state_dict`` is never left half done). A shallow copy of each ``__dict__``:
+    the block replaces containers rather than changing them in place."""
+    saved = [(o, dict(o.__dict__)) for o in objects]
+    try:
+        yield
+    except BaseException:
+        for o, d in saved:
+            o.__dict__.clear()
+            o.__dict__.update(d)
+        raise
+
+
+@contextlib.contextmanager
+def loading(policy_name: str) -> Iterator[None]:
+    """Inside ``load_state_dict``: a value refused - by a Param's check, an enum,
+    ``float()``, a missing key - becomes one ``ValueError`` line naming the policy."""
+    try:
+        yield
+    except KeyError as e:
+        raise ValueError(f"{policy_name} state_dict: missing {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{policy_name} state_dict: {first}") from None
+
+
+def optional_float(value: Any) -> float | None:
+    """A learned value that may not exist yet (None)."""
+    return None if value is None else float(value)
 
 
 # ------------------------------------------------------------------ checks

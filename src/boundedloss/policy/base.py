@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..wire import CloseReason
 
@@ -122,6 +123,38 @@ class Policy(abc.ABC):
 
     def describe(self) -> str:
         return self.name
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this policy, as plain values (numbers, strings,
+        lists, dicts - what ``torch.save`` writes and ``torch.load(weights_only=True)``
+        reads): its name, its parameters and what it has learned. This one has
+        neither; a policy that has overrides both this and :meth:`load_state_dict`."""
+        return {"policy": self.name}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned - all of it, or nothing and a
+        one-line ``ValueError`` (another policy's state_dict, a key missing or unknown,
+        a value refused)."""
+        state_values(self, state)
+
+
+def state_values(policy: Policy, state: Mapping[str, Any], *keys: str) -> list[Any]:
+    """The values of ``keys`` in ``state``, which must be a state_dict of ``policy``'s
+    kind with exactly those keys; else a one-line ``ValueError`` that says which
+    policy's it is, or which keys are missing or unknown."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a {policy.name} state_dict is a dict, got {type(state).__name__}")
+    name = state.get("policy")
+    if name != policy.name:
+        raise ValueError(f"state_dict of policy {name!r} cannot be loaded into {policy.name!r}")
+    missing = [k for k in keys if k not in state]
+    unknown = sorted(set(state) - {"policy", *keys})
+    if missing or unknown:
+        raise ValueError(f"{policy.name} state_dict: "
+                         + "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                                     + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    return [state[k] for k in keys]
 
 
 def check_bound(p: float, what: str = "bound") -> float:

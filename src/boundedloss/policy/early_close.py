@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
+from typing import Any
 
 from ..wire import CloseReason
 from ._params import (
     Configurable,
     Param,
+    all_or_nothing,
     fraction_open_closed,
+    loading,
     non_negative,
+    non_negative_int,
+    optional_float,
     positive,
     positive_int,
 )
-from .base import ClosePlan, MessageInfo, Outcome, Policy
+from .base import ClosePlan, MessageInfo, Outcome, Policy, state_values
 
 
 def _optional_ratio(name: str, value: object) -> float | None:
@@ -237,6 +243,37 @@ class EarlyClosePolicy(Configurable, Policy):
         self._completion = t if c is None else c + g * (t - c)
         if count <= self.small_chunks and reason != CloseReason.ACCEPT_DEADLINE:
             self._floor_samples.append(max(0.0, t))
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Its parameters and everything it learned: the ratio, the rate and completion
+        time estimates, the floor's samples, the last planned deadline and its counts."""
+        return {"policy": self.name, "params": self.params(),
+                "learned": {"ratio": self._ratio, "rate": self._rate,
+                            "completion_time": self._completion,
+                            "floor_samples": list(self._floor_samples),
+                            "deadline": self.deadline, "observed": self.observed,
+                            "deadline_closes": self.deadline_closes}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        params, learned = state_values(self, state, "params", "learned")
+        with loading(self.name), all_or_nothing(self):
+            self.configure(**params)
+            ratio = fraction_open_closed("ratio", learned["ratio"])
+            if not self.ratio_min <= ratio <= self.ratio_max:
+                raise ValueError(f"ratio {ratio} outside [ratio_min, ratio_max] = "
+                                 f"[{self.ratio_min}, {self.ratio_max}]")
+            self._ratio = ratio
+            rate = learned["rate"]
+            self._rate = None if rate is None else positive("rate", rate)
+            self._completion = optional_float(learned["completion_time"])
+            self._floor_samples = deque(
+                (non_negative("floor sample", t) for t in learned["floor_samples"]),
+                maxlen=self.floor_window)
+            self.deadline = optional_float(learned["deadline"])
+            self.observed = non_negative_int("observed", learned["observed"])
+            self.deadline_closes = non_negative_int("deadline_closes",
+                                                    learned["deadline_closes"])
 
     def describe(self) -> str:
         return (f"ltp(ratio={self._ratio:.4g} in [{self.ratio_min:g}, {self.ratio_max:g}], "

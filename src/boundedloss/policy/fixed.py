@@ -1,6 +1,17 @@
 from __future__ import annotations
 
-from .base import ClosePlan, MessageInfo, Policy, check_bound, min_delivered_for_bound
+from collections.abc import Mapping
+from typing import Any
+
+from ._params import loading
+from .base import (
+    ClosePlan,
+    MessageInfo,
+    Policy,
+    check_bound,
+    min_delivered_for_bound,
+    state_values,
+)
 
 
 class FixedBoundPolicy(Policy):
@@ -29,3 +40,12 @@ class FixedBoundPolicy(Policy):
 
     def describe(self) -> str:
         return f"mlt(p={self.p:g})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its bound (it learns nothing)."""
+        return {"policy": self.name, "p": self.p}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        (p,) = state_values(self, state, "p")
+        with loading(self.name):
+            self.p = check_bound(p, "loss bound p")

@@ -12,10 +12,22 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from ._params import Configurable, Param, fraction_closed_open, non_negative_int, positive
-from .base import ClosePlan, MessageInfo, Policy, min_delivered_for_bound
+from ._params import (
+    Configurable,
+    Param,
+    all_or_nothing,
+    fraction_closed_open,
+    loading,
+    non_negative,
+    non_negative_int,
+    optional_float,
+    positive,
+)
+from .base import ClosePlan, MessageInfo, Policy, min_delivered_for_bound, state_values
 
 #: DBLP's reported operating point: the bound inside a critical learning regime, and
 #: what is added to it outside one
@@ -59,6 +71,29 @@ class PhaseRecord:
     phase: Phase
     bound: float
     reason: PhaseReason
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (the enums as their strings), for a checkpoint or a log."""
+        return {"epoch": self.epoch, "grad_norm": self.grad_norm,
+                "relative_change": self.relative_change, "phase": self.phase.value,
+                "bound": self.bound, "reason": self.reason.value}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PhaseRecord:
+        return cls(epoch=non_negative_int("epoch", d["epoch"]),
+                   grad_norm=non_negative("grad_norm", d["grad_norm"]),
+                   relative_change=_optional_change(d["relative_change"]),
+                   phase=Phase(d["phase"]), bound=fraction_closed_open("bound", d["bound"]),
+                   reason=PhaseReason(d["reason"]))
+
+
+def _optional_change(value: Any) -> float | None:
+    """A relative change of the gradient norm: None (no previous norm), or >= 0 -
+    infinity included (a change from a norm of 0)."""
+    change = optional_float(value)
+    if change is not None and not change >= 0.0:
+        raise ValueError(f"relative_change must be >= 0, got {value!r}")
+    return change
 
 
 class CriticalRegimeDetector(Configurable):
@@ -149,6 +184,29 @@ class CriticalRegimeDetector(Configurable):
         self.phase, self.reason = phase, reason
         return phase
 
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Its parameters and where it stands: the epoch, the last norm and change, an
+        LR change not yet acted on, the phase in force and why."""
+        return {"params": self.params(), "epoch": self.epoch, "last_norm": self.last_norm,
+                "relative_change": self.relative_change,
+                "lr_change_pending": self._lr_pending, "phase": self.phase.value,
+                "reason": self.reason.value}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values (the caller turns errors into one line
+        and undoes a partial load: see ``PhaseAwarePolicy.load_state_dict``)."""
+        self.configure(**state["params"])
+        self.epoch = non_negative_int("epoch", state["epoch"])
+        norm = optional_float(state["last_norm"])
+        self.last_norm = None if norm is None else non_negative("last_norm", norm)
+        self.relative_change = _optional_change(state["relative_change"])
+        pending = state["lr_change_pending"]
+        if not isinstance(pending, bool):
+            raise TypeError(f"lr_change_pending must be a bool, got {pending!r}")
+        self._lr_pending = pending
+        self.phase, self.reason = Phase(state["phase"]), PhaseReason(state["reason"])
+
     def __repr__(self) -> str:
         return (f"CriticalRegimeDetector(eta={self.eta:g}, warmup_epochs={self.warmup_epochs}, "
                 f"epoch={self.epoch}, phase={self.phase.name})")
@@ -232,6 +290,22 @@ class PhaseAwarePolicy(Configurable, Policy):
     def plan(self, info: MessageInfo) -> ClosePlan:
         bound = self.bound
         return ClosePlan(min_delivered=min_delivered_for_bound(info, bound), bound=bound)
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Its bounds, its detector's state (the phase in force, the epoch, the last
+        gradient norm, an LR change pending) and the history of its decisions: a job
+        resumed from it continues in the same phase with the same bound."""
+        return {"policy": self.name, "params": self.params(),
+                "detector": self.detector.state_dict(),
+                "history": [r.as_dict() for r in self.history]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        params, detector, history = state_values(self, state, "params", "detector", "history")
+        with loading(self.name), all_or_nothing(self, self.detector):
+            self.configure(**params)
+            self.detector.load_state_dict(detector)
+            self.history = [PhaseRecord.from_dict(r) for r in history]
 
     def describe(self) -> str:
         return (f"dblp(p_low={self.p_low:g}, k={self.k:g}, eta={self.detector.eta:g}, "
