@@ -1405,3 +1405,48 @@ def test_a_send_takes_the_loss_its_receive_from_that_peer_saw() -> None:
     net.run_until_done([tx2, rx2])
     assert rx2.result.complete
     assert probes.count((ROUND + 1, 1)) == tx2.recovery.copies_for(seen) > 1
+
+
+@pytest.mark.parametrize("policy", [ReliablePolicy(), FixedBoundPolicy(0.5)])
+def test_a_receive_says_what_the_first_pass_lost_whatever_its_policy(policy) -> None:
+    """Whatever a receive's policy makes of it - a reliable one recovers every chunk, a
+    bounded one closes at its bound - its stats say what the sender's first pass lost
+    (what the loss guard measures): here the 1st, 4th, 7th ... DATA of 100 chunks, and
+    only on the first pass. A clean first pass lost nothing; a sender is not a receive."""
+    def drop(d, nth):
+        return d.kind == Kind.DATA and d.src == "a" and nth <= 100 and nth % 3 == 1
+
+    net, _, a, b = pair(drop=drop)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=policy, nbytes=100 * CB)
+    tx = a.start_send("b", ROUND, MSG, source_bytes(100 * CB, 3), net.now)
+    net.run_until_done([tx, rx])
+    stats = rx.result.stats
+    assert stats.first_pass_delivered == 66 and stats.first_pass_loss == pytest.approx(0.34)
+    assert stats.delivered == (100 if isinstance(policy, ReliablePolicy) else 66)
+    assert tx.result.stats.first_pass_loss is None
+    clean = b.start_receive("a", ROUND + 1, MSG, net.now, policy=policy, nbytes=10 * CB)
+    net.run_until_done([a.start_send("b", ROUND + 1, MSG, source_bytes(10 * CB, 4), net.now),
+                        clean])
+    assert clean.result.stats.first_pass_loss == 0.0
+
+
+def test_a_peer_path_resumes_from_its_state_dict() -> None:
+    """What a mux learned of a peer's path (round trip, delivery rates) comes back in
+    another mux from the path's state_dict: a new send to that peer starts from the same
+    timeout and rate there as here - not from the initial RTO."""
+    net, _, a, b = pair()
+    for r in range(3):
+        rx = b.start_receive("a", r, MSG, net.now, policy=ReliablePolicy(), nbytes=50 * CB)
+        net.run_until_done([a.start_send("b", r, MSG, source_bytes(50 * CB, r), net.now), rx])
+    learned = a.path("b").state_dict()
+    assert learned["srtt"] is not None and learned["srtt"] < CFG.initial_rto
+    elsewhere = TransferMux(SESSION, CFG)
+    elsewhere.path("b").load_state_dict(learned)
+    assert elsewhere.path("b").state_dict() == learned
+    here = a.start_send("b", 9, MSG, source_bytes(CB, 9), net.now)
+    there = elsewhere.start_send("b", 9, MSG, source_bytes(CB, 9), net.now)
+    assert there.recovery.rto == here.recovery.rto < CFG.initial_rto
+    assert there.pacer.best_rate == here.pacer.best_rate
+    with pytest.raises(ValueError, match="rttvar must be finite"):
+        elsewhere.path("b").load_state_dict({**learned, "rttvar": math.inf})
+    assert elsewhere.path("b").state_dict() == learned  # unchanged

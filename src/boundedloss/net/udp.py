@@ -34,8 +34,9 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -269,6 +270,20 @@ class UdpEndpoint:
                 else:
                     self.mux.cancel_receive(transfer, time.monotonic())
             self._resolve(self.mux.pop_finished())
+
+    def path_state(self, peer) -> dict[str, Any]:
+        """What this endpoint has learned of the path to and from ``peer`` - its round
+        trip and delivery rates (``PeerPath.state_dict``) - for a checkpoint."""
+        peer = resolve(peer)
+        with self._lock:
+            return self.mux.path(peer).state_dict()
+
+    def load_path_state(self, peer, state: Mapping[str, Any]) -> None:
+        """Start the path to ``peer`` from a checkpoint's :meth:`path_state` (the next
+        send to it starts from that round trip and rate instead of the defaults)."""
+        peer = resolve(peer)
+        with self._lock:
+            self.mux.path(peer).load_state_dict(state)
 
     def counters(self) -> dict[str, int]:
         with self._lock:

@@ -8,9 +8,11 @@ measured. Sans-I/O: times are whatever clock drives the core.
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 #: delivery-rate samples kept per peer (a few messages' passes)
 RATE_SAMPLES = 8
@@ -60,3 +62,34 @@ class PeerPath:
     def receive_closed(self, loss: float | None, now: float) -> None:
         if loss is not None:
             self._loss_seen = (loss, now)
+
+    # ----------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What is worth keeping across a restart, as plain values: the round trip
+        (the RTO follows from it) and the recent delivery rates. Not the loss a receive
+        saw lately: it stands for half a second of a clock the next process does not
+        share."""
+        rtt = self.rtt
+        return {"srtt": None if rtt is None else rtt.srtt,
+                "rttvar": None if rtt is None else rtt.rttvar,
+                "rates": list(self._rates)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s values; ``ValueError`` (nothing changed) for a
+        round trip or a rate that is not a finite number >= 0."""
+        srtt, rttvar = state["srtt"], state["rttvar"]
+        rtt = None if srtt is None else RttEstimate(_non_negative("srtt", srtt),
+                                                     _non_negative("rttvar", rttvar))
+        rates = [_non_negative("rate", r) for r in state["rates"]][-RATE_SAMPLES:]
+        self.rtt = rtt
+        self._rates = deque(rates, maxlen=RATE_SAMPLES)
+
+
+def _non_negative(name: str, value: Any) -> float:
+    """A learned non-negative, finite number (a time, a rate)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    x = float(value)
+    if not 0.0 <= x < math.inf:
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+    return x

@@ -108,6 +108,8 @@ class MessageReceiver:
         self._sender_done = False  # a PROBE flagged FINAL: every chunk was sent once
         self.accept_deadline: float | None = None
         self.first_heard: float | None = None  # when the first DATA/PROBE arrived
+        #: chunks in when the sender had sent every chunk once (see TransferStats)
+        self.first_pass_delivered: int | None = None
         self.stop: bytes | None = None
         if nbytes is not None:
             self._open(nbytes)
@@ -275,6 +277,8 @@ class MessageReceiver:
             self._heard(now)
         self.probes += 1
         if flags & Flag.FINAL:
+            if self.first_pass_delivered is None:  # (later passes' PROBEs are FINAL too)
+                self.first_pass_delivered = self.counts.delivered_count
             self._sender_done = self.counts.early_stop = True
             self.close_if_done(now, out)
             if self.result is not None:
@@ -377,6 +381,8 @@ class MessageReceiver:
             probes=self.probes,
             elapsed=now - self.opened,
             started=self.opened,
+            first_pass_delivered=(n.delivered_count if self.first_pass_delivered is None
+                                  else self.first_pass_delivered),
         )
         data = self._out if self._out is not None else np.empty(0, dtype=np.uint8)
         self.result = ReceiveResult(

@@ -120,10 +120,24 @@ class TransferStats:
     elapsed: float
     rtt: float | None = None
     started: float = 0.0  # when the send/receive was posted, on the core's clock
+    #: receiver: chunks that had arrived when the sender had sent every chunk once (its
+    #: first FINAL PROBE), or at the close if that came first - what the network let
+    #: through before any recovery; None for a sender
+    first_pass_delivered: int | None = None
 
     @property
     def finished(self) -> float:
         return self.started + self.elapsed
+
+    @property
+    def first_pass_loss(self) -> float | None:
+        """The fraction of the message the sender's first pass lost (receiver): the
+        network's loss before any retransmission, whatever the policy then asked for
+        (a bounded receive retransmits up to its bound, a reliable one to the end, so
+        neither's delivered fraction shows how lossy the way was)."""
+        if self.first_pass_delivered is None:
+            return None
+        return 1.0 - self.first_pass_delivered / self.chunks if self.chunks else 0.0
 
     @property
     def delivered_fraction(self) -> float:
