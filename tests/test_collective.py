@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from boundedloss.aggregate import UnbiasedRescale
-from boundedloss.collective import ParameterServer, PeerFailure, TransposeAllreduce, shard_bounds
-from boundedloss.net.loss import Bernoulli, LossModel
+from boundedloss.collective import (
+    LossGuard,
+    LossGuards,
+    ParameterServer,
+    PeerFailure,
+    TransposeAllreduce,
+    shard_bounds,
+)
+from boundedloss.net.loss import Bernoulli, LossModel, Microburst
 from boundedloss.net.udp import UdpEndpoint
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransportConfig
@@ -19,19 +28,26 @@ SESSION = 0xC011_EC71_0E00_0001
 
 
 def _run_world(cls, world, make_policy, aggregator, rounds, buckets, losses=None,
-               deadline=10.0, absent=(), **kw):
-    cfg = TransportConfig(chunk_bytes=1400, receive_deadline=deadline, peer_timeout=deadline)
-    eps = [UdpEndpoint(session=SESSION, config=cfg,
-                       loss=(losses[r] if losses else None)) for r in range(world)]
+               deadline=10.0, absent=(), size=1000, setup=None, **kw):
+    """``size`` floats in bucket 0 (777 more per further bucket); ``setup(collective)``
+    runs on each rank's collective before its first round; ``deadline``: one for every
+    rank, or one per rank."""
+    deadlines = deadline if isinstance(deadline, tuple) else (deadline,) * world
+    eps = [UdpEndpoint(session=SESSION, loss=(losses[r] if losses else None),
+                       config=TransportConfig(chunk_bytes=1400, receive_deadline=deadlines[r],
+                                              peer_timeout=deadlines[r]))
+           for r in range(world)]
     peers = [ep.address for ep in eps]
     rng = np.random.default_rng(0)
-    inputs = {(r, t, b): rng.standard_normal(1000 + 777 * b).astype(np.float32)
+    inputs = {(r, t, b): rng.standard_normal(size + 777 * b).astype(np.float32)
               for r in range(world) for t in range(rounds) for b in range(buckets)}
     outputs, stats, errors = {}, {}, {}
 
     def rank_main(r):
         coll = cls(eps[r], r, peers, policy=make_policy(), aggregator=aggregator,
                    session=SESSION, **kw)
+        if setup is not None:
+            setup(coll)
         try:
             for t in range(rounds):
                 threads = []
@@ -214,3 +230,101 @@ def test_a_round_closed_by_a_deadline_says_so():
 
     assert stats("bound_met", "deadline").deadline_closed
     assert not stats("bound_met", "complete", "accept_deadline").deadline_closed
+
+
+# ------------------------------------------------------------------ the loss guard
+GUARD_LOG = "boundedloss.collective.guard"
+
+
+def test_the_guard_engages_after_k_rounds_above_the_bound_and_releases_within_it(caplog):
+    """The rule, on measured losses: k rounds in a row above the bound engage it (one
+    warning), it holds while the loss stays above, the first round within the bound
+    releases it (one warning); a round within the bound starts the count again."""
+    caplog.set_level(logging.WARNING, logger=GUARD_LOG)
+    guards = LossGuards(LossGuard(rounds=3), "rank 0")
+    held = []
+    for t, loss in enumerate([0.2, 0.2, 0.0, 0.2, 0.3, 0.2, 0.5, 0.1, 0.01, 0.2]):
+        guards.observe(0, t, loss, 0.05)
+        held.append(guards.holds(0))
+    assert held == [False, False, False, False, False, True, True, True, False, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 0, bucket 0: loss 20.0% above the bound 5.0% for 3 rounds in a row (to round "
+        "5): received reliably until it is back within the bound",
+        "rank 0, bucket 0: loss 1.0% within the bound 5.0% at round 8: bounded again"]
+    assert guards.state_dict() == {0: {"above": 1, "guarded": False}}
+    assert not guards.holds(1)  # per bucket
+
+
+def test_the_guard_off_or_without_a_bound_never_engages(caplog):
+    caplog.set_level(logging.WARNING, logger=GUARD_LOG)
+    for setting, bound in ((LossGuard(rounds=0), 0.05), (LossGuard(), 0.0), (LossGuard(), None)):
+        guards = LossGuards(setting)
+        for t in range(10):
+            guards.observe(0, t, 0.9, bound)
+        assert not guards.holds(0)
+    assert not caplog.records
+    with pytest.raises(ValueError, match="rounds must be an integer >= 0"):
+        LossGuard(rounds=-1)
+
+
+def test_the_guards_state_dict_round_trips_and_refuses_nonsense():
+    guards = LossGuards(LossGuard(rounds=2))
+    guards.observe(3, 0, 0.5, 0.1)
+    guards.observe(3, 1, 0.5, 0.1)
+    guards.observe(4, 0, 0.5, 0.1)
+    again = LossGuards(LossGuard(rounds=2))
+    again.load_state_dict(guards.state_dict())
+    assert again.state_dict() == {3: {"above": 2, "guarded": True},
+                                  4: {"above": 1, "guarded": False}}
+    assert again.holds(3) and not again.holds(4)
+    with pytest.raises(ValueError, match="bucket 3"):
+        again.load_state_dict({3: {"above": -1, "guarded": True}})
+    assert again.holds(3)  # unchanged
+
+
+@pytest.mark.parametrize("cls", [ParameterServer, TransposeAllreduce])
+def test_a_bucket_losing_more_than_its_bound_is_received_reliably_until_the_loss_falls(
+        cls, caplog):
+    """Rank 0 loses half of what reaches it in rounds 0-3 (bound 5%). Its watched
+    receives' first-pass loss is above the bound in rounds 0 and 1: the guard (k=2)
+    engages, and rounds 2-4 are reliable - every chunk delivered though the network
+    still loses half in 2 and 3, which the first pass keeps measuring; round 4 is clean,
+    so the guard releases and round 5 is bounded again. The other ranks lose nothing
+    and are never guarded."""
+    caplog.set_level(logging.WARNING, logger=GUARD_LOG)
+    world, rounds = 3, 6
+    losses = [Microburst(0.5, rounds=range(4), seed=1), None, None]
+    _, outputs, stats, errors = _run_world(
+        cls, world, lambda: FixedBoundPolicy(0.05), UnbiasedRescale(), rounds=rounds,
+        buckets=1, losses=losses, size=50_000, guard=LossGuard(rounds=2))
+    assert not errors, errors
+    mine = [stats[(0, t, 0)] for t in range(rounds)]
+    assert [st.guarded for st in mine] == [False, False, True, True, True, False]
+    assert all(st.first_pass_loss > 0.3 for st in mine[:4]), mine
+    assert [st.first_pass_loss for st in mine[4:]] == [0.0, 0.0]
+    for st in mine[2:5]:
+        assert st.delivered_fraction == 1.0 and set(st.close_reasons) == {"complete"}
+    assert all(not stats[(r, t, 0)].guarded for r in (1, 2) for t in range(rounds))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("rank 0, bucket 0: loss ")
+    assert "for 2 rounds in a row (to round 1)" in said[0]
+    assert said[1].startswith("rank 0, bucket 0: loss 0.0% within the bound 5.0% at round 4")
+
+
+def test_a_receive_the_guard_made_reliable_still_hands_on_part_at_the_hard_deadline():
+    """The job's policy tolerates loss: a guarded receive that reaches its hard deadline
+    with part of the message hands it on as the bounded one would have (a reliable
+    job's fails the round: test_a_reliable_round_never_hands_on_part_of_a_message)."""
+    def guarded_from_the_start(coll):
+        coll.guard.load_state_dict({0: {"above": 0, "guarded": True}})
+        if coll.rank == 1:
+            time.sleep(0.2)  # (the server's receive is posted before the push starts)
+
+    _, outputs, stats, errors = _run_world(
+        ParameterServer, 2, lambda: FixedBoundPolicy(0.25), UnbiasedRescale(), rounds=1,
+        buckets=1, deadline=(1.0, 10.0), losses=[_AfterFirst(2), None],
+        setup=guarded_from_the_start, guard=LossGuard())  # (the worker waits longer)
+    assert not errors, errors
+    assert stats[(0, 0, 0)].guarded and stats[(0, 0, 0)].close_reasons == ("deadline",)
+    assert stats[(0, 0, 0)].delivered_fraction == pytest.approx(2 / 3)
+    assert set(outputs) == {(0, 0, 0), (1, 0, 0)}

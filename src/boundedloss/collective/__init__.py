@@ -10,6 +10,7 @@ from .base import (
     narrow,
     widen,
 )
+from .guard import DEFAULT_GUARD_ROUNDS, NO_GUARD, LossGuard, LossGuards
 from .parameter_server import ParameterServer, PendingBroadcast
 from .transpose import TransposeAllreduce, shard_bounds
 
@@ -21,6 +22,10 @@ __all__ = [
     "narrow",
     "widen",
     "Collective",
+    "DEFAULT_GUARD_ROUNDS",
+    "LossGuard",
+    "LossGuards",
+    "NO_GUARD",
     "MemoryKey",
     "ParameterServer",
     "PeerFailure",

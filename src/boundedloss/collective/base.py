@@ -1,4 +1,5 @@
-"""What every collective shares: peers, message ids, pre-posted receives, round stats.
+"""What every collective shares: peers, message ids, pre-posted receives, round stats,
+the loss guard's say in which policy a receive runs under (``guard.py``).
 
 A collective decides *who sends what to whom*; the policy (when a receive is done) and
 the aggregator (what a hole becomes) are handed to it. It runs on one UdpEndpoint per
@@ -26,6 +27,7 @@ from ..net.udp import UdpEndpoint
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
 from ..protocol import CloseReason, ReceiveResult, TransportError
+from .guard import NO_GUARD, LossGuard, LossGuards
 
 PUSH, PULL = 0, 1  # message phases: contributions in, results out
 
@@ -84,6 +86,13 @@ class RoundStats:
     retransmit_rounds: int  # max over this rank's receives and the sends it waited for
     bound: float  # the loss bound in force for contributions this round
     close_reasons: tuple[str, ...]
+    #: what the loss guard was shown: the first pass's loss (TransferStats.first_pass_loss,
+    #: what the network lost before any recovery), mean over this call's contributions -
+    #: a parameter-server worker's broadcast, if stale - received under the job's policy
+    #: or the guard in its place; None when there were none
+    first_pass_loss: float | None = None
+    #: the loss guard held this bucket: its receives were reliable instead of bounded
+    guarded: bool = False
 
     @property
     def deadline_closed(self) -> bool:
@@ -99,12 +108,20 @@ class Tally:
         self.reasons: list[str] = []
         self.rounds = 0
         self.bound = 0.0
+        self.first_pass_losses: list[float] = []  # of the receives the guard watches
+        #: what the loss guard was shown (see Collective._guard_round)
+        self.first_pass_loss: float | None = None
+        self.guarded = False
 
-    def add(self, res: ReceiveResult) -> None:
+    def add(self, res: ReceiveResult, posted: Posted) -> None:
         self.fractions.append(res.stats.delivered_fraction)
         self.reasons.append(res.close_reason.name.lower())
         self.rounds = max(self.rounds, res.stats.retransmit_rounds)
         self.bound = max(self.bound, res.bound)
+        loss = res.stats.first_pass_loss
+        if posted.watched and loss is not None:
+            self.first_pass_losses.append(loss)
+        self.guarded = self.guarded or posted.guarded
 
     def stats(self, round_id: int, bucket: int, latency_s: float) -> RoundStats:
         return RoundStats(
@@ -112,16 +129,24 @@ class Tally:
             delivered_fraction=float(np.mean(self.fractions)) if self.fractions else 1.0,
             min_delivered_fraction=float(np.min(self.fractions)) if self.fractions else 1.0,
             retransmit_rounds=self.rounds, bound=self.bound, close_reasons=tuple(self.reasons),
+            first_pass_loss=self.first_pass_loss, guarded=self.guarded,
         )
 
 
 @dataclass(frozen=True)
-class _Pending:
-    """A receive posted ahead for one (bucket, phase, peer) of the next round."""
+class Posted:
+    """A receive posted for one (bucket, phase, peer) of a round, and the policy it runs
+    under."""
 
     round_id: int
     nbytes: int
+    policy: Policy
     future: Future
+    #: it runs under the job's policy, or reliably in its place for the loss guard: the
+    #: receives whose loss the guard watches
+    watched: bool
+    #: reliably, for the loss guard (the job's policy would take part of the message)
+    guarded: bool
 
 
 class Collective(abc.ABC):
@@ -138,6 +163,7 @@ class Collective(abc.ABC):
         stale_broadcast: bool = False,
         hadamard: bool = False,
         session: int = 0,
+        guard: LossGuard = NO_GUARD,
     ):
         if not 0 <= rank < len(peers) or len(peers) < 2:
             raise ValueError(f"rank {rank} of a world of {len(peers)} (need >= 2)")
@@ -150,7 +176,11 @@ class Collective(abc.ABC):
         self.stale_broadcast = stale_broadcast
         self.hadamard = HadamardDispersion() if hadamard else None
         self.session = session
-        self._pending: dict[tuple[int, int, int], _Pending] = {}  # (bucket, phase, peer)
+        #: the loss guard: which buckets' receives are reliable for now (off by default
+        #: here; the DDP hook turns it on for bounded policies)
+        self.guard = LossGuards(guard, f"rank {rank}")
+        self._reliable = ReliablePolicy()  # (stateless: one for every reliable receive)
+        self._pending: dict[tuple[int, int, int], Posted] = {}  # (bucket, phase, peer)
         #: per-bucket memory, (bucket, role) -> last round's value: the aggregate this
         #: rank made, or the broadcast it accepted (stale fill and bounded drift start
         #: from it; a checkpoint keeps it)
@@ -158,36 +188,51 @@ class Collective(abc.ABC):
         self._timeout = endpoint.config.receive_deadline + endpoint.config.peer_timeout
 
     # ------------------------------------------------------------- receiving
-    def _broadcast_policy(self) -> Policy:
-        return self.policy if self.stale_broadcast else ReliablePolicy()
+    def _receive_policy(self, bucket: int, phase: int) -> tuple[Policy, bool]:
+        """The policy a receive of ``bucket``'s ``phase`` runs under, and whether the job's
+        policy would run there (the loss guard watches those): contributions (PUSH) the
+        job's, results (PULL) reliably unless ``stale_broadcast`` - and, where the job's
+        would run, reliably while the loss guard holds the bucket."""
+        if phase == PULL and not self.stale_broadcast:
+            return self._reliable, False
+        return (self._reliable if self.guard.holds(bucket) else self.policy), True
 
-    def _post(self, peer_rank: int, bucket: int, phase: int, round_id: int, nbytes: int,
-              policy: Policy) -> Future:
-        return self.endpoint.receive(
+    def _post(self, peer_rank: int, bucket: int, phase: int, round_id: int,
+              nbytes: int) -> Posted:
+        policy, watched = self._receive_policy(bucket, phase)
+        fut = self.endpoint.receive(
             self.peers[peer_rank], message_id=message_id(bucket, phase), round_id=round_id,
             nbytes=nbytes, policy=policy,
         )
+        return Posted(round_id, nbytes, policy, fut, watched,
+                      guarded=watched and policy is not self.policy)
 
-    def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int, nbytes: int,
-              policy: Policy) -> Future:
+    def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int,
+              nbytes: int) -> Posted:
         """The receive for this round: posted ahead last round, or posted now."""
         pending = self._pending.pop((bucket, phase, peer_rank), None)
         if pending is not None:
-            if pending.round_id == round_id and pending.nbytes == nbytes:
-                return pending.future
+            same = pending.round_id == round_id and pending.nbytes == nbytes
+            if same and pending.policy is self._receive_policy(bucket, phase)[0]:
+                return pending
             # Posted for another round or size (DDP rebuilds its buckets after the first
-            # iteration): cancel it - silently, the peer's probe finds the new one.
+            # iteration), or under a policy the loss guard has since changed (its state
+            # loaded between rounds): cancel it - silently, the peer's probe finds the
+            # new one - unless it had closed already.
             self.endpoint.cancel(pending.future)
-        return self._post(peer_rank, bucket, phase, round_id, nbytes, policy)
+            if same and pending.future.result(self._timeout).close_reason != (
+                    CloseReason.CANCELLED):
+                return pending  # it had closed already: the peer will not send it again
+        return self._post(peer_rank, bucket, phase, round_id, nbytes)
 
     def _post_ahead(self, peer_rank: int, bucket: int, phase: int, round_id: int,
-                    nbytes: int, policy: Policy) -> None:
-        fut = self._post(peer_rank, bucket, phase, round_id, nbytes, policy)
-        self._pending[(bucket, phase, peer_rank)] = _Pending(round_id, nbytes, fut)
+                    nbytes: int) -> None:
+        self._pending[(bucket, phase, peer_rank)] = self._post(
+            peer_rank, bucket, phase, round_id, nbytes)
 
-    def _wait(self, fut: Future, what: str) -> ReceiveResult:
+    def _wait(self, posted: Posted, what: str) -> ReceiveResult:
         try:
-            res = fut.result(timeout=self._timeout)
+            res = posted.future.result(timeout=self._timeout)
         except TimeoutError:
             raise PeerFailure(f"{what}: no result within {self._timeout:.0f} s") from None
         if res.close_reason == CloseReason.DEADLINE and not res.delivered.any():
@@ -195,14 +240,25 @@ class Collective(abc.ABC):
                 f"{what}: nothing arrived within the {self.endpoint.config.receive_deadline:g} s "
                 "receive deadline - is the peer alive?"
             )
-        if res.close_reason == CloseReason.DEADLINE and res.bound == 0.0 and not res.complete:
-            # a receive that tolerates no loss never hands on part of a message
+        if (res.close_reason == CloseReason.DEADLINE and res.bound == 0.0 and not res.complete
+                and not posted.guarded):
+            # a receive that tolerates no loss never hands on part of a message (one the
+            # loss guard made reliable does: the job's policy tolerates loss)
             raise PeerFailure(
                 f"{what}: {res.stats.delivered} of {res.stats.chunks} chunks arrived within "
                 f"the {self.endpoint.config.receive_deadline:g} s receive deadline, and this "
                 "receive tolerates no loss - is the peer alive?"
             )
         return res
+
+    def _guard_round(self, bucket: int, round_id: int, tally: Tally) -> None:
+        """This call's first receives under the job's policy (the contributions; a
+        parameter-server worker's broadcast) are in: show their mean first-pass loss to
+        the loss guard - before the bucket's next receives are posted, so that they run
+        under what it decides."""
+        losses = tally.first_pass_losses
+        tally.first_pass_loss = float(np.mean(losses)) if losses else None
+        self.guard.observe(bucket, round_id, tally.first_pass_loss, self.policy.bound)
 
     def _wait_sends(self, futures: list[tuple[int, Future]]) -> int:
         rounds = 0
@@ -219,20 +275,22 @@ class Collective(abc.ABC):
             rounds = max(rounds, res.stats.retransmit_rounds)
         return rounds
 
-    def _reduce(self, own: np.ndarray, futures: dict[int, Future], round_id: int, bucket: int,
+    def _reduce(self, own: np.ndarray, posted: dict[int, Posted], round_id: int, bucket: int,
                 what: str, tally: Tally, memory_key: MemoryKey) -> np.ndarray:
-        """Aggregate ``own`` with what arrived from each peer in ``futures`` (posting
+        """Aggregate ``own`` with what arrived from each peer in ``posted`` (posting
         each peer's receive for the next round as soon as this one is in)."""
         contributions = [widen(own)]  # (16-bit values are aggregated in float32)
         masks = [np.ones(own.size, dtype=bool)]
-        for peer_rank, fut in futures.items():
+        for peer_rank, receive in posted.items():
             res = self._wait(
-                fut, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
+                receive, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
             values, mask = self._elements(res, own.size, own.dtype)
             contributions.append(widen(values))
             masks.append(mask)
-            tally.add(res)
-            self._post_ahead(peer_rank, bucket, PUSH, round_id + 1, own.nbytes, self.policy)
+            tally.add(res, receive)
+        self._guard_round(bucket, round_id, tally)
+        for peer_rank in posted:  # (no peer sends its next before it has this round's result)
+            self._post_ahead(peer_rank, bucket, PUSH, round_id + 1, own.nbytes)
         previous = self._remembered(memory_key, own.shape)
         agg = self.aggregator.aggregate(contributions, masks,
                                         previous=None if previous is None else widen(previous))

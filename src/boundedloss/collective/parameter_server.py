@@ -61,9 +61,8 @@ class ParameterServer(Collective):
 
     def _serve(self, coded: np.ndarray, round_id: int, bucket: int, tally: Tally) -> np.ndarray:
         workers = [r for r in range(self.world_size) if r != self.server]
-        futures = {w: self._take(w, bucket, PUSH, round_id, coded.nbytes, self.policy)
-                   for w in workers}
-        agg = self._reduce(coded, futures, round_id, bucket, "push", tally, (bucket, "aggregate"))
+        pushes = {w: self._take(w, bucket, PUSH, round_id, coded.nbytes) for w in workers}
+        agg = self._reduce(coded, pushes, round_id, bucket, "push", tally, (bucket, "aggregate"))
         self._settle_broadcasts(bucket, before=round_id - 1)
         # (``agg`` is never written again: it is safe to send from in the background)
         self._broadcasts.setdefault(bucket, []).extend(
@@ -97,13 +96,13 @@ class ParameterServer(Collective):
             super().close()
 
     def _work(self, coded: np.ndarray, round_id: int, bucket: int, tally: Tally) -> np.ndarray:
-        policy = self._broadcast_policy()
-        pull = self._take(self.server, bucket, PULL, round_id, coded.nbytes, policy)
+        pull = self._take(self.server, bucket, PULL, round_id, coded.nbytes)
         send = self.endpoint.send(self.peers[self.server], coded,
                                   message_id=message_id(bucket, PUSH), round_id=round_id)
         res = self._wait(pull, f"broadcast from server rank {self.server} "
                                f"(round {round_id}, bucket {bucket})")
-        self._post_ahead(self.server, bucket, PULL, round_id + 1, coded.nbytes, policy)
+        tally.add(res, pull)
+        self._guard_round(bucket, round_id, tally)  # (a stale broadcast is bounded)
+        self._post_ahead(self.server, bucket, PULL, round_id + 1, coded.nbytes)
         tally.rounds = max(tally.rounds, self._wait_sends([(self.server, send)]))
-        tally.add(res)
         return self._accept_broadcast(res, coded.size, coded.dtype, (bucket, "broadcast"))

@@ -36,13 +36,12 @@ class TransposeAllreduce(Collective):
         lo, hi = bounds[me]
         itemsize = coded.itemsize
         others = [r for r in range(self.world_size) if r != me]
-        bpolicy = self._broadcast_policy()
 
         # Post (or take the pre-posted) receives for both phases before sending anything.
-        scatter_in = {r: self._take(r, bucket, PUSH, round_id, (hi - lo) * itemsize, self.policy)
+        scatter_in = {r: self._take(r, bucket, PUSH, round_id, (hi - lo) * itemsize)
                       for r in others}
         gather_in = {r: self._take(r, bucket, PULL, round_id,
-                                   (bounds[r][1] - bounds[r][0]) * itemsize, bpolicy)
+                                   (bounds[r][1] - bounds[r][0]) * itemsize)
                      for r in others}
         sends = [(r, self.endpoint.send(self.peers[r], coded[bounds[r][0]:bounds[r][1]],
                                         message_id=message_id(bucket, PUSH), round_id=round_id))
@@ -63,10 +62,10 @@ class TransposeAllreduce(Collective):
             rlo, rhi = bounds[r]
             res = self._wait(gather_in[r], f"reduced shard from rank {r} "
                                            f"(round {round_id}, bucket {bucket})")
-            tally.add(res)
+            tally.add(res, gather_in[r])
             out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, coded.dtype,
                                                   (bucket, f"gather{r}"))
-            self._post_ahead(r, bucket, PULL, round_id + 1, (rhi - rlo) * itemsize, bpolicy)
+            self._post_ahead(r, bucket, PULL, round_id + 1, (rhi - rlo) * itemsize)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)
         return out_x, tally.stats(round_id, bucket, self._clock() - t0)
