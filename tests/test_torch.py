@@ -36,6 +36,17 @@ def test_reliable_hook_equals_gloo_allreduce(topology, dtype):
     assert proc.stdout.count(": ok") == 3
 
 
+def test_the_guard_and_the_state_dict_on_a_live_job():
+    """A bucket losing more than its bound is guarded by default and shows it in the round
+    log; state_dict() applies to a live registered state (tests/hook_state.py)."""
+    proc = subprocess.run([sys.executable, str(HERE / "hook_state.py"), str(_port())],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok") == 2
+    assert "rank 0, bucket 0: loss " in proc.stderr  # the guard's two warnings
+    assert "bounded again" in proc.stderr
+
+
 def _train(tmp_path, *args, timeout=240):
     out = tmp_path / "run"
     proc = subprocess.run(
@@ -115,6 +126,123 @@ def test_state_pickles_without_runtime_and_keeps_memory():
     assert clone.transport == state.transport and clone.transport.chunk_bytes == 8192
     assert np.array_equal(clone.memory[(0, "shard")], np.arange(5, dtype=np.float32))
     assert clone.policy.bound == policy.bound and clone.phase == state.phase
+
+
+def _a_state_to_checkpoint():
+    import numpy as np
+    import torch
+
+    from boundedloss.aggregate import StaleFill
+    from boundedloss.collective import BFLOAT16
+    from boundedloss.policy import PhaseAwarePolicy
+    from boundedloss.torch import BoundedLossState
+
+    policy = PhaseAwarePolicy(p_low=0.01)
+    for norm in (2.0, 2.05, 2.1):
+        policy.epoch_end(norm)
+    state = BoundedLossState(policy=policy, aggregator=StaleFill(), topology="allreduce",
+                             rank=1, world_size=3)
+    # an epoch end with an optimizer: the LRs it saw are kept (and the policy told of an
+    # epoch whose gradient norm, with no rounds recorded, is 0: critical from here)
+    state.epoch_end(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01))
+    state.rounds = {0: 40, 1: 40}
+    state.memory = {(0, "shard"): np.arange(5, dtype=np.float32),
+                    (0, "gather0"): np.arange(3, dtype=np.float16),
+                    (1, "shard"): np.array([0x3F80, 0xC000], dtype=np.uint16).view(BFLOAT16)}
+    state.guards = {1: {"above": 0, "guarded": True}}
+    state.paths = {0: {"srtt": 2e-4, "rttvar": 1e-4, "rates": [3e8]},
+                   2: {"srtt": None, "rttvar": None, "rates": []}}
+    return state
+
+
+def _saved_and_loaded(state_dict):
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf)  # weights_only (torch's default): plain values only
+
+
+def test_a_state_dict_goes_through_torch_save_and_restores_everything():
+    """state_dict() is what torch.load's default (weights_only) loader reads back; loaded
+    into a fresh state of the same job it restores the policy (phase, bound, history),
+    counters, LR memory, the collective's memory in its dtypes (bfloat16 words too),
+    the guard's state and the paths by peer rank."""
+    import numpy as np
+    import torch
+
+    from boundedloss.aggregate import StaleFill
+    from boundedloss.collective.base import is_bfloat16
+    from boundedloss.policy import make_policy
+    from boundedloss.torch import STATE_DICT_FORMAT, BoundedLossState
+
+    state = _a_state_to_checkpoint()
+    saved = _saved_and_loaded(state.state_dict())
+    assert saved["format"] == STATE_DICT_FORMAT
+    assert saved["memory"][1]["shard"].dtype == torch.bfloat16
+    assert saved["memory"][1]["shard"].tolist() == [1.0, -2.0]
+    fresh = BoundedLossState(policy=make_policy("dblp"), aggregator=StaleFill(),
+                             topology="allreduce")
+    fresh.load_state_dict(saved)
+    assert (fresh.phase, fresh.bound) == (state.phase, state.bound) == ("critical", 0.01)
+    assert fresh.policy.history == state.policy.history and len(fresh.policy.history) == 4
+    assert (fresh.rounds, fresh.epoch) == ({0: 40, 1: 40}, 1)
+    assert fresh.state_dict()["last_lrs"] == [0.01]
+    assert (fresh.rank, fresh.world_size) == (1, 3)  # (register checks them)
+    assert fresh.memory.keys() == state.memory.keys()
+    for key, values in state.memory.items():
+        assert fresh.memory[key].dtype == values.dtype and np.array_equal(fresh.memory[key],
+                                                                          values)
+    assert is_bfloat16(fresh.memory[(1, "shard")].dtype)
+    assert fresh.guards == state.guards and fresh.paths == state.paths
+    assert fresh.state_dict().keys() == saved.keys()
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda sd: sd.update(topology="ps"), "topology 'ps' cannot be loaded into one on 'allreduce'"),
+    (lambda sd: sd.update(rank=0), "state_dict of rank 0 cannot be loaded into rank 1"),
+    (lambda sd: sd.update(world_size=4), "world of 4 ranks cannot be loaded into a world of 3"),
+    (lambda sd: sd.update(hadamard=True), "hadamard=True"),
+    (lambda sd: sd.update(policy={"policy": "mlt", "p": 0.01}), "policy 'mlt' cannot be loaded"),
+    (lambda sd: sd["policy"]["detector"].update(phase="calm"), "dblp state_dict: 'calm'"),
+    (lambda sd: sd.update(format="powersgd/1"), "not a boundedloss hook state_dict"),
+    (lambda sd: sd.pop("paths"), "hook state_dict: missing paths"),
+    (lambda sd: sd.update(sockets=[]), "hook state_dict: unknown sockets"),
+    (lambda sd: sd["rounds"].update({0: -1}), "round must be an integer >= 0"),
+    (lambda sd: sd["memory"][0].update(shard=[1.0]), "memory values must be float tensors"),
+    (lambda sd: sd["paths"].update({1: sd["paths"][0]}), "a path to rank 1 from rank 1"),
+    (lambda sd: sd["paths"][0].update(srtt=-1.0), "srtt must be finite and >= 0"),
+    (lambda sd: sd["guard"][1].update(guarded="yes"), "guard of bucket 1"),
+])
+def test_a_state_dict_that_does_not_fit_is_one_line_and_changes_nothing(change, says):
+    """Another job's state_dict (policy, topology, world, rank) or a value refused: one
+    ValueError line, and the state keeps what it had (no partial load)."""
+    import re
+
+    state = _a_state_to_checkpoint()
+    before = state.state_dict()
+    bad = _saved_and_loaded(state.state_dict())
+    change(bad)
+    with pytest.raises(ValueError, match=re.escape(says)) as refused:
+        state.load_state_dict(bad)
+    assert "\n" not in str(refused.value)
+    after = state.state_dict()
+    memory = after.pop("memory")
+    assert {k: v for k, v in before.items() if k != "memory"} == after
+    assert all(memory[b][r].equal(t) for b, roles in before["memory"].items()
+               for r, t in roles.items())
+
+
+def test_the_guard_is_on_by_default_for_bounded_policies_only():
+    from boundedloss.policy import make_policy
+    from boundedloss.torch import LossGuard, default_guard
+
+    for name in ("mlt", "ltp", "dblp"):
+        assert default_guard(make_policy(name)) == LossGuard() and LossGuard().rounds == 3
+    assert not default_guard(make_policy("reliable")).enabled
 
 
 def test_the_hook_runs_on_one_transport_config():

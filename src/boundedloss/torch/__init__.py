@@ -2,11 +2,14 @@
 
 from .hook import (
     HOOK_MAX_OPEN_RECEIVES,
+    STATE_DICT_FORMAT,
     BoundedLossState,
+    LossGuard,
     comm_hook,
+    default_guard,
     hook_transport,
     register,
 )
 
-__all__ = ["HOOK_MAX_OPEN_RECEIVES", "BoundedLossState", "comm_hook", "hook_transport",
-           "register"]
+__all__ = ["HOOK_MAX_OPEN_RECEIVES", "STATE_DICT_FORMAT", "BoundedLossState", "LossGuard",
+           "comm_hook", "default_guard", "hook_transport", "register"]

@@ -14,7 +14,9 @@ baseline.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,11 +26,23 @@ import torch
 import torch.distributed as dist
 
 from ..aggregate import Aggregator, make_aggregator
-from ..collective import BFLOAT16, TOPOLOGIES, Collective, MemoryKey, RoundStats, widen
+from ..collective import (
+    BFLOAT16,
+    NO_GUARD,
+    TOPOLOGIES,
+    Collective,
+    LossGuard,
+    LossGuards,
+    MemoryKey,
+    RoundStats,
+    widen,
+)
+from ..collective.base import is_bfloat16
 from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
-from ..policy import Policy, make_policy
+from ..policy import Policy, ReliablePolicy, make_policy
 from ..protocol import TransportConfig, TransportError
+from ..protocol.path import PeerPath
 from .rendezvous import (
     agree_chunk_bytes,
     agree_session,
@@ -64,12 +78,25 @@ def hook_transport(**changes: Any) -> TransportConfig:
 #: ``transport=`` (refused with a message that says so, not taken for policy keywords)
 _TRANSPORT_KEYWORDS = tuple(f.name for f in dataclasses.fields(TransportConfig))
 
+#: what ``BoundedLossState.state_dict()`` writes under "format" (and load reads)
+STATE_DICT_FORMAT = "boundedloss.hook/1"
+_STATE_DICT_KEYS = ("format", "topology", "hadamard", "world_size", "rank", "policy", "epoch",
+                    "rounds", "last_lrs", "round_sq", "memory", "guard", "paths")
+
+
+def default_guard(policy: Policy) -> LossGuard:
+    """The loss guard a job runs with unless it sets one: on (``LossGuard()``) for a
+    bounded policy, off for ``reliable`` (nothing to tighten)."""
+    return NO_GUARD if isinstance(policy, ReliablePolicy) else LossGuard()
+
 
 @dataclass
 class BoundedLossState:
-    """Everything the hook needs. Picklable for checkpoints: the process group, the
-    socket and the threads are not pickled; policy state (e.g. DBLP's phase history),
-    round counters and per-bucket memory (previous aggregates for stale fill) are."""
+    """Everything the hook needs. ``state_dict()`` / ``load_state_dict()`` checkpoint it
+    as PyTorch does (plain values ``torch.save`` writes); it also pickles: the process
+    group, the socket and the threads are left out; policy state (e.g. DBLP's phase
+    history), round counters, per-bucket memory (previous aggregates for stale fill),
+    the loss guard's state and what was learned of each peer's path are kept."""
 
     policy: Policy
     aggregator: Aggregator
@@ -81,8 +108,18 @@ class BoundedLossState:
     rounds: dict[int, int] = field(default_factory=dict)  # bucket index -> next round id
     round_log: list[dict] = field(default_factory=list)
     epoch: int = 0
-    #: the collective's per-bucket memory, as of the last pickling (restored at register)
+    #: the loss guard's setting: a bucket whose measured loss stays above the bound is
+    #: received reliably until it falls back (``register`` picks ``default_guard``)
+    guard: LossGuard = field(default_factory=LossGuard)
+    #: this rank and the world it ran in (set by register; None before)
+    rank: int | None = None
+    world_size: int | None = None
+    #: the collective's per-bucket memory, the loss guard's per-bucket state and what
+    #: the endpoint learned of each peer's path (by rank), as of the last pickling or
+    #: load_state_dict before register (which restores them)
     memory: dict[MemoryKey, np.ndarray] = field(default_factory=dict, repr=False)
+    guards: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
+    paths: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     failure: BaseException | None = field(default=None, repr=False)
     # runtime only
     process_group: Any = field(default=None, repr=False)
@@ -100,16 +137,91 @@ class BoundedLossState:
 
     def __getstate__(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
-        if self.collective is not None:
-            d["memory"] = dict(self.collective.memory)
+        d["memory"], d["guards"], d["paths"] = self._learned()
         return d
 
     def __setstate__(self, d: dict) -> None:
+        # (a state pickled before the guard and the paths were kept has none)
+        d = {"guard": LossGuard(), "rank": None, "world_size": None, "guards": {},
+             "paths": {}, **d}
         self.__dict__.update(d)
         for k in self._RUNTIME:
             self.__dict__[k] = None
         self._lock = threading.Lock()
         self._staging = {}
+
+    def _learned(self) -> tuple[dict[MemoryKey, np.ndarray], dict[int, dict[str, Any]],
+                                dict[int, dict[str, Any]]]:
+        """The collective's memory, the guard's state and the paths: the live ones once
+        registered, else what was kept."""
+        coll, endpoint = self.collective, self.endpoint
+        if coll is None or endpoint is None:
+            return dict(self.memory), dict(self.guards), dict(self.paths)
+        paths = {r: endpoint.path_state(peer) for r, peer in enumerate(coll.peers)
+                 if r != coll.rank}
+        return dict(coll.memory), coll.guard.state_dict(), paths
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's hook state as plain values - numbers, strings, lists, dicts and
+        CPU tensors, no sockets or process groups - for ``torch.save`` beside the
+        model's and the optimizer's (``torch.load`` reads it back with its default
+        ``weights_only=True``). Take it between steps, as the model's.
+
+        It holds: the policy's ``state_dict()`` (its parameters and what it learned -
+        DBLP's phase, detector and history); the round counter per bucket (``rounds``),
+        ``epoch``, the learning rates last seen (``last_lrs``) and this epoch's squared
+        gradient norms so far (``round_sq``); the collective's per-bucket memory
+        (``memory``: previous aggregates for stale fill, as tensors); the loss guard's
+        per-bucket state (``guard``); and what the endpoint learned of each peer's
+        path (``paths``, by peer rank - addresses change on a restart: round trip and
+        delivery rates). Also the job's shape (``topology``, ``hadamard``,
+        ``world_size``, ``rank``), so that loading it into another job is refused.
+
+        Not kept: the session token (a new job draws its own, and datagrams of the old
+        one are dropped as foreign), sockets, addresses, the process group, threads,
+        receives in flight, ``round_log`` (a log; the runner writes it out), the loss a
+        receive saw lately (it stands for half a second of a clock the next process
+        does not share), and the job's configuration (transport, aggregator, loss
+        guard setting: given to ``register`` again)."""
+        memory, guards, paths = self._learned()
+        with self._lock:
+            round_sq = dict(self._round_sq)
+        by_bucket: dict[int, dict[str, torch.Tensor]] = {}
+        for (bucket, role), values in memory.items():
+            by_bucket.setdefault(bucket, {})[role] = _memory_tensor(values)
+        return {
+            "format": STATE_DICT_FORMAT, "topology": self.topology, "hadamard": self.hadamard,
+            "world_size": self.world_size, "rank": self.rank,
+            "policy": self.policy.state_dict(), "epoch": self.epoch,
+            "rounds": dict(self.rounds),
+            "last_lrs": None if self._last_lrs is None else list(self._last_lrs),
+            "round_sq": round_sq, "memory": by_bucket, "guard": guards, "paths": paths,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of this rank of a job of the same shape - all of
+        it, or nothing and a one-line ``ValueError`` (another policy's, topology's,
+        world's or rank's state_dict, or a value refused). Once registered, it applies
+        to the live collective and endpoint: the next round continues with the same
+        round counters, phase, bound, memory, guard and paths."""
+        loaded = _checked_state_dict(self, state)
+        self.policy.load_state_dict(state["policy"])  # (all or nothing, and last to fail)
+        self.epoch = loaded.epoch
+        self.rounds = loaded.rounds
+        self._last_lrs = loaded.last_lrs
+        with self._lock:
+            self._round_sq = loaded.round_sq
+        coll, endpoint = self.collective, self.endpoint
+        if coll is None or endpoint is None:
+            self.memory, self.guards, self.paths = loaded.memory, loaded.guards, loaded.paths
+            self.rank, self.world_size = loaded.rank, loaded.world_size
+            return
+        coll.memory.clear()
+        coll.memory.update(loaded.memory)
+        coll.guard.load_state_dict(loaded.guards)
+        for r, path in loaded.paths.items():
+            endpoint.load_path_state(coll.peers[r], path)
 
     def host_buffer(self, index: int, flat: torch.Tensor) -> torch.Tensor:
         """Where bucket ``index``'s values are exchanged from: the bucket itself on the
@@ -151,6 +263,11 @@ class BoundedLossState:
             "phase": self.phase,
             "close_reasons": list(stats.close_reasons),
             "deadline_closed": stats.deadline_closed,
+            # what the network lost before any recovery (the loss guard's measure), and
+            # whether the guard held the bucket to reliable receives
+            "first_pass_loss": (None if stats.first_pass_loss is None
+                                else round(stats.first_pass_loss, 6)),
+            "guarded": stats.guarded,
         }
         with self._lock:
             self.round_log.append(entry)
@@ -194,6 +311,107 @@ class BoundedLossState:
             self.collective.close()
         if self.endpoint is not None:
             self.endpoint.close()
+
+
+@dataclass(frozen=True)
+class _LoadedState:
+    """A hook state_dict's own values (its policy's aside), checked and converted."""
+
+    epoch: int
+    rounds: dict[int, int]
+    last_lrs: list[float] | None
+    round_sq: dict[int, float]
+    memory: dict[MemoryKey, np.ndarray]
+    guards: dict[int, dict[str, Any]]
+    paths: dict[int, dict[str, Any]]
+    rank: int | None
+    world_size: int | None
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _checked_state_dict(owner: BoundedLossState, state: Any) -> _LoadedState:
+    """``state`` checked against ``owner``'s job and converted; a one-line
+    ``ValueError`` for anything that does not fit (nothing is changed by this)."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a boundedloss hook state_dict is a dict, got {type(state).__name__}")
+    if state.get("format") != STATE_DICT_FORMAT:
+        raise ValueError(f"not a boundedloss hook state_dict (format {state.get('format')!r}, "
+                         f"expected {STATE_DICT_FORMAT!r})")
+    missing = [k for k in _STATE_DICT_KEYS if k not in state]
+    unknown = sorted(set(state) - set(_STATE_DICT_KEYS))
+    if missing or unknown:
+        raise ValueError("hook state_dict: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else [])
+            + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    if state["topology"] != owner.topology:
+        raise ValueError(f"state_dict of a job on topology {state['topology']!r} cannot be "
+                         f"loaded into one on {owner.topology!r}")
+    if bool(state["hadamard"]) != owner.hadamard:
+        raise ValueError(f"state_dict of a job with hadamard={bool(state['hadamard'])} cannot "
+                         f"be loaded into one with hadamard={owner.hadamard}")
+    coll = owner.collective
+    rank, world = (coll.rank, coll.world_size) if coll is not None else (owner.rank,
+                                                                        owner.world_size)
+    if state["world_size"] is not None and world is not None and state["world_size"] != world:
+        raise ValueError(f"state_dict of a world of {state['world_size']} ranks cannot be "
+                         f"loaded into a world of {world}")
+    if state["rank"] is not None and rank is not None and state["rank"] != rank:
+        raise ValueError(f"state_dict of rank {state['rank']} cannot be loaded into rank "
+                         f"{rank}: each rank saves and loads its own")
+    try:
+        rounds = {_count("bucket", b): _count("round", r) for b, r in state["rounds"].items()}
+        lrs = state["last_lrs"]
+        memory = {(_count("bucket", b), str(role)): _memory_array(t)
+                  for b, roles in state["memory"].items() for role, t in roles.items()}
+        guards = LossGuards()
+        guards.load_state_dict(state["guard"])  # (checks it)
+        paths = {}
+        for r, path in state["paths"].items():
+            r = _count("peer rank", r)
+            if r == state["rank"] or (world is not None and r >= world):
+                raise ValueError(f"a path to rank {r} from rank {state['rank']} "
+                                 f"in a world of {world}")
+            PeerPath(r).load_state_dict(path)  # (checks it)
+            paths[r] = dict(path)
+        return _LoadedState(
+            epoch=_count("epoch", state["epoch"]), rounds=rounds,
+            last_lrs=None if lrs is None else [_number("lr", x) for x in lrs],
+            round_sq={_count("round", r): _number("squared norm", x)
+                      for r, x in state["round_sq"].items()},
+            memory=memory, guards=guards.state_dict(), paths=paths,
+            rank=rank if rank is not None else state["rank"],
+            world_size=world if world is not None else state["world_size"])
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"hook state_dict: {first}") from None
+
+
+def _memory_tensor(values: np.ndarray) -> torch.Tensor:
+    """A memory slot as a CPU tensor of its own dtype (bfloat16 words as bfloat16)."""
+    if is_bfloat16(values.dtype):
+        return torch.from_numpy(values.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(values, copy=True))
+
+
+def _memory_array(t: Any) -> np.ndarray:
+    """A memory slot back as the collective keeps it (bfloat16 as BFLOAT16 words)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in (*_NATIVE_DTYPES, torch.bfloat16):
+        raise ValueError(f"memory values must be float tensors, got {t!r:.60}")
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().copy().view(BFLOAT16)
+    return t.numpy().copy()
 
 
 #: dtypes that travel as they are (numpy has them); bfloat16 travels as BFLOAT16 words;
@@ -258,6 +476,7 @@ def register(
     loss: LossModel | None = None,
     process_group: Any = None,
     state: BoundedLossState | None = None,
+    guard: LossGuard | None = None,
     **policy_kw: Any,
 ) -> BoundedLossState:
     """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
@@ -267,9 +486,12 @@ def register(
     and chunks as large as the path MTU between the ranks allows - one packet each, at
     most a 9,000-byte jumbo frame's; ``hook_transport(chunk_bytes=8192)`` to set one:
     a chunk the path cannot carry is then a one-line error). ``policy_kw`` go to
-    :func:`make_policy` when ``policy`` is a name. ``state`` resumes from a
-    checkpointed state (its policy, aggregator, transport, round counters and memory
-    are kept; the rest is rebuilt)."""
+    :func:`make_policy` when ``policy`` is a name. ``guard`` sets the loss guard
+    (default: :func:`default_guard` - ``LossGuard()`` for a bounded policy, off for
+    reliable; ``LossGuard(rounds=0)`` turns it off). ``state`` resumes from a
+    pickled state (its policy, aggregator, transport, guard, round counters, memory
+    and paths are kept; the rest is rebuilt); or register afresh and call
+    ``state.load_state_dict(...)`` with a ``state_dict()`` saved by ``torch.save``."""
     global _REGISTRATIONS
     moved = sorted(set(policy_kw) & set(_TRANSPORT_KEYWORDS))
     if moved:
@@ -291,12 +513,22 @@ def register(
         if transport is None:  # chunks follow the path MTU
             transport = hook_transport(
                 chunk_bytes=agree_chunk_bytes(store, prefix, rank, world, local_ip()))
+        the_policy = make_policy(policy, **policy_kw) if isinstance(policy, str) else policy
         state = BoundedLossState(
-            policy=make_policy(policy, **policy_kw) if isinstance(policy, str) else policy,
+            policy=the_policy,
             aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
             topology=topology, transport=transport, stale_broadcast=stale_broadcast,
-            hadamard=hadamard,
+            hadamard=hadamard, guard=default_guard(the_policy) if guard is None else guard,
         )
+    else:
+        if guard is not None:
+            state.guard = guard
+        if state.world_size is not None and state.world_size != world:
+            raise ValueError(f"a state of a world of {state.world_size} ranks cannot be "
+                             f"registered in a world of {world}")
+        if state.rank is not None and state.rank != rank:
+            raise ValueError(f"rank {state.rank}'s state cannot be registered on rank {rank}: "
+                             "each rank resumes its own")
 
     session = agree_session(store, prefix, rank)
     endpoint = UdpEndpoint(local_ip(), 0, session=session, config=state.transport, loss=loss,
@@ -312,8 +544,14 @@ def register(
     collective = TOPOLOGIES[state.topology](
         endpoint, rank, peers, policy=state.policy, aggregator=state.aggregator,
         stale_broadcast=state.stale_broadcast, hadamard=state.hadamard, session=session,
+        guard=state.guard,
     )
     collective.memory.update(state.memory)
+    collective.guard.load_state_dict(state.guards)
+    for r, path in state.paths.items():
+        if r != rank and r < world:
+            endpoint.load_path_state(peers[r], path)
+    state.rank, state.world_size = rank, world
     state.process_group = process_group
     state.endpoint = endpoint
     state.collective = collective
@@ -322,5 +560,5 @@ def register(
     return state
 
 
-__all__ = ["HOOK_MAX_OPEN_RECEIVES", "BoundedLossState", "comm_hook", "hook_transport",
-           "register"]
+__all__ = ["HOOK_MAX_OPEN_RECEIVES", "STATE_DICT_FORMAT", "BoundedLossState", "LossGuard",
+           "comm_hook", "default_guard", "hook_transport", "register"]
