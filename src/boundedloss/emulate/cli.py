@@ -5,6 +5,12 @@
 ``/tmp/boundedloss-UID``) so later ``status``/``run``/``set``/``down`` calls find it.
 ``down`` also removes leftovers by name (``PREFIX`` + 6 hex digits + ``-...``) when there
 is no state file. Errors print as one line (exit status 1), never as a traceback.
+
+Without root, ``up`` builds the testbed as root of a user namespace of its own and leaves
+one process holding it (the namespace's first process; the state file records it); the
+other commands re-run themselves inside that namespace (``nsenter``), and ``down`` kills
+the holder, which ends every process and namespace of the testbed at once. Nothing of
+the host's namespaces, interfaces or firewall is touched.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 import click
 
 from ..checks import FiniteFloatRange
+from . import rootless
 from .testbed import (
     SERVER,
     Bottleneck,
@@ -64,6 +71,37 @@ def _save(path: Path, tb: Testbed) -> None:
     tmp.replace(path)
 
 
+def _read_state(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _rootless(command: str, prefix: str, state_dir: str | None) -> dict | None:
+    """Without root, for a command on a kept testbed: re-run it inside the recorded
+    rootless testbed's namespaces (never returns) when its holder is alive; else the
+    state found (a dead holder's, or None), or a one-line error where user namespaces
+    cannot be had. With root (or inside already): None, and the command goes on."""
+    if not rootless.needed():
+        return None
+    path = state_path(state_dir, prefix)
+    state = _read_state(path)
+    if state is not None and rootless.HOLDER_KEY in state:
+        if rootless.holder_alive(state):
+            args = sys.argv[sys.argv.index(command, 1):]
+            env = {**os.environ, rootless.INSIDE: "1",
+                   "BOUNDEDLOSS_STATE_DIR": str(path.parent)}
+            sys.stdout.flush()
+            os.execvpe("nsenter", rootless.enter_argv(
+                state, [sys.executable, "-m", "boundedloss.cli", "testbed", *args]), env)
+        return state
+    ok, why = rootless.possible()
+    if not ok:
+        raise TestbedError(rootless.unavailable(why))
+    return state
+
+
 def _one_line_errors(fn):
     """TestbedError / ValueError -> ``Error: <one line>`` on stderr, exit status 1."""
 
@@ -97,7 +135,7 @@ def _bottleneck(rate: str | None, burst: str | None, limit: str | None) -> Bottl
 @click.group(name="testbed")
 def testbed() -> None:
     """Real-kernel testbed: network namespaces, a tbf bottleneck toward the server,
-    iptables random loss (needs root)."""
+    iptables random loss (root, or a user namespace of its own)."""
 
 
 @testbed.command("up")
@@ -117,9 +155,13 @@ def testbed() -> None:
 def up_cmd(workers: int, subnet: str, mtu: int, rate: str | None, burst: str | None,
            limit: str | None, loss: float, loss_node: str, prefix: str,
            state_dir: str | None) -> None:
-    """Build a testbed and leave it up."""
-    require_privileges()
+    """Build a testbed and leave it up (without root: in a user namespace of its own,
+    held until `down`)."""
     path = state_path(state_dir, prefix)
+    if rootless.needed():
+        _up_rootless(path)
+        return
+    require_privileges()
     old = _load(path)
     if old is not None:
         if old.status().up:
@@ -142,6 +184,31 @@ def up_cmd(workers: int, subnet: str, mtu: int, rate: str | None, burst: str | N
     click.echo(f"  bottleneck: {cfg.bottleneck.describe() if cfg.bottleneck else 'none'}")
     click.echo(f"  loss: {loss:g} on {loss_node}" if loss else "  loss: none")
     click.echo("run commands with: boundedloss testbed run --node w0 -- CMD ...")
+    if os.environ.get(rootless.HOLD):
+        rootless.hold()  # keep the user namespace (and so the testbed) until `down`
+
+
+def _up_rootless(path: Path) -> None:
+    """`up` without root: the same command as root of a user namespace of its own,
+    which keeps holding the namespace once the testbed is built."""
+    state = _read_state(path)
+    if state is not None and rootless.holder_alive(state):
+        raise TestbedError(f"testbed {state.get('name')} is already up (state {path}): "
+                           "run `boundedloss testbed down` first")
+    ok, why = rootless.possible()
+    if not ok:
+        raise TestbedError(rootless.unavailable(why))
+    path.unlink(missing_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    args = sys.argv[sys.argv.index("up", 1):]
+    rc, out = rootless.start_holder(
+        [sys.executable, "-m", "boundedloss.cli", "testbed", *args], str(path),
+        env={"BOUNDEDLOSS_STATE_DIR": str(path.parent)})
+    click.echo(out, nl=False)
+    if rc != 0:
+        sys.exit(rc)
+    click.echo("(without root: the testbed lives in a user namespace of its own; "
+               "`boundedloss testbed down` ends it)")
 
 
 @testbed.command("status")
@@ -150,8 +217,19 @@ def up_cmd(workers: int, subnet: str, mtu: int, rate: str | None, burst: str | N
 @_one_line_errors
 def status_cmd(as_json: bool, prefix: str, state_dir: str | None) -> None:
     """Show the recorded testbed: nodes, addresses, bottleneck counters, loss rules."""
-    require_privileges()
     path = state_path(state_dir, prefix)
+    if rootless.needed():
+        state = _rootless("status", prefix, state_dir)
+        gone = state is not None  # a rootless testbed whose holder has ended
+        if as_json:
+            click.echo(json.dumps({"up": False, "state": str(path), "leftovers": []}))
+        elif gone:
+            click.echo(f"the testbed recorded in {path} has ended (its user namespace is "
+                       "gone); `boundedloss testbed down` clears the record")
+        else:
+            click.echo(f"no testbed recorded in {path}")
+        return
+    require_privileges()
     tb = _load(path)
     left = leftovers(prefix)
     if tb is None:
@@ -199,8 +277,9 @@ def run_cmd(node: str, timeout: float | None, prefix: str, state_dir: str | None
             cmd: tuple[str, ...]) -> None:
     """Run CMD in a node's namespace: `boundedloss testbed run --node w0 -- CMD ...`.
     Exits with CMD's exit status (124 on --timeout)."""
-    require_privileges()
     path = state_path(state_dir, prefix)
+    _no_testbed_without_root("run", prefix, state_dir, path)
+    require_privileges()
     tb = _load(path)
     if tb is None:
         raise TestbedError(f"no testbed recorded in {path}: run `boundedloss testbed up` first")
@@ -230,8 +309,9 @@ def set_cmd(loss: float | None, node: str, all_protocols: bool, rate: str | None
             burst: str | None, limit: str | None, no_bottleneck: bool, prefix: str,
             state_dir: str | None) -> None:
     """Change loss or the bottleneck of the running testbed."""
-    require_privileges()
     path = state_path(state_dir, prefix)
+    _no_testbed_without_root("set", prefix, state_dir, path)
+    require_privileges()
     tb = _load(path)
     if tb is None:
         raise TestbedError(f"no testbed recorded in {path}: run `boundedloss testbed up` first")
@@ -261,8 +341,21 @@ def set_cmd(loss: float | None, node: str, all_protocols: bool, rate: str | None
 @_one_line_errors
 def down_cmd(prefix: str, state_dir: str | None) -> None:
     """Remove the recorded testbed and every leftover named PREFIX + id."""
-    require_privileges()
     path = state_path(state_dir, prefix)
+    if rootless.needed():
+        state = _read_state(path)
+        if state is not None and rootless.HOLDER_KEY in state:
+            ended = rootless.end_holder(state)
+            path.unlink(missing_ok=True)
+            click.echo(f"removed testbed {state.get('name')} (its user namespace "
+                       f"{'ended' if ended else 'had already ended'})")
+            return
+        ok, why = rootless.possible()
+        if not ok:
+            raise TestbedError(rootless.unavailable(why))
+        click.echo(f"nothing of ours recorded in {path}")
+        return
+    require_privileges()
     removed: list[str] = []
     try:
         tb = _load(path)
@@ -277,6 +370,18 @@ def down_cmd(prefix: str, state_dir: str | None) -> None:
         click.echo(f"removed {len(removed)}: {', '.join(removed)}")
     else:
         click.echo(f"nothing of ours ({prefix}*) was up")
+
+
+def _no_testbed_without_root(command: str, prefix: str, state_dir: str | None,
+                             path: Path) -> None:
+    """Without root: re-run inside the recorded rootless testbed, or say there is none."""
+    if not rootless.needed():
+        return
+    state = _rootless(command, prefix, state_dir)
+    if state is not None:
+        raise TestbedError(f"the testbed recorded in {path} has ended (its user namespace "
+                           "is gone): `boundedloss testbed down` clears the record")
+    raise TestbedError(f"no testbed recorded in {path}: run `boundedloss testbed up` first")
 
 
 main = testbed  # `python -m boundedloss.emulate.cli ...`

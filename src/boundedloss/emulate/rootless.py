@@ -17,8 +17,10 @@ the last of them.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -66,9 +68,112 @@ def reexec() -> None:
     cannot be done."""
     ok, why = possible()
     if not ok:
-        raise RuntimeError(f"the kernel testbed needs root or unprivileged user namespaces: "
-                           f"{why}")
+        raise RuntimeError(unavailable(why))
     argv = [sys.executable, "-m", "boundedloss.cli", *sys.argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe("unshare", _unshare_argv(argv), {**os.environ, INSIDE: "1"})
+
+
+# ------------------------------------------------- a testbed kept between commands
+#: set inside the user namespace by ``testbed up``: after building, hold the namespace
+HOLD = "BOUNDEDLOSS_USERNS_HOLD"
+#: the state file's key for the process that holds a rootless testbed's namespaces
+HOLDER_KEY = "userns_holder"
+#: the line the holder writes once the testbed is built (``unshare`` itself keeps the
+#: output pipe open, so its end cannot be the signal)
+READY = "boundedloss: the testbed is up; holding its user namespace"
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot; field 22 of /proc/PID/stat),
+    which tells a live holder from a later process that reused its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def unavailable(why: str) -> str:
+    """The one line that says the testbed cannot run here, and why."""
+    return f"the kernel testbed needs root or unprivileged user namespaces: {why}"
+
+
+def start_holder(argv: list[str], state_file: str,
+                 env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run ``argv`` (``boundedloss testbed up ...``) as root of a new user namespace and
+    keep that namespace after it: the command builds the testbed, closes its output
+    and holds (it is the namespace's first process: killing it ends the testbed and
+    everything in it). Returns ``(exit status, its output)``; on success the state
+    file records the holder for later commands (:func:`enter_argv`)."""
+    ok, why = possible()
+    if not ok:
+        raise RuntimeError(unavailable(why))
+    env = {**os.environ, **(env or {}), INSIDE: "1", HOLD: "1"}
+    p = subprocess.Popen(_unshare_argv(argv), env=env, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)  # not ended by this terminal's Ctrl-C
+    assert p.stdout is not None
+    out = []
+    for line in p.stdout:  # until the command says it holds the testbed, or ends
+        if line.rstrip("\n") == READY:
+            break
+        out.append(line)
+    else:
+        p.stdout.close()
+        return p.wait(), "".join(out)
+    p.stdout.close()
+    try:
+        with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+            holder = int(f.read().split()[0])  # unshare's child: the namespace's first
+    except (OSError, ValueError, IndexError):
+        p.kill()
+        return 1, "".join(out) + "could not find the process holding the user namespace\n"
+    with open(state_file) as f:
+        state = json.load(f)
+    state[HOLDER_KEY] = {"pid": holder, "start": _start_time(holder), "unshare": p.pid}
+    tmp = f"{state_file}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=2)
+    os.replace(tmp, state_file)
+    return 0, "".join(out)
+
+
+def hold() -> None:
+    """Inside, after ``testbed up`` built the testbed: close the output the starting
+    command waits on and keep the namespace until killed (never returns)."""
+    print(READY)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    while True:
+        signal.pause()
+
+
+def holder_alive(state: dict) -> bool:
+    h = state.get(HOLDER_KEY) or {}
+    pid = h.get("pid")
+    return isinstance(pid, int) and _start_time(pid) is not None and \
+        _start_time(pid) == h.get("start")
+
+
+def enter_argv(state: dict, argv: list[str]) -> list[str]:
+    """``argv`` run as root inside a rootless testbed's namespaces (its holder's user,
+    mount, network and PID namespaces)."""
+    pid = str(state[HOLDER_KEY]["pid"])
+    # (--preserve-credentials: our uid is the one the namespace maps to root, and
+    # setgroups, which nsenter would call otherwise, is denied in it)
+    return ["nsenter", "-t", pid, "--user", "--mount", "--net", "--pid",
+            "--preserve-credentials", "--", *argv]
+
+
+def end_holder(state: dict) -> bool:
+    """Kill a rootless testbed's holder (and with it every process and namespace of
+    it); True if it was alive."""
+    if not holder_alive(state):
+        return False
+    os.kill(state[HOLDER_KEY]["pid"], signal.SIGKILL)
+    return True

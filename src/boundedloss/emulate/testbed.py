@@ -55,9 +55,9 @@ _PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,15}$")
 _SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 _TRAFFIC = Path(__file__).with_name("traffic.py")
 
-NEED_ROOT = ("the kernel testbed needs root (CAP_NET_ADMIN) to keep its namespaces between "
-             "commands; without root, compare --network kernel and bench kernel-loss run "
-             "it in a user namespace of their own")
+NEED_ROOT = ("the kernel testbed needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); without "
+             "root, the boundedloss commands (testbed, demo, compare, bench kernel-loss) "
+             "run it in a user namespace of their own where the kernel allows that")
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21  # `ip netns add` bind-mounts the namespace file
 
