@@ -520,3 +520,86 @@ def test_repeats_alternate_the_order_of_the_arms():
     orders = [[a.label for a in arm_order(arms, k)] for k in range(3)]
     assert orders == [["reliable", "baseline", "dblp"], ["dblp", "baseline", "reliable"],
                       ["reliable", "baseline", "dblp"]]
+
+
+def test_the_paper_scenario_recovers_by_timeouts_with_a_burst_every_ten_rounds():
+    sc = SCENARIOS["microburst-paper"]
+    assert sc.recovery == "timeout" and sc.epochs >= 30 and sc.target_metric is not None
+    assert "burst:rate=0.8,every=10,len=1" in sc.loss and "rank=0" in sc.loss
+    assert sc.default_policies == ("reliable", "baseline", "dblp")
+    assert burst_rounds(sc.loss, range(40)) == {7, 17, 27, 37}
+    assert SCENARIOS["microburst"].epochs == sc.epochs  # both run long: CLR the minority
+
+
+def test_burst_frequency_sweep_rewrites_the_round_schedule():
+    from boundedloss.experiments.compare import with_burst_every
+
+    sc = SCENARIOS["microburst-paper"]
+    for every, expect in ((30, {7, 37}), (5, {2, 7, 12, 17, 22, 27, 32, 37}),
+                          (2, set(range(1, 40, 2)))):
+        assert burst_rounds(with_burst_every(sc, every).loss, range(40)) == expect
+    assert with_burst_every(sc, 5).loss.startswith("bernoulli:0.01+burst:")
+
+
+def _comm_run(repeat, comm, burst, phases=None):
+    from boundedloss.experiments.compare import RunResult
+
+    rounds = [{"round": r, "epoch": r // 2, "round_comm_ms": c,
+               "phase": (phases or {}).get(r // 2)} for r, c in enumerate(comm)]
+    return RunResult(policy="x", repeat=repeat, out="", rounds=rounds, epochs=[],
+                     summary={"metric_name": "accuracy"}, burst=set(burst))
+
+
+def test_max_single_round_comm_speedup_outside_clr():
+    from boundedloss.experiments.compare import max_burst_comm_speedup
+
+    base = _comm_run(0, [10, 80, 10, 60, 10, 90], {1, 3, 5})
+    dblp = _comm_run(0, [10, 20, 10, 10, 10, 45], {1, 3, 5},
+                     phases={0: "critical", 1: "relaxed", 2: "relaxed"})
+    assert max_burst_comm_speedup(base, dblp, set()) == 6.0  # round 3: 60 / 10
+    assert max_burst_comm_speedup(base, dblp, {2, 3}) == 4.0  # round 3 in CLR: round 1's
+    assert max_burst_comm_speedup(base, dblp, {0, 1, 2, 3, 4, 5}) is None
+    assert max_burst_comm_speedup(base, dblp, None) is None  # no DBLP run: no CLR known
+    assert dblp.clr_epoch_fraction() == pytest.approx(1 / 3)
+    assert base.clr_epoch_fraction() is None
+
+
+def test_recovery_timeout_is_one_probe_copy(tmp_path, capsys):
+    """--recovery timeout is --probe-copies-max 1 (the same simulated rounds, field for
+    field); contradicting them is a one-line error."""
+    common = ["bench", "burst", "--rates", "0.8", "--seeds", "2"]
+    assert main([*common, "--recovery", "timeout", "--json", str(tmp_path / "a.json")]) == 0
+    assert main([*common, "--probe-copies-max", "1", "--json", str(tmp_path / "b.json")]) == 0
+    assert main([*common, "--json", str(tmp_path / "c.json")]) == 0
+    a, b, c = (json.loads((tmp_path / f"{n}.json").read_text()) for n in "abc")
+    assert a == b and a != c
+    capsys.readouterr()
+    rc = main([*common, "--recovery", "timeout", "--probe-copies-max", "4",
+               "--json", str(tmp_path / "d.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "contradict" in err
+
+
+def test_paper_scenario_swept_over_burst_frequency(tmp_path):
+    """compare --scenario microburst-paper --burst-every: one comparison per frequency,
+    every arm recovering by timeouts; rows say the frequency and the recovery; a sweep
+    report beside the per-frequency reports."""
+    out, js = tmp_path / "out", tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "boundedloss.cli", "compare", "--scenario", "microburst-paper",
+         "--policies", "baseline,dblp", "--workers", "2", "--epochs", "2",
+         "--steps-per-epoch", "4", "--burst-every", "3,2", "--json", str(js),
+         "--out", str(out)], capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(js.read_text())
+    assert [(r["burst_every"], r["policy"]) for r in rows] == [
+        (3, "baseline"), (3, "dblp"), (2, "baseline"), (2, "dblp")]
+    for r in rows:
+        assert (r["recovery"], r["probe_copies_max"], r["network"]) == ("timeout", 1,
+                                                                      "in-process")
+        assert set(ROW_FIELDS) <= set(r) and r["burst_rounds"] > 0
+        assert "speedup_burst_comm_outside_clr_max_vs_baseline" in r
+    assert {r["burst_rounds"] for r in rows if r["burst_every"] == 2} == {4}  # 1, 3, 5, 7
+    for every in (3, 2):
+        assert (out / f"every{every}" / "report.md").exists()
+    assert "| 2 | dblp |" in (out / "sweep.md").read_text()

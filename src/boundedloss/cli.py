@@ -21,6 +21,7 @@ from .collective import TOPOLOGIES
 from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
 from .experiments.train import MODELS, TrainConfig
 from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
+from .protocol import RECOVERY_MODES, probe_copies_for
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 console = Console()
@@ -317,12 +318,34 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     console.print(f"rows written to {json_path}")
 
 
-#: what-if runs against transports that recover by timeouts (train, compare, bench burst)
-probe_copies_option = click.option(
-    "--probe-copies-max", default=None, type=click.IntRange(1, 1024),
-    help="Most copies a PROBE goes in (default: the transport's, 32); 1 = a PROBE or answer "
-         "that is lost costs a retransmission timeout, as in a transport that recovers by "
-         "timeouts (what-if runs).")
+def probe_copies_option(fn):
+    """``--recovery`` and ``--probe-copies-max`` (train, compare, bench burst), passed on
+    as one ``probe_copies_max`` (None: not set on the command line)."""
+
+    def resolve(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+        recovery = ctx.params.pop("recovery", None)
+        if recovery is None:
+            return value
+        implied = probe_copies_for(recovery)
+        if value is not None and value != implied:
+            raise click.BadParameter(
+                f"--recovery {recovery} and --probe-copies-max {value} contradict each "
+                "other: give one", param_hint="--probe-copies-max")
+        return implied
+
+    fn = click.option(
+        "--probe-copies-max", default=None, type=click.IntRange(1, 1024), callback=resolve,
+        help="Most copies a PROBE goes in (default: the transport's, 32); 1 is "
+             "--recovery timeout.")(fn)
+    return click.option(
+        "--recovery", type=click.Choice(list(RECOVERY_MODES)), default=None, is_eager=True,
+        expose_value=False,
+        callback=lambda ctx, param, value: ctx.params.__setitem__("recovery", value),
+        help="How a lost PROBE or its lost answer is recovered: copies = the transport's "
+             "own (a PROBE goes in as many copies as the measured loss asks); timeout = "
+             "one copy, so a loss costs a retransmission timeout, as in transports that "
+             "recover by timeouts (the published DBLP baseline). Default: the "
+             "scenario's (compare), else copies.")(fn)
 
 
 @bench.command("burst")
@@ -452,13 +475,20 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  repeats: int, epochs: int | None, workers: int | None, seed: int,
                  steps_per_epoch: int | None, loss_spec: str | None, command: str,
                  network: str = DEFAULT_NETWORK, probe_copies_max: int | None = None,
-                 title: str = "boundedloss compare") -> None:
+                 title: str = "boundedloss compare",
+                 burst_every: tuple[int, ...] = ()) -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the tables, write JSON and the report."""
     from dataclasses import replace
 
-    from .experiments.compare import choose_network, run_compare, with_loss
-    from .experiments.report import PRINT_WIDTH, printed_tables, table_cells, write_report
+    from .experiments.compare import choose_network, run_compare, with_burst_every, with_loss
+    from .experiments.report import (
+        PRINT_WIDTH,
+        printed_tables,
+        table_cells,
+        write_report,
+        write_sweep_report,
+    )
     from .net.loss import parse_loss_spec
 
     sc = SCENARIOS[scenario]
@@ -478,6 +508,17 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         sc = with_loss(sc, loss_spec)
         if network == "auto":
             network = "in-process"  # a loss spec is an in-process what-if
+    if burst_every:
+        if any(n < 1 for n in burst_every):
+            raise click.BadParameter("every N must be at least 1", param_hint="--burst-every")
+        if sc.is_sweep or "burst:" not in sc.loss:
+            raise click.BadParameter(f"scenario {sc.name} has no round bursts to sweep",
+                                     param_hint="--burst-every")
+        if network == "kernel":
+            raise click.BadParameter("--burst-every sweeps in-process round bursts; the "
+                                     "kernel network's bursts are timed",
+                                     param_hint="--burst-every")
+        network = "in-process"
     n_epochs = epochs or sc.epochs
     n_workers = workers or sc.workers
     if policies is not None:
@@ -515,7 +556,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                f", burst rounds {'-' if burst is None else f'{burst:.1f} ms'}")
             + f", {res.metric_name} {s['final_metric']:.4f}")
 
-    total = len(arms) * repeats
+    total = len(arms) * repeats * max(1, len(burst_every))
     started = [0]
 
     def starting(arm, k) -> None:
@@ -534,28 +575,44 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                   f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
                   f"epochs, {repeats} repeat(s), {native.status()} data path",
                   soft_wrap=True)
-    rows, runs = run_compare(sc, arms, out_dir, repeats=repeats, epochs=n_epochs,
-                             workers=n_workers, seed=seed, steps_per_epoch=steps_per_epoch,
-                             probe_copies_max=probe_copies_max, progress=done,
-                             starting=starting)
     narrow = Console(width=min(console.width, PRINT_WIDTH))
-    head = (f"{sc.name}, {sc.network} network: {n_workers} workers, {n_epochs} epochs "
-            f"(median of {repeats})")
-    if sc.target_metric is not None:
-        head += f"; target {rows[0]['metric_name']} {sc.target_metric:g}"
-    for sub, columns in printed_tables(sc):
-        t = Table(title=f"{head}{' - ' + sub if sub else ''}")
-        for key, header, _ in columns:
-            t.add_column(header, justify="left" if key == "policy" else "right")
+    all_rows: list[dict] = []
+    sweep = [(every, with_burst_every(sc, every), os.path.join(out_dir, f"every{every}"))
+             for every in burst_every] if burst_every else [(None, sc, out_dir)]
+    for every, sc_k, out_k in sweep:
+        if every is not None:
+            console.print(f"[bold]a burst every {every} rounds[/]: {sc_k.loss}")
+        rows, runs = run_compare(sc_k, arms, out_k, repeats=repeats, epochs=n_epochs,
+                                 workers=n_workers, seed=seed,
+                                 steps_per_epoch=steps_per_epoch,
+                                 probe_copies_max=probe_copies_max, progress=done,
+                                 starting=starting)
+        head = (f"{sc.name}, {sc.network} network: {n_workers} workers, {n_epochs} epochs "
+                f"(median of {repeats})")
+        if every is not None:
+            head += f", a burst every {every} rounds"
+        if sc.target_metric is not None:
+            head += f"; target {rows[0]['metric_name']} {sc.target_metric:g}"
+        for sub, columns in printed_tables(sc_k):
+            t = Table(title=f"{head}{' - ' + sub if sub else ''}")
+            for key, header, _ in columns:
+                t.add_column(header, justify="left" if key == "policy" else "right")
+            for r in rows:
+                t.add_row(*table_cells(r, columns))
+            narrow.print(t)
+        settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} "
+                    f"repeat(s), {sc.network} network, recovery {rows[0]['recovery']}"
+                    + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
+        report = write_report(rows, runs, sc_k, out_k, command, settings)
+        console.print(f"report in {report}")
         for r in rows:
-            t.add_row(*table_cells(r, columns))
-        narrow.print(t)
-    write_json(rows, json_path)
-    settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} repeat(s), "
-                f"{sc.network} network"
-                + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
-    report = write_report(rows, runs, sc, out_dir, command, settings)
-    console.print(f"rows written to {json_path}; report in {report}")
+            r["burst_every"] = every
+        all_rows += rows
+    write_json(all_rows, json_path)
+    if len(sweep) > 1:
+        report = write_sweep_report(all_rows, sc, out_dir, command)
+        console.print(f"the sweep over burst frequency: {report}")
+    console.print(f"rows written to {json_path}")
 
 
 def _command_line(default: str) -> str:
@@ -599,9 +656,13 @@ def _command_line(default: str) -> str:
                    "system - gloo's TCP too - crosses (root, or a user namespace of its "
                    "own); in-process = loss injected at our endpoints (gloo runs "
                    "lossless); auto = kernel when it can run here.")
+@click.option("--burst-every", default=None,
+              help="Comma-separated N: run the comparison once per burst frequency - a "
+                   "burst every N rounds (the scenario's in-process round bursts) - each "
+                   "in OUT/everyN, with a sweep report in OUT/sweep.md.")
 @probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec, network, probe_copies_max) -> None:
+            steps_per_epoch, loss_spec, network, burst_every, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
@@ -609,7 +670,9 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
                f"--out {out_dir} --repeats {repeats} --seed {seed}")
     _run_compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
                  steps_per_epoch, loss_spec, _command_line(default), network=network,
-                 probe_copies_max=probe_copies_max)
+                 probe_copies_max=probe_copies_max,
+                 burst_every=(_parse_list(burst_every, int, "--burst-every")
+                              if burst_every is not None else ()))
 
 
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`

@@ -2,6 +2,7 @@
 
 from .mux import TransferMux
 from .receiver import MessageReceiver
+from .recovery import RECOVERY_MODES, probe_copies_for
 from .sender import MessageSender
 from .types import (
     CloseReason,
@@ -15,6 +16,7 @@ from .types import (
 )
 
 __all__ = [
+    "RECOVERY_MODES",
     "CloseReason",
     "MessageReceiver",
     "MessageSender",
@@ -26,4 +28,5 @@ __all__ = [
     "TransferStats",
     "TransportConfig",
     "TransportError",
+    "probe_copies_for",
 ]

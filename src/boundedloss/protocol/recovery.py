@@ -26,6 +26,23 @@ import math
 from .path import RttEstimate
 from .types import TransportConfig
 
+#: ``--recovery``: how a lost PROBE, or its lost answer, is recovered, as the
+#: ``probe_copies_max`` it sets. ``copies`` (the transport's default): the
+#: transport's own - a PROBE goes in as many copies as the measured loss asks, so a
+#: loss rarely costs a timeout; ``timeout``: one copy, so a lost PROBE or answer costs a
+#: retransmission timeout, as in a transport that recovers by timeouts (the published
+#: DBLP baseline evidently does).
+RECOVERY_MODES: dict[str, int] = {"copies": TransportConfig().probe_copies_max, "timeout": 1}
+
+
+def probe_copies_for(recovery: str) -> int:
+    """The ``probe_copies_max`` that recovery mode ``recovery`` sets (ValueError for an
+    unknown one)."""
+    if recovery not in RECOVERY_MODES:
+        raise ValueError(f"unknown recovery {recovery!r}; choose from "
+                         f"{', '.join(RECOVERY_MODES)}")
+    return RECOVERY_MODES[recovery]
+
 
 class Recovery:
     __slots__ = (
