@@ -145,13 +145,21 @@ class _AfterFirst(LossModel):
         return "none"
 
 
+def _worker_starts_late(coll):
+    """The server's receive is posted before the worker's push starts (a loss model that
+    counts datagrams would otherwise count, on a loaded machine, ones that came before
+    there was a receive for them)."""
+    if coll.rank != 0:
+        time.sleep(0.2)
+
+
 def test_a_reliable_round_never_hands_on_part_of_a_message():
     """Under ReliablePolicy a receive that reaches its hard deadline with part of the
     message (here: the server hears 2 of a worker's 3 chunks, then nothing) fails the
     round, naming the peer - it does not aggregate what arrived."""
     _, outputs, _, errors = _run_world(
         ParameterServer, 2, ReliablePolicy, UnbiasedRescale(), rounds=1, buckets=1,
-        deadline=1.0, losses=[_AfterFirst(2), _AfterFirst(2)])
+        deadline=1.0, losses=[_AfterFirst(2), _AfterFirst(2)], setup=_worker_starts_late)
     assert errors and all(isinstance(e, PeerFailure) for e in errors.values())
     assert any(re.search(r"from rank \d.* [12] of \d+ chunks arrived within the 1 s "
                          r"receive deadline, and this receive tolerates no loss", str(e))
@@ -317,8 +325,7 @@ def test_a_receive_the_guard_made_reliable_still_hands_on_part_at_the_hard_deadl
     job's fails the round: test_a_reliable_round_never_hands_on_part_of_a_message)."""
     def guarded_from_the_start(coll):
         coll.guard.load_state_dict({0: {"above": 0, "guarded": True}})
-        if coll.rank == 1:
-            time.sleep(0.2)  # (the server's receive is posted before the push starts)
+        _worker_starts_late(coll)
 
     _, outputs, stats, errors = _run_world(
         ParameterServer, 2, lambda: FixedBoundPolicy(0.25), UnbiasedRescale(), rounds=1,
