@@ -81,6 +81,107 @@ def test_short_training_runs_for_every_policy(tmp_path, policy, topology):
         assert epochs[0]["phase"] in ("critical", "relaxed") and epochs[0]["bound"] is not None
 
 
+def _run_training_in_a_process(cfg):
+    """``run_training(cfg)`` in a fresh interpreter (its ranks fork from a server there)."""
+    from dataclasses import asdict
+
+    code = ("import json, sys\n"
+            "from boundedloss.experiments.train import TrainConfig, run_training\n"
+            "print(json.dumps(run_training(TrainConfig(**json.loads(sys.argv[1])))))\n")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(asdict(cfg))],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_run_killed_after_a_checkpoint_resumes_as_if_it_had_never_stopped(tmp_path):
+    """DBLP on the digits over Gloo and the hook on UDP loopback, 2 ranks, 6 epochs (the
+    LR drops after epochs 2 and 3). One run goes through; another checkpoints every
+    epoch (torch.save: model, optimizer, scheduler, the hook's state_dict) and every
+    rank is SIGKILLed after epoch 3's. A new run resumed from those files starts where
+    the first stood after epoch 3 - same phase, bound and round counters - and goes on
+    as it did: each later epoch's phase, bound, LR change (the first epoch end after the
+    restart needs the LRs the checkpoint kept) and round counters are the same. Its
+    gradient norms and accuracy agree closely, not bit for bit: the first round a process
+    runs may miss what a peer sent before its receive was posted, up to the bound (as the
+    uninterrupted run's round 0 does)."""
+    import torch
+
+    from boundedloss.experiments.train import TrainConfig, checkpoint_path
+    from boundedloss.policy import make_policy
+
+    job = dict(policy="dblp", topology="ps", workers=2, epochs=6, steps_per_epoch=4,
+               receive_deadline=10.0)
+    full = TrainConfig(**job, out=str(tmp_path / "full"), checkpoint_every=1)
+    _run_training_in_a_process(full)
+    through = _lines(tmp_path / "full" / "epochs.jsonl")
+
+    out = tmp_path / "killed"
+    killed = TrainConfig(**job, out=str(out), checkpoint_every=1)
+    from dataclasses import asdict
+
+    proc = subprocess.run([sys.executable, str(HERE / "killed_training.py"),
+                           json.dumps(asdict(killed)), "3", str(_port())],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [-9, -9], proc.stderr  # SIGKILL
+
+    for rank in (0, 1):  # what the killed run left: plain values torch.load reads as they are
+        saved = torch.load(checkpoint_path(out, rank))
+        hook = saved["hook"]
+        assert (saved["epoch"], saved["round"], hook["rank"], hook["rounds"]) == (3, 16, rank,
+                                                                                {0: 16})
+        policy = make_policy("dblp")
+        policy.load_state_dict(hook["policy"])
+        assert (policy.phase.value, policy.bound) == (through[3]["phase"], through[3]["bound"])
+        assert through[3]["round_counters"] == {"0": 16}
+    assert len(_lines(out / "epochs.jsonl")) == 4
+
+    summary = _run_training_in_a_process(
+        TrainConfig(**job, out=str(out), checkpoint_every=1, resume=str(out)))
+    assert summary["resumed_from_epoch"] == 3 and summary["rounds"] == 24
+    resumed = _lines(out / "epochs.jsonl")
+    assert [e["epoch"] for e in resumed] == list(range(6))
+    assert [e["lr_changed"] for e in through] == [False, False, True, True, False, False]
+    for was, now in zip(through, resumed):
+        for key in ("phase", "bound", "lr", "lr_changed", "round_counters"):
+            assert now[key] == was[key], (key, was, now)
+        assert now["grad_norm"] == pytest.approx(was["grad_norm"], rel=0.05)
+        assert now["accuracy"] == pytest.approx(was["accuracy"], abs=0.02)
+    for rank in (0, 1):  # where both ended: the policy's whole history, the counters
+        ended = [torch.load(checkpoint_path(d, rank))["hook"] for d in (full.out, out)]
+        assert ended[0]["rounds"] == ended[1]["rounds"] == {0: 24}
+        assert ended[0]["epoch"] == ended[1]["epoch"] == 6
+        histories = [h["policy"]["history"] for h in ended]
+        assert len(histories[0]) == len(histories[1]) == 6
+        for was, now in zip(*histories):
+            assert (now["epoch"], now["phase"], now["bound"], now["reason"]) == (
+                was["epoch"], was["phase"], was["bound"], was["reason"])
+            assert now["grad_norm"] == pytest.approx(was["grad_norm"], rel=0.05)
+    rounds = _lines(out / "rounds.jsonl")
+    assert [r["round"] for r in rounds] == list(range(24))
+    losses = [r["loss"] for r in rounds]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.05  # (it trained on)
+
+
+def test_train_checks_its_checkpoint_and_guard_options(tmp_path):
+    from boundedloss.experiments.train import TrainConfig
+    from boundedloss.torch import LossGuard
+
+    for bad, says in ((dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
+                      (dict(resume=str(tmp_path / "nowhere")), "is not a directory"),
+                      (dict(guard_rounds=-2), "--guard-rounds must be >= 0")):
+        with pytest.raises(ValueError, match=says):
+            TrainConfig(**bad).validate()
+    assert TrainConfig().guard() is None  # the hook's default
+    assert TrainConfig(guard_rounds=0).guard() == LossGuard(rounds=0)
+    TrainConfig(resume=str(tmp_path), checkpoint_every=2).validate()
+
+
 def test_digits_mlp_learns_under_ten_percent_loss(tmp_path):
     proc, out = _train(tmp_path, "--policy", "mlt", "--topology", "ps", "--workers", "3",
                        "--epochs", "6", "--loss", "bernoulli:0.10", "--aggregator", "unbiased",

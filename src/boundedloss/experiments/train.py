@@ -10,7 +10,11 @@ that one rank. Rank 0 writes, under ``out``:
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
 - ``summary.json``  the configuration, final metric, wall time, whether the UDP
   endpoints used segmentation offload, the most copies a PROBE went in, and the data
-  path (``native``, or ``python (why)``).
+  path (``native``, or ``python (why)``);
+- with ``checkpoint_every``, ``checkpoint.rank<r>.pt`` per rank (every rank writes its
+  own, replaced at each checkpoint): the epoch and round reached, the model's, the
+  optimizer's, the scheduler's and the hook's ``state_dict()``. ``resume=DIR`` starts
+  every rank from its file in DIR and appends to the logs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     import torch
     from rich.progress import Progress, TaskID
 
+    from ..collective import LossGuard
     from ..emulate import Testbed
     from ..protocol import TransportConfig
 
@@ -65,6 +70,10 @@ class TrainConfig:
     steps_per_epoch: int | None = None  # default: one pass over this rank's share
     die_at_round: int | None = None  # testing: rank 1 exits abruptly at this round
     probe_copies_max: int | None = None  # the transport's PROBE copies (None: its default)
+    #: the loss guard's rounds above the bound (0: off; None: the hook's default)
+    guard_rounds: int | None = None
+    checkpoint_every: int = 0  # a checkpoint every this many epochs (0: none)
+    resume: str | None = None  # a directory with every rank's checkpoint to start from
 
     def validate(self) -> None:
         try:
@@ -80,6 +89,18 @@ class TrainConfig:
             raise ValueError("--workers must be >= 2")
         if self.epochs < 1:
             raise ValueError("--epochs must be >= 1")
+        if self.checkpoint_every < 0:
+            raise ValueError("--checkpoint-every must be >= 0 (0: no checkpoints)")
+        if self.guard_rounds is not None and self.guard_rounds < 0:
+            raise ValueError("--guard-rounds must be >= 0 (0: no loss guard)")
+        if self.resume is not None and not Path(self.resume).is_dir():
+            raise ValueError(f"--resume: {self.resume} is not a directory")
+
+    def guard(self) -> LossGuard | None:
+        """The hook's loss guard for this run (None: the hook's default)."""
+        from ..collective import LossGuard
+
+        return None if self.guard_rounds is None else LossGuard(rounds=self.guard_rounds)
 
     def transport(self) -> TransportConfig:
         """The hook's transport with this run's chunk size, deadline and PROBE copies."""
@@ -184,7 +205,74 @@ def _per_round(log: list[dict], round_id: int) -> dict:
         "bound": entries[0]["bound"],
         "phase": entries[0]["phase"],
         "closed": sorted({r for e in entries for r in e["close_reasons"]}),
+        # the loss guard: the worst first-pass loss it was shown, and whether it held a bucket
+        "first_pass_loss": max((e["first_pass_loss"] for e in entries
+                                if e.get("first_pass_loss") is not None), default=None),
+        "guarded": any(e.get("guarded") for e in entries),
     }
+
+
+def checkpoint_path(directory: str | Path, rank: int) -> Path:
+    """Where rank ``rank``'s checkpoint lies in ``directory``."""
+    return Path(directory) / f"checkpoint.rank{rank}.pt"
+
+
+def save_checkpoint(path: Path, checkpoint: dict) -> None:
+    """Write ``checkpoint`` with ``torch.save`` so that ``path`` always holds a whole
+    one: into a file beside it, then renamed over it (a process killed while writing
+    leaves the previous checkpoint)."""
+    import torch
+
+    part = path.with_name(path.name + ".part")
+    torch.save(checkpoint, part)
+    os.replace(part, path)
+
+
+def _keep_log_until(path: Path, key: str, last: int) -> None:
+    """Drop the lines of a JSON-lines log whose ``key`` is past ``last``, and a last line
+    a killed writer left half written (nothing if the log is not there)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get(key, last) <= last:
+                kept.append(line + "\n")
+        except json.JSONDecodeError:
+            pass
+    path.write_text("".join(kept))
+
+
+def load_checkpoint(cfg: TrainConfig, rank: int, world: int, uses_hook: bool) -> dict:
+    """This rank's checkpoint from ``cfg.resume``, once every rank has found its own of
+    the same epoch; ``ValueError`` (one line, on every rank) if not."""
+    import torch
+    import torch.distributed as dist
+
+    path = checkpoint_path(cfg.resume or ".", rank)
+    found: dict | None = None
+    problem = ""
+    if not path.is_file():
+        problem = f"rank {rank} has no {path}"
+    else:
+        found = torch.load(path)  # (weights_only: plain values and tensors)
+        if found["world_size"] != world:
+            problem = f"{path} is of a world of {found['world_size']} ranks, not {world}"
+        elif (found["hook"] is not None) != uses_hook:
+            problem = (f"{path} is of a run {'with' if found['hook'] else 'without'} the "
+                       f"bounded-loss hook; --policy {cfg.policy} runs "
+                       f"{'with' if uses_hook else 'without'} it")
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (problem, None if found is None else found["epoch"]))
+    problems = [p for p, _ in seen if p]
+    if problems:
+        raise ValueError(f"--resume: {problems[0]}")
+    epochs = [e for _, e in seen]
+    if len(set(epochs)) > 1:
+        raise ValueError(f"--resume: the ranks' checkpoints are of different epochs {epochs} "
+                         "(a run stopped while writing one)")
+    assert found is not None
+    return found
 
 
 def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None = None) -> dict:
@@ -207,6 +295,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
         keep_alive.append(ddp)
     spec = parse_policy(cfg.policy)
     state = None
+    resumed = (load_checkpoint(cfg, rank, world, spec.uses_transport)
+               if cfg.resume is not None else None)
     # UDP offload in use at the end, PROBE copies, the data path (None: gloo)
     offload = copies = data_path = None
     if spec.uses_transport:
@@ -217,25 +307,37 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             ddp, spec.make(), aggregator=cfg.aggregator, topology=cfg.topology,
             transport=cfg.transport(), hadamard=cfg.hadamard,
             stale_broadcast=cfg.stale_broadcast,
-            loss=None if loss.describe().startswith("none") else loss,
+            loss=None if loss.describe().startswith("none") else loss, guard=cfg.guard(),
         )
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
     milestones = sorted({max(1, int(cfg.epochs * 0.5)), max(1, int(cfg.epochs * 0.75))})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.2)
     loss_fn = torch.nn.CrossEntropyLoss()
+    first_epoch = round_id = 0
+    if resumed is not None:
+        work.model.load_state_dict(resumed["model"])
+        opt.load_state_dict(resumed["optimizer"])
+        sched.load_state_dict(resumed["scheduler"])
+        if state is not None:
+            state.load_state_dict(resumed["hook"])
+        first_epoch, round_id = resumed["epoch"] + 1, resumed["round"]
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     # rank 0 logs every round and epoch; the others their own step times too, since a
-    # round lasts until its slowest rank is done
-    rounds_log: IO[str] = open(out / ("rounds.jsonl" if rank == 0
-                                      else f"rounds.rank{rank}.jsonl"), "w")
-    epochs_log: IO[str] | None = open(out / "epochs.jsonl", "w") if rank == 0 else None
-    progress = _Progress(rank == 0, cfg)
+    # round lasts until its slowest rank is done (a resumed run adds to the logs)
+    rounds_path = out / ("rounds.jsonl" if rank == 0 else f"rounds.rank{rank}.jsonl")
+    if resumed is not None:  # (what a killed run logged past its checkpoint is done again)
+        _keep_log_until(rounds_path, "round", round_id - 1)
+        if rank == 0:
+            _keep_log_until(out / "epochs.jsonl", "epoch", first_epoch - 1)
+    mode = "a" if resumed is not None else "w"
+    rounds_log: IO[str] = open(rounds_path, mode)
+    epochs_log: IO[str] | None = open(out / "epochs.jsonl", mode) if rank == 0 else None
+    progress = _Progress(rank == 0, cfg, first_epoch)
     t_start = time.perf_counter()
-    round_id = 0
     metric = float("nan")
     try:
-        for epoch in range(cfg.epochs):
+        for epoch in range(first_epoch, cfg.epochs):
             for x, y in work.batches(epoch):
                 if cfg.die_at_round is not None and rank == 1 and round_id == cfg.die_at_round:
                     os._exit(17)  # an abrupt death: no goodbye to anyone
@@ -273,11 +375,24 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
                        "lr": opt.param_groups[0]["lr"],
                        "wall_s": round(time.perf_counter() - t_start, 4),
                        "grad_norm": decided.get("grad_norm"), "phase": decided.get("phase"),
-                       "bound": decided.get("bound")}
+                       "bound": decided.get("bound"), "lr_changed": decided.get("lr_changed"),
+                       # the hook's round counter per bucket (what a resumed run goes on from)
+                       "round_counters": (None if state is None else
+                                          {str(b): n for b, n in sorted(state.rounds.items())})}
                 epochs_log.write(json.dumps(rec) + "\n")
                 rounds_log.flush()
                 epochs_log.flush()
                 progress.epoch(epoch, work.metric_name, metric)
+            if cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
+                rounds_log.flush()  # (the logs hold what the checkpoint holds)
+                save_checkpoint(checkpoint_path(out, rank), {
+                    "epoch": epoch, "round": round_id, "world_size": world,
+                    "model": work.model.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "hook": None if state is None else state.state_dict()})
+                # every rank's file of this epoch is written before any rank goes on, so
+                # a run killed later leaves a checkpoint of one epoch on every rank
+                dist.barrier()
         wall = time.perf_counter() - t_start
     except RuntimeError:
         if state is not None and state.failure is not None:
@@ -298,7 +413,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
                "udp_segmentation_offload": offload, "probe_copies_max": copies,
-               "data_path": data_path}
+               "data_path": data_path,
+               "resumed_from_epoch": None if resumed is None else resumed["epoch"]}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.destroy_process_group()
@@ -308,7 +424,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
 class _Progress:
     """A rich progress bar on rank 0 (plain lines when not on a terminal)."""
 
-    def __init__(self, enabled: bool, cfg: TrainConfig):
+    def __init__(self, enabled: bool, cfg: TrainConfig, first_epoch: int = 0):
         self.bar: tuple[Progress, TaskID] | None = None
         if not enabled:
             return
@@ -318,7 +434,8 @@ class _Progress:
                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                        transient=False)
         bar.start()
-        self.bar = bar, bar.add_task(f"{cfg.policy}/{cfg.topology}", total=cfg.epochs, info="")
+        self.bar = bar, bar.add_task(f"{cfg.policy}/{cfg.topology}", total=cfg.epochs,
+                                     completed=first_epoch, info="")
 
     def step(self, epoch: int, loss: float) -> None:
         if self.bar is not None:
