@@ -8,11 +8,13 @@ release once round 4 is clean. Then every rank's state_dict() goes through torch
 and torch.load (weights_only) into a second registered model, whose live collective and
 endpoint must then hold the same round counters, memory, guard and paths, and continue
 from those round counters; a state_dict of another topology is refused in one line and
-changes nothing. Exit code 0 on success; prints "rank R: ok".
+changes nothing; and a pickled state registered again keeps them too. Exit code 0 on
+success; prints "rank R: ok".
 """
 
 import io
 import os
+import pickle
 import sys
 
 import torch
@@ -89,7 +91,18 @@ def rank_main(rank, world, port):
     assert again.endpoint.path_state(coll.peers[peer]) == loaded["paths"][peer]
     step(twin, g)  # continues from the loaded round counter
     assert [e["round"] for e in again.round_log] == [ROUNDS], again.round_log
-    for s in (state, again):
+
+    # a pickled state registered again (register(state=...)) keeps the same, too
+    third = model()
+    pickled = pickle.loads(pickle.dumps(state))
+    path = pickled.paths[peer]  # (as of the pickling: the last broadcast's STOP may be late)
+    assert path["srtt"] is not None
+    kept = bl.register(third, state=pickled)
+    assert kept.rounds == state.rounds and kept.guard == state.guard
+    assert kept.collective.guard.state_dict() == state.collective.guard.state_dict()
+    assert kept.endpoint.path_state(kept.collective.peers[peer]) == path
+    assert kept.endpoint.config == state.endpoint.config
+    for s in (state, again, kept):
         s.close()
     dist.destroy_process_group()
     print(f"rank {rank}: ok")
