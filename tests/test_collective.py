@@ -256,9 +256,9 @@ def test_the_guard_engages_after_k_rounds_above_the_bound_and_releases_within_it
         held.append(guards.holds(0))
     assert held == [False, False, False, False, False, True, True, True, False, False]
     assert [r.getMessage() for r in caplog.records] == [
-        "rank 0, bucket 0: loss 20.0% above the bound 5.0% for 3 rounds in a row (to round "
+        "rank 0, bucket 0: loss 20.00% above the bound 5.00% for 3 rounds in a row (to round "
         "5): received reliably until it is back within the bound",
-        "rank 0, bucket 0: loss 1.0% within the bound 5.0% at round 8: bounded again"]
+        "rank 0, bucket 0: loss 1.00% within the bound 5.00% at round 8: bounded again"]
     assert guards.state_dict() == {0: {"above": 1, "guarded": False}}
     assert not guards.holds(1)  # per bucket
 
@@ -316,7 +316,7 @@ def test_a_bucket_losing_more_than_its_bound_is_received_reliably_until_the_loss
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and said[0].startswith("rank 0, bucket 0: loss ")
     assert "for 2 rounds in a row (to round 1)" in said[0]
-    assert said[1].startswith("rank 0, bucket 0: loss 0.0% within the bound 5.0% at round 4")
+    assert said[1].startswith("rank 0, bucket 0: loss 0.00% within the bound 5.00% at round 4")
 
 
 def test_a_receive_the_guard_made_reliable_still_hands_on_part_at_the_hard_deadline():

@@ -91,13 +91,13 @@ class LossGuards:
         if g.guarded:
             if not above:
                 g.guarded, g.above = False, 0
-                log.warning("%s: loss %.1f%% within the bound %.1f%% at round %d: "
+                log.warning("%s: loss %.2f%% within the bound %.2f%% at round %d: "
                             "bounded again", where, 100 * loss, 100 * bound, round_id)
         elif above:
             g.above += 1
             if g.above >= self.setting.rounds:
                 g.guarded = True
-                log.warning("%s: loss %.1f%% above the bound %.1f%% for %d rounds in a row "
+                log.warning("%s: loss %.2f%% above the bound %.2f%% for %d rounds in a row "
                             "(to round %d): received reliably until it is back within the "
                             "bound", where, 100 * loss, 100 * bound, g.above, round_id)
         else:
