@@ -603,3 +603,12 @@ def test_paper_scenario_swept_over_burst_frequency(tmp_path):
     for every in (3, 2):
         assert (out / f"every{every}" / "report.md").exists()
     assert "| 2 | dblp |" in (out / "sweep.md").read_text()
+
+
+def test_compare_runs_every_policy_without_the_loss_guard():
+    """The published systems have no guard; with it a bound below the network's loss
+    would run as reliable, and the comparison would not be of the policies."""
+    sc = SCENARIOS["microburst-paper"]
+    for arm in sc.arms():
+        cfg = make_config(sc, arm, out="x", epochs=1, workers=3, seed=0)
+        assert cfg.guard_rounds == 0 and cfg.guard() is not None and not cfg.guard().enabled

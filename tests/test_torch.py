@@ -182,6 +182,30 @@ def test_train_checks_its_checkpoint_and_guard_options(tmp_path):
     TrainConfig(resume=str(tmp_path), checkpoint_every=2).validate()
 
 
+def test_train_checkpoints_and_resumes_from_the_command_line(tmp_path):
+    """`train --checkpoint-every` then `train --resume`: the second run goes on from the
+    first one's last checkpoint; the guard is set from the command line too."""
+    first = tmp_path / "first"
+    proc = subprocess.run(
+        [sys.executable, "-m", "boundedloss.cli", "train", "--policy", "dblp", "--workers", "2",
+         "--epochs", "2", "--steps-per-epoch", "3", "--checkpoint-every", "1",
+         "--guard-rounds", "0", "--out", str(first)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {p.name for p in first.glob("checkpoint.rank*.pt")} == {"checkpoint.rank0.pt",
+                                                                  "checkpoint.rank1.pt"}
+    rounds = [json.loads(line) for line in (first / "rounds.jsonl").read_text().splitlines()]
+    assert not any(r.get("guarded") for r in rounds)
+    proc = subprocess.run(
+        [sys.executable, "-m", "boundedloss.cli", "train", "--policy", "dblp", "--workers", "2",
+         "--epochs", "4", "--steps-per-epoch", "3", "--resume", str(first),
+         "--out", str(tmp_path / "second")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert summary["resumed_from_epoch"] == 1 and summary["rounds"] == 12
+
+
 def test_digits_mlp_learns_under_ten_percent_loss(tmp_path):
     proc, out = _train(tmp_path, "--policy", "mlt", "--topology", "ps", "--workers", "3",
                        "--epochs", "6", "--loss", "bernoulli:0.10", "--aggregator", "unbiased",

@@ -432,11 +432,23 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--steps-per-epoch", default=None, type=click.IntRange(1, 1_000_000),
               help="Default: one pass over each rank's share (charlm: 40).")
 @probe_copies_option
+@click.option("--guard-rounds", default=None, type=click.IntRange(0, 1_000_000),
+              help="The loss guard: a bucket whose first-pass loss stays above the "
+                   "policy's bound for this many rounds in a row is received reliably "
+                   "until it is back within it (0: off). Default: the hook's (on for "
+                   "bounded policies, 3 rounds).")
+@click.option("--checkpoint-every", default=TRAIN_DEFAULTS.checkpoint_every,
+              type=click.IntRange(0, 1_000_000), show_default=True,
+              help="Every rank writes OUT/checkpoint.rank<r>.pt every this many epochs "
+                   "(model, optimizer, scheduler and the hook's state_dict); 0: never.")
+@click.option("--resume", default=None,
+              type=click.Path(exists=True, file_okay=False, dir_okay=True),
+              help="Go on from the checkpoints in this folder (every rank's, of one epoch).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
               type=click.Path(file_okay=False), callback=_out_folder)
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
-          probe_copies_max, out) -> None:
+          probe_copies_max, guard_rounds, checkpoint_every, resume, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (starts local workers,
     or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
@@ -455,7 +467,12 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       batch_size=batch_size, lr=lr, chunk_bytes=chunk_bytes,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
-                      probe_copies_max=probe_copies_max)
+                      probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
+                      checkpoint_every=checkpoint_every, resume=resume)
+    try:
+        cfg.validate()  # (before any rank starts: one line, nothing started)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
     def report(summary: dict) -> None:
         console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
