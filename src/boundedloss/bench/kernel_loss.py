@@ -6,8 +6,13 @@ random with ``iptables -m statistic`` (TCP and UDP alike, so Gloo's TCP sees the
 loss as our UDP). Each rank exchanges a gradient-sized float32 vector for ``rounds``
 rounds - Gloo allreduce (TCP) or a boundedloss collective (the parameter server or the
 transpose allreduce, ``--topology``) under reliable, MLT (p = 1%) and DBLP (relaxed
-phase: P_low + k) - and times every round. A round starts after a Gloo barrier, so the
-ranks start together; latency is the slowest rank's. The testbed's links have the MTU
+phase: P_low + k) - and times every round. A round starts after a Gloo barrier; its
+latency runs from the moment the last rank entered it to the moment the last rank left
+it (every rank logs both on the monotonic clock the host's namespaces share). The
+barrier crosses the same lossy links over TCP, so one rank may leave it a TCP
+retransmission timeout after the others: timing each rank from its own start would
+charge that timeout - the harness's, not the exchange's - to whichever system waits for
+that rank's data. The testbed's links have the MTU
 ``--mtu`` (9,000: jumbo frames, as in data centres); boundedloss's chunks follow it (one
 packet each, as ``register()`` picks them).
 """
@@ -88,7 +93,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world,
                             timeout=timedelta(seconds=120))
     x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
-    latencies, fractions = [], []
+    starts, ends, fractions = [], [], []
     spec = parse_policy(a.system)
     coll: Collective | None = None
     endpoint: UdpEndpoint | None = None
@@ -118,7 +123,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     tensor = torch.from_numpy(x.copy())
     for t in range(a.rounds + 1):  # round 0 warms up (connections, first receives)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         if coll is None:
             tensor.copy_(torch.from_numpy(x))
             dist.all_reduce(tensor)
@@ -127,15 +132,25 @@ def rank_main(argv: list[str] | None = None) -> None:
             _, st = coll.allreduce_mean(x, t, 0)
             frac = st.min_delivered_fraction
         if t:
-            latencies.append(time.perf_counter() - t0)
+            starts.append(t0)
+            ends.append(time.monotonic())
             fractions.append(frac)
-    Path(a.out, f"rank{a.rank}.json").write_text(json.dumps({"lat": latencies, "frac": fractions}))
+    Path(a.out, f"rank{a.rank}.json").write_text(
+        json.dumps({"start": starts, "end": ends, "frac": fractions}))
     dist.barrier()
     if coll is not None:
         coll.close()
     if endpoint is not None:
         endpoint.close()
     dist.destroy_process_group()
+
+
+def round_latencies_ms(per_rank: list[dict]) -> list[float]:
+    """Each round's latency (ms) from every rank's ``start``/``end`` times: from when the
+    last rank entered the round to when the last rank left it."""
+    rounds = len(per_rank[0]["start"])
+    return [(max(rk["end"][i] for rk in per_rank) - max(rk["start"][i] for rk in per_rank))
+            * 1e3 for i in range(rounds)]
 
 
 # ------------------------------------------------------------------- driver (root)
@@ -201,7 +216,7 @@ def run_kernel_loss_bench(
                                            f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
                     per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text())
                                 for r in range(4)]
-                lat = [max(rk["lat"][i] for rk in per_rank) * 1e3 for i in range(rounds)]
+                lat = round_latencies_ms(per_rank)
                 frac = [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
                 rows.append(KernelLossRow(
                     system=system, topology=topology, mtu=mtu, loss=loss, rounds=rounds,
