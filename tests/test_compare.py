@@ -588,21 +588,27 @@ def test_paper_scenario_swept_over_burst_frequency(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "boundedloss.cli", "compare", "--scenario", "microburst-paper",
          "--policies", "baseline,dblp", "--workers", "2", "--epochs", "2",
-         "--steps-per-epoch", "4", "--burst-every", "3,2", "--json", str(js),
+         "--steps-per-epoch", "4", "--burst-every", "4,3", "--json", str(js),
          "--out", str(out)], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(js.read_text())
     assert [(r["burst_every"], r["policy"]) for r in rows] == [
-        (3, "baseline"), (3, "dblp"), (2, "baseline"), (2, "dblp")]
+        (4, "baseline"), (4, "dblp"), (3, "baseline"), (3, "dblp")]
     for r in rows:
         assert (r["recovery"], r["probe_copies_max"], r["network"]) == ("timeout", 1,
                                                                       "in-process")
         assert set(ROW_FIELDS) <= set(r) and r["burst_rounds"] > 0
         assert "speedup_burst_comm_outside_clr_max_vs_baseline" in r
-    assert {r["burst_rounds"] for r in rows if r["burst_every"] == 2} == {4}  # 1, 3, 5, 7
-    for every in (3, 2):
+    # of rounds 0-7: 3 and 7 (offset 7 % 4), 1, 4 and 7 (offset 7 % 3)
+    assert {r["burst_every"]: r["burst_rounds"] for r in rows} == {4: 2, 3: 3}
+    for r in rows:  # each run met the bursts of its own frequency
+        assert f"every={r['burst_every']}," in r["loss"]
+        cfg = json.loads((out / f"every{r['burst_every']}" / "runs" / f"{r['policy']}-r0"
+                          / "summary.json").read_text())["config"]
+        assert f"every={r['burst_every']}," in cfg["loss"]
+    for every in (4, 3):
         assert (out / f"every{every}" / "report.md").exists()
-    assert "| 2 | dblp |" in (out / "sweep.md").read_text()
+    assert "| 3 | dblp |" in (out / "sweep.md").read_text()
 
 
 def test_compare_runs_every_policy_without_the_loss_guard():

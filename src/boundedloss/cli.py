@@ -599,6 +599,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     for every, sc_k, out_k in sweep:
         if every is not None:
             console.print(f"[bold]a burst every {every} rounds[/]: {sc_k.loss}")
+        arms = sc_k.arms() if sc_k.is_sweep else sc_k.arms(policies)  # (their loss too)
         rows, runs = run_compare(sc_k, arms, out_k, repeats=repeats, epochs=n_epochs,
                                  workers=n_workers, seed=seed,
                                  steps_per_epoch=steps_per_epoch,

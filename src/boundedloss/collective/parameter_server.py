@@ -10,11 +10,12 @@ The server does not wait for its broadcast to be acknowledged: a worker that has
 result goes on, and a STOP lost on its way back (a microburst at the server) would
 otherwise hold the server - and with it every worker's next round - for an RTO or
 more. The sends finish in the background; a failed one is raised in a later round
-(once that round's pushes are in, or at ``close``, which waits for them).
+(once that round's pushes are in); ``close`` waits a while for the last ones.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,10 @@ from typing import Any
 import numpy as np
 
 from ..protocol import SendResult
-from .base import PULL, PUSH, Collective, PeerFailure, RoundStats, Tally, message_id
+from .base import PULL, PUSH, Collective, RoundStats, Tally, message_id
+
+#: the longest close() waits for the last broadcasts to settle
+CLOSE_SETTLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -85,13 +89,22 @@ class ParameterServer(Collective):
             self._broadcasts[bucket] = keep
 
     def close(self) -> None:
-        """Let the last broadcasts be delivered, then release the posted receives."""
+        """Let the last broadcasts be delivered - for at most ``CLOSE_SETTLE_S`` - then
+        cancel what is left and release the posted receives. (A worker that has finished
+        its last step has its broadcast; its STOP may be lost at shutdown, and with the
+        worker gone nothing would answer the server's PROBEs until the peer timeout.)"""
+        deadline = time.monotonic() + CLOSE_SETTLE_S
         try:
-            for bucket in list(self._broadcasts):
-                self._settle_broadcasts(bucket)
-        except PeerFailure:
-            pass  # a worker gone at shutdown: its own rank reports why
+            for sends in self._broadcasts.values():
+                for sent in sends:
+                    sent.future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            pass  # not settled in time: cancelled below
         finally:
+            for sends in self._broadcasts.values():
+                for sent in sends:
+                    if not sent.future.done():
+                        self.endpoint.cancel(sent.future)
             self._broadcasts.clear()
             super().close()
 

@@ -394,6 +394,10 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
                 # a run killed later leaves a checkpoint of one epoch on every rank
                 dist.barrier()
         wall = time.perf_counter() - t_start
+        if state is not None:
+            # every rank has finished its last step, so every broadcast has arrived: the
+            # server's close() need not wait on STOPs a finished worker may never send
+            dist.barrier()
     except RuntimeError:
         if state is not None and state.failure is not None:
             raise state.failure from None  # DDP's re-worded copy hides the type
