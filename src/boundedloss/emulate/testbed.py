@@ -925,15 +925,8 @@ class Testbed:
         p = check_probability(p)
         if protocol not in ("udp", "all"):
             raise ValueError(f"protocol must be 'udp' or 'all', got {protocol!r}")
-        node = self.node(node)
-        if node == SWITCH:
-            raise TestbedError("loss goes on a receiving node (server or a worker), "
-                               "not the switch: bridged frames never reach INPUT")
         with self._lock:
-            if not self._active:
-                raise TestbedError("the testbed is not up")
-            ns = self.namespace(node)
-            exists = ns in self._chains or self._has_chain(ns)
+            ns, exists = self._loss_chain(node)
             if p == 0:
                 if exists:
                     self._ipt(ns, _tool("iptables-restore"), "-w", "--noflush", input=(
@@ -948,17 +941,21 @@ class Testbed:
     def loss_writer(self, node: str | int = SERVER, *, protocol: str = "all") -> LossRuleWriter:
         """A :class:`LossRuleWriter` on ``node``: its loss rule changed in about a
         millisecond, for microbursts (``down()`` ends it)."""
-        node = self.node(node)
-        if node == SWITCH:
+        with self._lock:
+            ns, exists = self._loss_chain(node)
+            self._chains.add(ns)
+        return LossRuleWriter(self, self.node(node), protocol, jump=not exists)
+
+    def _loss_chain(self, node: str | int) -> tuple[str, bool]:
+        """The namespace of the receiving ``node`` whose loss rule is to change, and
+        whether its chain exists (with the lock held)."""
+        if self.node(node) == SWITCH:
             raise TestbedError("loss goes on a receiving node (server or a worker), "
                                "not the switch: bridged frames never reach INPUT")
-        with self._lock:
-            if not self._active:
-                raise TestbedError("the testbed is not up")
-            ns = self.namespace(node)
-            exists = ns in self._chains or self._has_chain(ns)
-            self._chains.add(ns)
-        return LossRuleWriter(self, node, protocol, jump=not exists)
+        if not self._active:
+            raise TestbedError("the testbed is not up")
+        ns = self.namespace(node)
+        return ns, ns in self._chains or self._has_chain(ns)
 
     def loss_stats(self, node: str | int = SERVER) -> LossStats:
         """The loss rule on ``node`` as the kernel holds it, with its counters."""
