@@ -11,6 +11,7 @@ and seconds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -558,9 +559,34 @@ def _unprivileged() -> list[str]:
 
 
 def _their_processes(prefix: list[str]) -> int:
+    """The unprivileged user's processes, zombies aside (an exited process its parent
+    has not reaped yet is gone for every purpose here)."""
     uid = prefix[1].split("=")[1]
-    return len(subprocess.run(["pgrep", "-u", uid], capture_output=True, text=True)
-               .stdout.split())
+    ps = subprocess.run(["ps", "-o", "stat=", "-u", uid], capture_output=True, text=True)
+    return sum(not st.startswith("Z") for st in ps.stdout.split())
+
+
+def _processes_left(prefix: list[str], timeout: float = 10.0) -> int:
+    """The user's processes once they are gone, or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while _their_processes(prefix) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _their_processes(prefix)
+
+
+@contextlib.contextmanager
+def _their_workdir(prefix: list[str]):
+    """A folder the unprivileged user can write; afterwards it is gone, and so is every
+    process of the user's, and no namespace was left in the host's /run/netns."""
+    work = tempfile.mkdtemp()
+    os.chmod(work, 0o777)
+    before = list_namespaces()
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert list_namespaces() == before
+    assert _processes_left(prefix) == 0
 
 
 def test_a_kernel_loss_round_runs_from_the_last_rank_in_to_the_last_rank_out():
@@ -578,10 +604,7 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
     """bench kernel-loss as an unprivileged user: the testbed runs as root of a user
     namespace of its own, and nothing is left behind in the host's namespaces."""
     prefix = _unprivileged()
-    work = tempfile.mkdtemp()
-    os.chmod(work, 0o777)
-    before = list_namespaces()
-    try:
+    with _their_workdir(prefix) as work:
         p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
                             "kernel-loss", "--systems", "reliable", "--losses", "0.01",
                             "--rounds", "3", "--elements", "65536", "--topology", "ps",
@@ -591,10 +614,6 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
         rows = json.loads(open(f"{work}/k.json").read())
         assert [(r["system"], r["topology"], r["loss"]) for r in rows] == [("reliable", "ps", 0.01)]
         assert rows[0]["delivered_fraction"] == 1.0
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    assert list_namespaces() == before
-    assert _their_processes(prefix) == 0
 
 
 def test_the_microburst_comparison_runs_without_root():
@@ -602,10 +621,7 @@ def test_the_microburst_comparison_runs_without_root():
     does): it re-runs itself in a user namespace of its own, says in its first line
     that every system crosses the kernel network, and leaves nothing behind."""
     prefix = _unprivileged()
-    work = tempfile.mkdtemp()
-    os.chmod(work, 0o777)
-    before = list_namespaces()
-    try:
+    with _their_workdir(prefix) as work:
         p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "compare",
                             "--scenario", "microburst", "--policies", "gloo,dblp",
                             "--workers", "2", "--epochs", "1", "--steps-per-epoch", "5",
@@ -616,23 +632,6 @@ def test_the_microburst_comparison_runs_without_root():
         rows = json.loads(open(f"{work}/c.json").read())
         assert [(r["policy"], r["network"]) for r in rows] == [("gloo", "kernel"),
                                                                 ("dblp", "kernel")]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    assert list_namespaces() == before
-    assert _their_processes(prefix) == 0
-
-
-def _live_processes(prefix: list[str], timeout: float = 10.0) -> int:
-    """The unprivileged user's processes, zombies aside, once they are gone or after
-    ``timeout`` s."""
-    uid = prefix[1].split("=")[1]
-    deadline = time.monotonic() + timeout
-    while True:
-        ps = subprocess.run(["ps", "-o", "stat=", "-u", uid], capture_output=True, text=True)
-        live = [st for st in ps.stdout.split() if not st.startswith("Z")]
-        if not live or time.monotonic() > deadline:
-            return len(live)
-        time.sleep(0.2)
 
 
 def test_the_testbed_cli_without_root():
@@ -641,50 +640,45 @@ def test_the_testbed_cli_without_root():
     `down` (or a killed holder) ends everything, and the host's namespaces are never
     touched."""
     prefix = _unprivileged()
-    work = tempfile.mkdtemp()
-    os.chmod(work, 0o777)
-    before = list_namespaces()
+    with _their_workdir(prefix) as work:
+        before = list_namespaces()
 
-    def tb(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "testbed",
-                               *args, "--state-dir", f"{work}/state"],
-                              capture_output=True, text=True, timeout=120, cwd="/")
+        def tb(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli",
+                                   "testbed", *args, "--state-dir", f"{work}/state"],
+                                  capture_output=True, text=True, timeout=120, cwd="/")
 
-    try:
-        up = tb("up", "--workers", "2", "--loss", "0.05")
-        assert up.returncode == 0, up.stdout + up.stderr
-        assert "user namespace of its own" in up.stdout
-        assert list_namespaces() == before  # nothing in the host's /run/netns
-        st = tb("status")
-        assert st.returncode == 0 and ": up;" in st.stdout and "loss 0.05" in st.stdout, st
-        again = tb("up", "--workers", "2")
-        assert again.returncode == 1 and "already up" in again.stderr
-        # (`--` after the command's options: run takes CMD last)
-        r = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "testbed", "run",
-                            "--state-dir", f"{work}/state", "--node", "w0", "--", "ip", "-o",
-                            "-4", "addr", "show", "eth0"],
-                           capture_output=True, text=True, timeout=60, cwd="/")
-        assert r.returncode == 0 and "10.201.0.2/24" in r.stdout, r.stdout + r.stderr
-        s = tb("set", "--loss", "0.2", "--node", "w1")
-        assert s.returncode == 0 and "loss 0.2 on w1" in s.stdout, s.stderr
-        down = tb("down")
-        assert down.returncode == 0 and "user namespace ended" in down.stdout, down.stderr
-        assert _live_processes(prefix) == 0
-        assert "no testbed recorded" in tb("status").stdout
-        # a holder killed from outside: later commands say the testbed has ended
-        assert tb("up", "--workers", "1").returncode == 0
-        state = json.load(open(f"{work}/state/bl-testbed.json"))
-        os.kill(state["userns_holder"]["pid"], signal.SIGKILL)
-        assert _live_processes(prefix) == 0
-        gone = tb("set", "--loss", "0.1")
-        assert gone.returncode == 1 and "has ended" in gone.stderr, gone.stderr
-        assert "had already ended" in tb("down").stdout
-    finally:
-        subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "testbed", "down",
-                        "--state-dir", f"{work}/state"], capture_output=True, timeout=60,
-                       cwd="/")
-        shutil.rmtree(work, ignore_errors=True)
-    assert list_namespaces() == before
+        try:
+            up = tb("up", "--workers", "2", "--loss", "0.05")
+            assert up.returncode == 0, up.stdout + up.stderr
+            assert "user namespace of its own" in up.stdout
+            assert list_namespaces() == before  # nothing in the host's /run/netns
+            st = tb("status")
+            assert st.returncode == 0 and ": up;" in st.stdout and "loss 0.05" in st.stdout, st
+            again = tb("up", "--workers", "2")
+            assert again.returncode == 1 and "already up" in again.stderr
+            # (`--` after the command's options: run takes CMD last)
+            r = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "testbed",
+                                "run", "--state-dir", f"{work}/state", "--node", "w0", "--",
+                                "ip", "-o", "-4", "addr", "show", "eth0"],
+                               capture_output=True, text=True, timeout=60, cwd="/")
+            assert r.returncode == 0 and "10.201.0.2/24" in r.stdout, r.stdout + r.stderr
+            s = tb("set", "--loss", "0.2", "--node", "w1")
+            assert s.returncode == 0 and "loss 0.2 on w1" in s.stdout, s.stderr
+            down = tb("down")
+            assert down.returncode == 0 and "user namespace ended" in down.stdout, down.stderr
+            assert _processes_left(prefix) == 0
+            assert "no testbed recorded" in tb("status").stdout
+            # a holder killed from outside: later commands say the testbed has ended
+            assert tb("up", "--workers", "1").returncode == 0
+            state = json.load(open(f"{work}/state/bl-testbed.json"))
+            os.kill(state["userns_holder"]["pid"], signal.SIGKILL)
+            assert _processes_left(prefix) == 0
+            gone = tb("set", "--loss", "0.1")
+            assert gone.returncode == 1 and "has ended" in gone.stderr, gone.stderr
+            assert "had already ended" in tb("down").stdout
+        finally:
+            tb("down")
 
 
 def test_a_killed_rootless_run_leaves_nothing_behind():
@@ -705,9 +699,6 @@ def test_a_killed_rootless_run_leaves_nothing_behind():
         assert _their_processes(prefix) >= 4
         p.kill()
         p.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while _their_processes(prefix) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _their_processes(prefix) == 0
+        assert _processes_left(prefix) == 0
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -24,10 +24,11 @@ releases; ``RoundStats.guarded`` flags the calls it held.
 from __future__ import annotations
 
 import logging
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from ..policy._params import non_negative_int
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,7 @@ class LossGuard:
     rounds: int = DEFAULT_GUARD_ROUNDS
 
     def __post_init__(self) -> None:
-        if (isinstance(self.rounds, bool) or not isinstance(self.rounds, numbers.Integral)
-                or self.rounds < 0):
-            raise ValueError(f"LossGuard rounds must be an integer >= 0 (0: off), "
-                             f"got {self.rounds!r}")
+        non_negative_int("LossGuard rounds", self.rounds)  # (0: off)
 
     @property
     def enabled(self) -> bool:
@@ -114,10 +112,10 @@ class LossGuards:
         value that is not one)."""
         buckets = {}
         for b, g in state.items():
-            above, guarded = g["above"], g["guarded"]
-            if (isinstance(above, bool) or not isinstance(above, numbers.Integral) or above < 0
-                    or not isinstance(guarded, bool)):
-                raise ValueError(f"guard of bucket {b}: above must be an integer >= 0 and "
-                                 f"guarded a bool, got {above!r}, {guarded!r}")
-            buckets[int(b)] = BucketGuard(int(above), guarded)
+            above = non_negative_int(f"guard of bucket {b}: above", g["above"])
+            guarded = g["guarded"]
+            if not isinstance(guarded, bool):
+                raise ValueError(f"guard of bucket {b}: guarded must be a bool, "
+                                 f"got {guarded!r}")
+            buckets[int(b)] = BucketGuard(above, guarded)
         self.buckets = buckets

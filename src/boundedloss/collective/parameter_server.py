@@ -75,13 +75,13 @@ class ParameterServer(Collective):
             for w in workers)
         return agg
 
-    def _settle_broadcasts(self, bucket: int, before: int | None = None) -> None:
+    def _settle_broadcasts(self, bucket: int, before: int) -> None:
         """Raise for a broadcast that failed; wait for those older than ``before``
         (a worker that pushed this round has last round's result, so those are only
-        waiting for a STOP); ``before=None`` waits for all."""
+        waiting for a STOP)."""
         keep = []
         for sent in self._broadcasts.pop(bucket, []):
-            if sent.future.done() or before is None or sent.round_id < before:
+            if sent.future.done() or sent.round_id < before:
                 self._wait_sends([(sent.worker, sent.future)])
             else:
                 keep.append(sent)

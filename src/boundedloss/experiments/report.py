@@ -209,6 +209,11 @@ BURST_COLUMNS: Columns = (
 PRINT_WIDTH = 100
 
 
+def _has_bottleneck(scenario: Scenario) -> bool:
+    return (scenario.network == "kernel" and scenario.kernel is not None
+            and scenario.kernel.bottleneck is not None)
+
+
 def _has_bursts(scenario: Scenario) -> bool:
     if scenario.network == "kernel":
         return scenario.kernel is not None and scenario.kernel.bursts is not None
@@ -224,8 +229,7 @@ def columns_for(scenario: Scenario) -> Columns:
         cols = tuple(c for c in cols if "burst" not in c[0])
     if scenario.target_metric is None:
         cols = tuple(c for c in cols if "target" not in c[0])
-    if (scenario.network == "kernel" and scenario.kernel is not None
-            and scenario.kernel.bottleneck is not None):
+    if _has_bottleneck(scenario):
         cols += BOTTLENECK_COLUMNS
     return cols
 
@@ -243,8 +247,7 @@ def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
     tables: list[tuple[str, Columns]] = [("", decide)]
     if _has_bursts(scenario):
         tables.append((f"bursts: against {scenario.baseline}", BURST_COLUMNS))
-    if (scenario.network == "kernel" and scenario.kernel is not None
-            and scenario.kernel.bottleneck is not None):
+    if _has_bottleneck(scenario):
         tables.append(("the bottleneck into the server",
                        (("policy", "policy", "s"), ("round_ms_p50", "round p50 ms", ".1f"),
                         *BOTTLENECK_COLUMNS)))
@@ -253,6 +256,13 @@ def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
 
 def table_cells(row: dict, columns: Columns = TABLE_COLUMNS) -> list[str]:
     return [_fmt(row.get(k), spec) for k, _, spec in columns]
+
+
+def markdown_table(rows: list[dict], columns: Columns) -> list[str]:
+    """``rows`` as the lines of a Markdown table of ``columns`` (the arm left-aligned)."""
+    return ["| " + " | ".join(h for _, h, _ in columns) + " |",
+            "|" + "|".join("---" if k == "policy" else "---:" for k, _, _ in columns) + "|",
+            *("| " + " | ".join(table_cells(r, columns)) + " |" for r in rows)]
 
 
 def plot_metric_vs_loss(rows: list[dict], path: Path) -> None:
@@ -326,11 +336,8 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
         "over repeats; "
         f"the final metric is test {metric}. {ratios}",
         "",
-        "| " + " | ".join(h for _, h, _ in columns) + " |",
-        "|" + "|".join("---" if k == "policy" else "---:" for k, _, _ in columns) + "|",
+        *markdown_table(rows, columns),
     ]
-    for r in rows:
-        lines.append("| " + " | ".join(table_cells(r, columns)) + " |")
     if scenario.is_sweep:
         lines += ["", f"## Final test {metric} against loss", f"![metric vs loss]({SWEEP_PLOT})"]
     lines += [
@@ -381,7 +388,6 @@ def write_sweep_report(rows: list[dict], scenario: Scenario, out_dir: str,
     folder."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cols = SWEEP_FREQUENCY_COLUMNS
     lines = [
         f"# boundedloss compare: {scenario.name}, swept over burst frequency",
         "",
@@ -392,12 +398,9 @@ def write_sweep_report(rows: list[dict], scenario: Scenario, out_dir: str,
         "frequency; *outside CLR*: the burst rounds outside DBLP's critical learning "
         "regimes; *(max)*: the largest single-round communication speedup among them.",
         "",
-        "| " + " | ".join(h for _, h, _ in cols) + " |",
-        "|" + "|".join("---" if k == "policy" else "---:" for k, _, _ in cols) + "|",
+        *markdown_table(rows, SWEEP_FREQUENCY_COLUMNS),
+        "", "## Command", "", "```", command, "```", "",
     ]
-    for r in rows:
-        lines.append("| " + " | ".join(table_cells(r, cols)) + " |")
-    lines += ["", "## Command", "", "```", command, "```", ""]
     path = out / "sweep.md"
     path.write_text("\n".join(lines))
     return path

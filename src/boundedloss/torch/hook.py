@@ -41,6 +41,7 @@ from ..collective.base import is_bfloat16
 from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
 from ..policy import Policy, ReliablePolicy, make_policy
+from ..policy._params import non_negative_int
 from ..protocol import TransportConfig, TransportError
 from ..protocol.path import PeerPath
 from .rendezvous import (
@@ -328,12 +329,6 @@ class _LoadedState:
     world_size: int | None
 
 
-def _count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-    return int(value)
-
-
 def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
@@ -370,24 +365,25 @@ def _checked_state_dict(owner: BoundedLossState, state: Any) -> _LoadedState:
         raise ValueError(f"state_dict of rank {state['rank']} cannot be loaded into rank "
                          f"{rank}: each rank saves and loads its own")
     try:
-        rounds = {_count("bucket", b): _count("round", r) for b, r in state["rounds"].items()}
+        rounds = {non_negative_int("bucket", b): non_negative_int("round", r)
+                  for b, r in state["rounds"].items()}
         lrs = state["last_lrs"]
-        memory = {(_count("bucket", b), str(role)): _memory_array(t)
+        memory = {(non_negative_int("bucket", b), str(role)): _memory_array(t)
                   for b, roles in state["memory"].items() for role, t in roles.items()}
         guards = LossGuards()
         guards.load_state_dict(state["guard"])  # (checks it)
         paths = {}
         for r, path in state["paths"].items():
-            r = _count("peer rank", r)
+            r = non_negative_int("peer rank", r)
             if r == state["rank"] or (world is not None and r >= world):
                 raise ValueError(f"a path to rank {r} from rank {state['rank']} "
                                  f"in a world of {world}")
             PeerPath(r).load_state_dict(path)  # (checks it)
             paths[r] = dict(path)
         return _LoadedState(
-            epoch=_count("epoch", state["epoch"]), rounds=rounds,
+            epoch=non_negative_int("epoch", state["epoch"]), rounds=rounds,
             last_lrs=None if lrs is None else [_number("lr", x) for x in lrs],
-            round_sq={_count("round", r): _number("squared norm", x)
+            round_sq={non_negative_int("round", r): _number("squared norm", x)
                       for r, x in state["round_sq"].items()},
             memory=memory, guards=guards.state_dict(), paths=paths,
             rank=rank if rank is not None else state["rank"],
