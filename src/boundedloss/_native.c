@@ -8,6 +8,10 @@
  *     builds the ACK the receiver owes every ack_every datagrams (Dispatcher);
  *   - receives batches from a UDP socket (recvmmsg, each message possibly a GRO run)
  *     with the GIL released (Dispatcher.recv);
+ *   - with a job's key (Dispatcher.authenticate), verifies the tag every datagram ends in
+ *     before anything else reads it, and seals what it sends (the DATA of send_run, its
+ *     ACKs): HMAC-SHA256 truncated to 16 bytes through OpenSSL's EVP_MAC, over source
+ *     address, destination address, header and payload, as protocol/auth.py does;
  *   - the Walsh-Hadamard transform of Hadamard dispersion, cache-blocked (fwht).
  * A datagram it cannot take without a decision - the first one of a receive, one that
  * would meet the receive's plan, a control datagram, one for an unknown message - is
@@ -22,6 +26,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifdef BL_OPENSSL
+#include <openssl/core_names.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/params.h>
+#endif
 
 #ifdef __linux__
 #include <netinet/in.h>
@@ -54,12 +65,14 @@ enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK =
 /* Drop reasons, in the order of REASONS (their wire.DropReason values). */
 enum {
     OK = 0, R_SHORT, R_BAD_MAGIC, R_BAD_VERSION, R_BAD_KIND, R_BAD_LENGTH, R_BAD_GEOMETRY,
-    R_FOREIGN_SESSION, R_INJECTED_LOSS, N_REASONS
+    R_FOREIGN_SESSION, R_INJECTED_LOSS, R_BAD_AUTH, N_REASONS
 };
 static const char *const REASONS[N_REASONS] = {
     NULL, "short", "bad_magic", "bad_version", "bad_kind", "bad_length", "bad_geometry",
-    "foreign_session", "injected_loss",
+    "foreign_session", "injected_loss", "bad_auth",
 };
+/* protocol/auth.py: the tag's length, an address's bytes in it (4, address, port) */
+enum { TAG_BYTES = 16, IDENT_BYTES = 7, KEY_BYTES = 32 };
 
 /* Little-endian loads and stores that never assume alignment. */
 static inline uint16_t ld16(const unsigned char *p) { return (uint16_t)(p[0] | p[1] << 8); }
@@ -153,7 +166,7 @@ typedef struct ReceiveObject {
     PyObject *peer;
     Py_buffer dest, delivered, critical;
     int has_critical;
-    unsigned char ack[HEADER_BYTES + 4];
+    unsigned char ack[HEADER_BYTES + 4 + TAG_BYTES];  /* (room for its tag) */
     struct ReceiveObject *next;  /* hash chain in a Dispatcher */
 } ReceiveObject;
 
@@ -289,7 +302,51 @@ typedef struct {
     unsigned char *stage;            /* a segmented send, gathered (GSO_MAX_BYTES) */
     unsigned char *lose;             /* per datagram of the batch: a loss model drops it */
     Py_ssize_t lose_len, lose_cap;
+    int auth;                        /* every datagram carries a tag (authenticate) */
+    unsigned char ident[IDENT_BYTES];  /* our own address as a tag covers it */
+#ifdef BL_OPENSSL
+    EVP_MAC_CTX *mac;                /* HMAC-SHA256 under the job's key */
+#endif
 } DispatcherObject;
+
+static inline void put_ident(unsigned char *o, uint32_t ip, uint16_t port) {
+    o[0] = 4;
+    o[1] = (unsigned char)(ip >> 24); o[2] = (unsigned char)(ip >> 16);
+    o[3] = (unsigned char)(ip >> 8); o[4] = (unsigned char)ip;
+    o[5] = (unsigned char)(port >> 8); o[6] = (unsigned char)port;
+}
+
+/* The tag of a datagram from ``src`` to ``dst`` whose bytes are a[0:an] then b[0:bn]
+ * (header and payload may lie apart). 0, or -1 if OpenSSL failed (no Python error set:
+ * the callers may hold no GIL). */
+static int mac_tag(DispatcherObject *d, const unsigned char *src, const unsigned char *dst,
+                   const unsigned char *a, size_t an, const unsigned char *b, size_t bn,
+                   unsigned char *tag) {
+#ifdef BL_OPENSSL
+    unsigned char full[EVP_MAX_MD_SIZE];
+    size_t len = 0;
+    /* (init without a key keeps the key and its precomputed pads: a fresh HMAC) */
+    if (!EVP_MAC_init(d->mac, NULL, 0, NULL) || !EVP_MAC_update(d->mac, src, IDENT_BYTES)
+        || !EVP_MAC_update(d->mac, dst, IDENT_BYTES) || !EVP_MAC_update(d->mac, a, an)
+        || (bn && !EVP_MAC_update(d->mac, b, bn))
+        || !EVP_MAC_final(d->mac, full, &len, sizeof full) || len < TAG_BYTES)
+        return -1;
+    memcpy(tag, full, TAG_BYTES);
+    return 0;
+#else
+    (void)d; (void)src; (void)dst; (void)a; (void)an; (void)b; (void)bn; (void)tag;
+    return -1;
+#endif
+}
+
+static inline int tags_equal(const unsigned char *x, const unsigned char *y) {
+#ifdef BL_OPENSSL
+    return CRYPTO_memcmp(x, y, TAG_BYTES) == 0;  /* constant time */
+#else
+    (void)x; (void)y;
+    return 0;
+#endif
+}
 
 static inline uint32_t bucket_of(uint32_t ip, uint16_t port, uint32_t rnd, uint32_t msg) {
     uint64_t k = ((uint64_t)ip << 16 | port) * 0x9E3779B97F4A7C15ull;
@@ -318,8 +375,66 @@ static void dispatcher_dealloc(DispatcherObject *d) {
     PyMem_Free(d->buf);
     PyMem_Free(d->lose);
     PyMem_Free(d->stage);
+#ifdef BL_OPENSSL
+    EVP_MAC_CTX_free(d->mac);
+#endif
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
+
+#ifdef BL_OPENSSL
+/* authenticate(key, ip, port): from now on every datagram taken must carry a valid tag,
+ * and every one built here is sealed; (ip, port) is this endpoint's own address. */
+static PyObject *dispatcher_authenticate(DispatcherObject *d, PyObject *args) {
+    Py_buffer key;
+    unsigned int ip, port;
+    if (!PyArg_ParseTuple(args, "y*II", &key, &ip, &port)) return NULL;
+    PyObject *result = NULL;
+    EVP_MAC *hmac = NULL;
+    EVP_MAC_CTX *ctx = NULL;
+    if (key.len != KEY_BYTES || port > 0xFFFF || d->auth) {
+        PyErr_SetString(PyExc_ValueError, "authenticate: a 32-byte key, once");
+        goto done;
+    }
+    char digest[] = "SHA256";
+    OSSL_PARAM params[] = {
+        OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+        OSSL_PARAM_construct_end(),
+    };
+    hmac = EVP_MAC_fetch(NULL, "HMAC", NULL);
+    ctx = hmac ? EVP_MAC_CTX_new(hmac) : NULL;
+    if (ctx == NULL || !EVP_MAC_init(ctx, key.buf, (size_t)key.len, params)) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL has no HMAC-SHA256 here");
+        EVP_MAC_CTX_free(ctx);
+        goto done;
+    }
+    d->mac = ctx;
+    put_ident(d->ident, ip, (uint16_t)port);
+    d->auth = 1;
+    result = Py_NewRef(Py_None);
+done:
+    EVP_MAC_free(hmac);  /* (the context keeps its own reference) */
+    PyBuffer_Release(&key);
+    return result;
+}
+
+/* tag(data, src_ip, src_port, dst_ip, dst_port) -> bytes: the tag protocol/auth.py would
+ * put on ``data`` (tests hold the two to the same bytes). */
+static PyObject *dispatcher_tag(DispatcherObject *d, PyObject *args) {
+    Py_buffer b;
+    unsigned int sip, sport, dip, dport;
+    if (!PyArg_ParseTuple(args, "y*IIII", &b, &sip, &sport, &dip, &dport)) return NULL;
+    unsigned char src[IDENT_BYTES], dst[IDENT_BYTES], tag[TAG_BYTES];
+    put_ident(src, sip, (uint16_t)sport);
+    put_ident(dst, dip, (uint16_t)dport);
+    int r = d->auth ? mac_tag(d, src, dst, b.buf, (size_t)b.len, NULL, 0, tag) : -1;
+    PyBuffer_Release(&b);
+    if (r < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "tag: not authenticating, or OpenSSL failed");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)tag, TAG_BYTES);
+}
+#endif
 
 static PyObject *dispatcher_register(DispatcherObject *d, PyObject *arg) {
     if (!PyObject_TypeCheck(arg, &ReceiveType)) {
@@ -368,12 +483,35 @@ static inline ReceiveObject *lookup(DispatcherObject *d, uint32_t ip, uint16_t p
 enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
 
 /* Take one datagram if the data path may: TAKEN (counted, dropped or delivered), or
- * HANDED_BACK (Python's core must handle it, untouched). FAILED: a Python error (only
- * from appending an ACK to ``out``). Mirrors TransferMux.datagram_received followed by
- * MessageReceiver.data_received for the datagrams it takes. */
-static int take(DispatcherObject *d, const unsigned char *p, size_t n, uint32_t ip,
+ * HANDED_BACK (Python's core must handle it, untouched but for its tag: when
+ * authenticating, *np is cut to the datagram without it, verified). FAILED: a Python
+ * error (appending an ACK to ``out``, OpenSSL failing). Mirrors
+ * TransferMux.datagram_received followed by MessageReceiver.data_received for the
+ * datagrams it takes. */
+static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_t ip,
                 uint16_t port, PyObject *out) {
     Header h;
+    size_t n = *np;
+    if (d->auth) {  /* (as TransferMux.datagram_received: the tag before anything else) */
+        unsigned char src[IDENT_BYTES], tag[TAG_BYTES];
+        if (n < HEADER_BYTES + TAG_BYTES) {
+            d->drops[R_SHORT]++;
+            d->taken++;
+            return TAKEN;
+        }
+        n -= TAG_BYTES;
+        put_ident(src, ip, port);
+        if (mac_tag(d, src, d->ident, p, n, NULL, 0, tag) < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+            return FAILED;
+        }
+        if (!tags_equal(tag, p + n)) {
+            d->drops[ld64(p + OFF_SESSION) != d->session ? R_FOREIGN_SESSION : R_BAD_AUTH]++;
+            d->taken++;
+            return TAKEN;
+        }
+        *np = n;
+    }
     int r = parse(p, n, &h);
     if (r != OK) {
         d->drops[r]++;
@@ -409,9 +547,23 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t n, uint32_t 
         unsigned char *a = rx->ack;
         st32(a + OFF_TSEQ, (uint32_t)rx->max_tseq);
         st32(a + HEADER_BYTES, (uint32_t)rx->delivered_count);
+        Py_ssize_t alen = HEADER_BYTES + 4;
+        if (d->auth) {  /* sealed here: the mux hands the data path's datagrams out as is */
+            unsigned char dst[IDENT_BYTES];
+            put_ident(dst, rx->ip, rx->port);
+            if (mac_tag(d, d->ident, dst, a, HEADER_BYTES + 4, NULL, 0,
+                        a + HEADER_BYTES + 4) < 0) {
+                PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+                return FAILED;
+            }
+            alen += TAG_BYTES;
+        }
         Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
-        PyObject *ack = PyBytes_FromStringAndSize((const char *)a, HEADER_BYTES + 4);
-        PyObject *item = ack ? Py_BuildValue("((N)O)", ack, rx->peer) : NULL;
+        PyObject *ack = PyBytes_FromStringAndSize((const char *)a, alen);
+        /* (sealed: marked so, as TransferMux.outbox says, for the mux not to seal it) */
+        PyObject *item = ack == NULL ? NULL
+            : d->auth ? Py_BuildValue("((N)OO)", ack, rx->peer, Py_True)
+                      : Py_BuildValue("((N)O)", ack, rx->peer);
         int appended = item != NULL && PyList_Append(out, item) == 0;
         Py_XDECREF(item);
         Py_DECREF(rx);
@@ -440,7 +592,8 @@ static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     unsigned int ip, port;
     PyObject *out;
     if (!PyArg_ParseTuple(args, "y*IIO!", &b, &ip, &port, &PyList_Type, &out)) return NULL;
-    int r = take(d, (const unsigned char *)b.buf, (size_t)b.len, ip, (uint16_t)port, out);
+    size_t n = (size_t)b.len;
+    int r = take(d, (const unsigned char *)b.buf, &n, ip, (uint16_t)port, out);
     PyBuffer_Release(&b);
     if (r == FAILED) return NULL;
     return PyBool_FromLong(r == TAKEN);
@@ -470,7 +623,8 @@ static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "a length exceeds the stride");
             goto done;
         }
-        int r = take(d, (const unsigned char *)rows.buf + i * stride, len, ip, (uint16_t)port,
+        size_t n = len;
+        int r = take(d, (const unsigned char *)rows.buf + i * stride, &n, ip, (uint16_t)port,
                      out);
         if (r == FAILED) goto done;
         if (r == HANDED_BACK) break;
@@ -590,22 +744,28 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     const unsigned char *H = hb.buf, *P = pb.buf;
     uint64_t last_len = nbytes - (uint64_t)cb * (count - 1);
 #define CLEN(c) ((c) == count - 1 ? last_len : cb)
-    struct iovec iov[2 * SEND_MAX];
+    /* authenticating: every datagram ends in its tag (a third piece, or in the stage) */
+    const uint32_t trailer = d->auth ? TAG_BYTES : 0;
+    const int pieces = trailer ? 3 : 2;
+    unsigned char dst[IDENT_BYTES];
+    put_ident(dst, ip, (uint16_t)port);
+    struct iovec iov[3 * SEND_MAX];
+    unsigned char tags[SEND_MAX][TAG_BYTES];
     struct mmsghdr msgs[SEND_MAX];
     union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } ctrl;
     Py_ssize_t i = start, end = start;
     long calls = 0;
-    int err = 0;
+    int err = 0, mac_failed = 0;
     while (i < n) {
         Py_ssize_t k;  /* datagrams in this call */
-        uint32_t size0 = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i]);
+        uint32_t size0 = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i]) + trailer;
         if (segment) {
             Py_ssize_t most = GSO_MAX_BYTES / size0;
             if (most > SEND_MAX) most = SEND_MAX;
             if (most < 1) most = 1;
             k = 1;
             while (i + k < n && k < most) {
-                uint32_t sz = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i + k]);
+                uint32_t sz = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i + k]) + trailer;
                 if (sz != size0) {
                     if (sz < size0) k++;  /* a short last segment closes the run */
                     break;
@@ -617,30 +777,31 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
         }
         for (Py_ssize_t j = 0; j < k; j++) {
             uint64_t c = (uint64_t)idx[i + j];
-            iov[2 * j].iov_base = (void *)(H + (size_t)c * HEADER_BYTES);
-            iov[2 * j].iov_len = HEADER_BYTES;
-            iov[2 * j + 1].iov_base = (void *)(P + (size_t)c * cb);
-            iov[2 * j + 1].iov_len = (size_t)CLEN(c);
+            iov[pieces * j].iov_base = (void *)(H + (size_t)c * HEADER_BYTES);
+            iov[pieces * j].iov_len = HEADER_BYTES;
+            iov[pieces * j + 1].iov_base = (void *)(P + (size_t)c * cb);
+            iov[pieces * j + 1].iov_len = (size_t)CLEN(c);
+            if (trailer) {
+                iov[pieces * j + 2].iov_base = tags[j];
+                iov[pieces * j + 2].iov_len = TAG_BYTES;
+            }
         }
         end = i + k;
         int sent;
+        /* (the copies, tags and system call run without the GIL: the buffers are held) */
         if (segment) {
             struct msghdr m;
             memset(&m, 0, sizeof m);
             m.msg_name = &to;
             m.msg_namelen = sizeof to;
             m.msg_iov = iov;
-            m.msg_iovlen = (size_t)(2 * k);
+            m.msg_iovlen = (size_t)(pieces * k);
             struct iovec whole;
-            if (k > 1 && d->stage != NULL) {
+            int staged = k > 1 && d->stage != NULL;
+            if (staged) {
                 /* one contiguous buffer: the kernel segments it faster than 2k pieces */
-                size_t at = 0;
-                for (Py_ssize_t j = 0; j < 2 * k; j++) {
-                    memcpy(d->stage + at, iov[j].iov_base, iov[j].iov_len);
-                    at += iov[j].iov_len;
-                }
                 whole.iov_base = d->stage;
-                whole.iov_len = at;
+                whole.iov_len = 0;
                 m.msg_iov = &whole;
                 m.msg_iovlen = 1;
             }
@@ -655,9 +816,31 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
                 uint16_t gso = (uint16_t)size0;
                 memcpy(CMSG_DATA(c), &gso, sizeof gso);
             }
-            ssize_t r;
+            ssize_t r = -1;
             Py_BEGIN_ALLOW_THREADS
-            r = sendmsg(fd, &m, 0);
+            if (staged) {
+                size_t at = 0;
+                for (Py_ssize_t j = 0; j < k && !mac_failed; j++) {
+                    size_t first = at;
+                    for (int q = 0; q < 2; q++) {
+                        memcpy(d->stage + at, iov[pieces * j + q].iov_base,
+                               iov[pieces * j + q].iov_len);
+                        at += iov[pieces * j + q].iov_len;
+                    }
+                    if (trailer) {
+                        mac_failed = mac_tag(d, d->ident, dst, d->stage + first, at - first,
+                                             NULL, 0, d->stage + at) < 0;
+                        at += TAG_BYTES;
+                    }
+                }
+                whole.iov_len = at;
+            } else if (trailer) {
+                for (Py_ssize_t j = 0; j < k && !mac_failed; j++)
+                    mac_failed = mac_tag(d, d->ident, dst, iov[pieces * j].iov_base,
+                                         HEADER_BYTES, iov[pieces * j + 1].iov_base,
+                                         iov[pieces * j + 1].iov_len, tags[j]) < 0;
+            }
+            if (!mac_failed) r = sendmsg(fd, &m, 0);
             Py_END_ALLOW_THREADS
             sent = r < 0 ? -1 : (int)k;
         } else {
@@ -665,20 +848,30 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
             for (Py_ssize_t j = 0; j < k; j++) {
                 msgs[j].msg_hdr.msg_name = &to;
                 msgs[j].msg_hdr.msg_namelen = sizeof to;
-                msgs[j].msg_hdr.msg_iov = &iov[2 * j];
-                msgs[j].msg_hdr.msg_iovlen = 2;
+                msgs[j].msg_hdr.msg_iov = &iov[pieces * j];
+                msgs[j].msg_hdr.msg_iovlen = (size_t)pieces;
             }
+            sent = -1;
             Py_BEGIN_ALLOW_THREADS
-            sent = sendmmsg(fd, msgs, (unsigned int)k, 0);
+            for (Py_ssize_t j = 0; trailer && j < k && !mac_failed; j++)
+                mac_failed = mac_tag(d, d->ident, dst, iov[pieces * j].iov_base, HEADER_BYTES,
+                                     iov[pieces * j + 1].iov_base, iov[pieces * j + 1].iov_len,
+                                     tags[j]) < 0;
+            if (!mac_failed) sent = sendmmsg(fd, msgs, (unsigned int)k, 0);
             Py_END_ALLOW_THREADS
             if (sent < 0) end = i + 1;  /* the first datagram failed */
         }
+        if (mac_failed) break;
         if (sent < 0) {
             err = errno;
             break;
         }
         calls++;
         i += sent;  /* (sendmmsg may stop short: the next call says why) */
+    }
+    if (mac_failed) {
+        PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+        goto done;
     }
 #undef CLEN
     result = Py_BuildValue("(nini)", i, err, end, (int)calls);
@@ -713,10 +906,11 @@ static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
             d->drops[R_INJECTED_LOSS]++;  /* (as the Python path: not a datagram in) */
             continue;
         }
-        int r = take(d, p, n, d->ips[s], d->ports[s], out);
+        size_t len_in = n;
+        int r = take(d, p, &len_in, d->ips[s], d->ports[s], out);
         if (r == FAILED) return NULL;
-        if (r == HANDED_BACK)
-            return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)n, d->ips[s],
+        if (r == HANDED_BACK)  /* (verified and without its tag, when authenticating) */
+            return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)len_in, d->ips[s],
                                  (unsigned int)d->ports[s]);
     }
     Py_RETURN_NONE;
@@ -847,6 +1041,11 @@ static PyMethodDef dispatcher_methods[] = {
     {"register", (PyCFunction)dispatcher_register, METH_O, "Take DATA for this receive."},
     {"unregister", (PyCFunction)dispatcher_unregister, METH_O, "Stop taking its DATA."},
     {"take", (PyCFunction)dispatcher_take, METH_VARARGS, "Take one datagram if it may."},
+#ifdef BL_OPENSSL
+    {"authenticate", (PyCFunction)dispatcher_authenticate, METH_VARARGS,
+     "Verify and seal every datagram under this key from now on."},
+    {"tag", (PyCFunction)dispatcher_tag, METH_VARARGS, "The tag of a datagram (tests)."},
+#endif
     {"take_rows", (PyCFunction)dispatcher_take_rows, METH_VARARGS, "Take rows of datagrams."},
 #ifdef __linux__
     {"recv", (PyCFunction)dispatcher_recv, METH_O, "Receive a batch from a socket."},
@@ -1254,6 +1453,12 @@ PyMODINIT_FUNC PyInit__native(void) {
         || PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0
         || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0
         || PyModule_AddIntConstant(m, "MAX_CHUNK_BYTES", MAX_CHUNK_BYTES) < 0
+        || PyModule_AddIntConstant(m, "TAG_BYTES", TAG_BYTES) < 0
+#ifdef BL_OPENSSL
+        || PyModule_AddIntConstant(m, "AUTH", 1) < 0
+#else
+        || PyModule_AddIntConstant(m, "AUTH", 0) < 0
+#endif
         || PyModule_AddObjectRef(m, "Receive", (PyObject *)&ReceiveType) < 0
         || PyModule_AddObjectRef(m, "Dispatcher", (PyObject *)&DispatcherType) < 0;
     Py_XDECREF(layout);

@@ -40,6 +40,16 @@ def enabled() -> bool:
         not in ("0", "no", "off", "false")
 
 
+def authenticates() -> bool:
+    """Whether the compiled data path can verify and seal authenticated datagrams (it
+    was built with OpenSSL's headers)."""
+    return _NATIVE is not None and bool(getattr(_NATIVE, "AUTH", 0))
+
+
+AUTH_FALLBACK = ("the compiled data path was built without OpenSSL's headers (libssl-dev), "
+                 "so authenticated datagrams take the Python path")
+
+
 def status() -> str:
     """One line: which path is used - ``native``, or ``python (why)``."""
     if _NATIVE is None:

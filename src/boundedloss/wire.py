@@ -151,6 +151,7 @@ class DropReason(enum.Enum):
     STALE = "stale"  # for a message that has already closed
     DUPLICATE = "duplicate"  # a chunk that was already delivered
     INJECTED_LOSS = "injected_loss"  # dropped on purpose by a loss model
+    BAD_AUTH = "bad_auth"  # its tag does not verify under the job's key (protocol.auth)
 
 
 class MalformedDatagram(ValueError):
@@ -235,6 +236,16 @@ def peek_round(data) -> int:
     if len(data) < HEADER_BYTES:
         return -1
     return int.from_bytes(data[ROUND_SLICE], "little")
+
+
+SESSION_SLICE = slice(OFFSET["session"], OFFSET["session"] + FIELD_BYTES["session"])
+
+
+def peek_session(data) -> int:
+    """Session token of a datagram long enough to hold a header, else -1."""
+    if len(data) < HEADER_BYTES:
+        return -1
+    return int.from_bytes(data[SESSION_SLICE], "little")
 
 
 def encode(header: Header, payload=b"") -> bytes:

@@ -16,7 +16,7 @@ import socket
 import struct
 from collections.abc import Hashable
 
-from ..native import enabled, module, status
+from ..native import authenticates, enabled, module, status
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from .loss import LossModel
@@ -42,6 +42,16 @@ class NativeDataPath:
         self._mux = mux
         self.dispatcher = self._native.Dispatcher(mux.session)
         self._peers: dict[tuple[int, int], tuple[str, int]] = {}
+        #: what a datagram it hands back goes to: with authentication it has verified the
+        #: tag and cut it off already
+        self._hand_back = mux.datagram_received
+        if mux.auth is not None:
+            local = ipv4_address(mux.auth.local)
+            if local is None or not authenticates():
+                raise ValueError("the compiled data path authenticates IPv4 endpoints, "
+                                 "built with OpenSSL")
+            self.dispatcher.authenticate(mux.auth.key, *local)
+            self._hand_back = mux.authenticated_datagram_received
         mux.data_path = self
 
     # ------------------------------------------------------- DataPath for the mux
@@ -74,6 +84,7 @@ class NativeDataPath:
         address = ipv4_address(peer)
         if address is None or not self.dispatcher.take(data, address[0], address[1],
                                                        self._mux.outbox):
+            # (the whole datagram as it came: the mux verifies its tag once more)
             self._mux.datagram_received(data, peer, now)
 
     def receive(self, sock: socket.socket, now: float, loss: LossModel | None = None) -> int:
@@ -114,10 +125,11 @@ class NativeDataPath:
                 rounds = [-1] * len(rounds)  # type: ignore[assignment]
             dispatcher.lose(bytes(loss.drop(now, r) for r in rounds))
         outbox = self._mux.outbox
+        hand_back = self._hand_back
         handed = dispatcher.step(outbox)
         while handed is not None:
             data, ip, port = handed
-            self._mux.datagram_received(data, self._peer(ip, port), now)
+            hand_back(data, self._peer(ip, port), now)
             handed = dispatcher.step(outbox)
 
     def _peer(self, ip: int, port: int) -> tuple[str, int]:

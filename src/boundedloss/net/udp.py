@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import select
 import socket
@@ -42,6 +43,7 @@ import numpy as np
 
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
+from ..protocol.auth import DatagramAuth
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from ..protocol.sender import MessageSender
@@ -124,9 +126,10 @@ def path_mtu(peer: tuple[str, int], local_host: str = "0.0.0.0") -> int | None:
         probe.close()
 
 
-def largest_chunk(mtu: int) -> int:
-    """The largest chunk whose datagram fits one IPv4 packet of ``mtu`` bytes."""
-    return mtu - IPV4_UDP_OVERHEAD - HEADER_BYTES
+def largest_chunk(mtu: int, trailer: int = 0) -> int:
+    """The largest chunk whose datagram fits one IPv4 packet of ``mtu`` bytes
+    (``trailer``: bytes after the payload - an authentication tag's)."""
+    return mtu - IPV4_UDP_OVERHEAD - HEADER_BYTES - trailer
 
 
 class ChunkTooLarge(TransportError):
@@ -150,6 +153,16 @@ def set_socket_buffer(sock: socket.socket, which: str, size: int) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, plain)
 
 
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning(message)
+
+
 def resolve(peer) -> tuple[str, int]:
     host, port = peer
     return socket.gethostbyname(host), int(port)
@@ -168,8 +181,15 @@ class UdpEndpoint:
         name: str = "boundedloss-udp",
         segmentation_offload: bool | None = None,
         native_data_path: bool | None = None,
+        auth_key: bytes | None = None,
     ):
+        """``auth_key``: the job's 32-byte key (``protocol.auth.job_key``); every
+        datagram is then sealed with a tag and every one that comes in must verify.
+        An authenticated endpoint binds one address (``host``), as the tags cover it."""
         config = config or TransportConfig()
+        if auth_key is not None and host in ("", "0.0.0.0"):
+            raise ValueError("an authenticated endpoint binds one address, not any: its "
+                             "datagrams' tags cover it")
         self.loss = loss
         #: send runs of datagrams with UDP_SEGMENT and take them in with UDP_GRO (None:
         #: unless BOUNDEDLOSS_UDP_GSO=0); cleared if the kernel refuses a segmented send
@@ -188,7 +208,11 @@ class UdpEndpoint:
         if config.window_bytes > fits:
             config = dataclasses.replace(config, window_bytes=fits)
         self.config = config
-        self.mux = TransferMux(session, config)
+        self.sock.bind((host, port))
+        self.auth = None if auth_key is None else DatagramAuth(auth_key, self.address)
+        #: bytes after each datagram's payload (the tag's, when authenticating)
+        self.trailer = 0 if self.auth is None else self.auth.tag_bytes
+        self.mux = TransferMux(session, config, auth=self.auth)
         if sys.platform.startswith("linux"):
             # DF on every datagram: the kernel refuses one the path cannot carry rather
             # than fragmenting it (a lost fragment loses the whole datagram)
@@ -197,9 +221,16 @@ class UdpEndpoint:
         #: the compiled DATA path (None: the Python core takes every datagram);
         #: ``native_data_path`` None: use it unless BOUNDEDLOSS_NATIVE=0 or not built
         self.data_path: NativeDataPath | None = None
+        #: why the Python path runs where the compiled one was asked for (else None)
+        self.data_path_note: str | None = None
         if native_data_path or (native_data_path is None and native.enabled()):
-            self.data_path = NativeDataPath(self.mux)
-        self.sock.bind((host, port))
+            if self.auth is not None and not native.authenticates():
+                self.data_path_note = native.AUTH_FALLBACK
+                if native_data_path:
+                    raise TransportError(native.AUTH_FALLBACK)
+                _warn_once(native.AUTH_FALLBACK)
+            else:
+                self.data_path = NativeDataPath(self.mux)
         #: runs of datagrams arrive coalesced (UDP_GRO); False where the kernel has none
         self.receive_offload = False
         if self.segmentation_offload:
@@ -291,6 +322,7 @@ class UdpEndpoint:
         d.update({f"io_{k}": v for k, v in self.io_errors.items()})
         d["sendmsg_calls"] = self.sendmsg_calls
         d["native_data_path"] = int(self.data_path is not None)
+        d["authenticated"] = int(self.auth is not None)
         return d
 
     def close(self) -> None:
@@ -322,10 +354,12 @@ class UdpEndpoint:
             return
         mtu = path_mtu(peer, self.address[0])
         cb = self.config.chunk_bytes
-        if mtu is not None and cb > largest_chunk(mtu):
+        most = None if mtu is None else largest_chunk(mtu, self.trailer)
+        if most is not None and cb > most:
+            tag = f" (datagrams carry a {self.trailer}-byte tag)" if self.trailer else ""
             raise ChunkTooLarge(
                 f"chunk size {cb:,} B does not fit one packet to {peer[0]}:{peer[1]}: the "
-                f"path MTU is {mtu:,} B, so chunks can be at most {largest_chunk(mtu):,} B "
+                f"path MTU is {mtu:,} B, so chunks can be at most {most:,} B{tag} "
                 f"(set TransportConfig.chunk_bytes)")
         self._fits.add(peer)
 

@@ -29,10 +29,12 @@ from ..wire import (
     Kind,
     MalformedDatagram,
 )
+from .auth import TAG_BYTES, DatagramAuth
 from .path import PeerPath
 from .receiver import RUN_MAX, MessageReceiver
 from .sender import MessageSender
 from .types import (
+    DataRun,
     ReceiveResult,
     SendResult,
     TooManyReceives,
@@ -73,16 +75,20 @@ class _Closed:
 
 
 class TransferMux:
-    def __init__(self, session: int, config: TransportConfig | None = None):
+    def __init__(self, session: int, config: TransportConfig | None = None, *,
+                 auth: DatagramAuth | None = None):
         if not 0 <= session < 1 << 64:
             raise ValueError("session token must be a 64-bit unsigned integer")
         self.session = session
         self.config = config or TransportConfig()
+        #: seals what goes out and opens what comes in (None: no authentication)
+        self.auth = auth
         self._senders: dict[tuple, MessageSender] = {}
         self._receivers: dict[tuple, MessageReceiver] = {}
         self._closed: OrderedDict[tuple, _Closed] = OrderedDict()
-        #: control datagrams waiting for poll (one list for the endpoint's life: a data
-        #: path appends the ACKs it builds to it)
+        #: control datagrams waiting for poll, as ``(parts, peer)`` (one list for the
+        #: endpoint's life: a data path appends the ACKs it builds to it - sealed
+        #: already when authenticating, and then marked ``(parts, peer, SEALED)``)
         self.outbox: list = []
         #: the compiled data path taking DATA for open receives, if one is attached
         self.data_path: DataPath | None = None
@@ -153,6 +159,28 @@ class TransferMux:
     # --------------------------------------------------------------- incoming
     def datagram_received(self, data, peer, now: float) -> None:
         self.datagrams_in += 1
+        if self.auth is not None:
+            body = self.auth.open(data, peer)
+            if body is None:
+                self._count_unauthentic(data)
+                return
+            data = body
+        self._accept(data, peer, now)
+
+    def authenticated_datagram_received(self, data, peer, now: float) -> None:
+        """A datagram whose tag a data path has verified and removed already."""
+        self.datagrams_in += 1
+        self._accept(data, peer, now)
+
+    def _count_unauthentic(self, data) -> None:
+        if len(data) < HEADER_BYTES + TAG_BYTES:
+            self.drops[DropReason.SHORT] += 1
+        elif wire.peek_session(data) != self.session:
+            self.drops[DropReason.FOREIGN_SESSION] += 1  # (another job's, most likely)
+        else:
+            self.drops[DropReason.BAD_AUTH] += 1
+
+    def _accept(self, data, peer, now: float) -> None:
         try:
             kind, flags, plen, session, rnd, msg, idx, cnt, mbytes, cbytes, tseq = wire.parse(data)
         except MalformedDatagram as e:
@@ -209,11 +237,28 @@ class TransferMux:
         if keep is not None:
             rows = rows[np.asarray(keep, dtype=bool)]
             n = rows.shape[0]
-        if n and not self._take_run(rows, peer, now):
+        receive = self.datagram_received
+        if self.auth is not None and n:
+            rows = self._open_rows(rows, peer)
+            receive = self.authenticated_datagram_received
+        if rows.shape[0] and not self._take_run(rows, peer, now, receive):
             for row in rows:
-                self.datagram_received(row.data, peer, now)
+                receive(row.data, peer, now)
 
-    def _take_run(self, rows: np.ndarray, peer, now: float) -> bool:
+    def _open_rows(self, rows: np.ndarray, peer) -> np.ndarray:
+        """The rows whose tags verify, without their tags (the others counted)."""
+        auth = self.auth
+        assert auth is not None
+        good = []
+        for i, row in enumerate(rows):
+            if auth.open(row.data, peer) is None:
+                self.datagrams_in += 1
+                self._count_unauthentic(row.data)
+            else:
+                good.append(i)
+        return np.ascontiguousarray(rows[good, : rows.shape[1] - TAG_BYTES])
+
+    def _take_run(self, rows: np.ndarray, peer, now: float, receive) -> bool:
         """Take ``rows`` as one run of DATA if that is what they are; False if not (nothing
         done). Every row shares its header with the first but for flags, index and tseq
         (a sender's pass), so checking the first checks them all but those."""
@@ -245,7 +290,7 @@ class TransferMux:
                             now, self.outbox)
             else:  # closed part-way: the rest is what one by one would find (stale)
                 for row in rows[lo:]:
-                    self.datagram_received(row.data, peer, now)
+                    receive(row.data, peer, now)
                 break
         if rx.result is not None:
             self._reap_receive(rx, now)
@@ -298,7 +343,17 @@ class TransferMux:
         """Up to ``limit`` datagrams to send now, as ``(parts, peer)`` with ``parts`` a
         tuple of buffers to be sent as one datagram (``socket.sendmsg`` gathers them
         without a copy). ``runs``: a sender's DATA comes as one ``DataRun`` per batch
-        instead, for a data path that builds the datagrams itself."""
+        instead, for a data path that builds (and seals) the datagrams itself."""
+        out = self._poll(now, limit, runs)
+        if self.auth is not None:
+            seal = self.auth.seal
+            out = [item if type(item) is DataRun
+                   else (item[0], item[1]) if len(item) == 3  # (sealed by a data path)
+                   else (seal(item[0], item[1]), item[1])
+                   for item in out]
+        return out
+
+    def _poll(self, now: float, limit: int, runs: bool) -> list:
         out = self.outbox[:]
         self.outbox.clear()
         n = len(out)
