@@ -6,7 +6,10 @@
   mutated) end with identical delivered flags, destination bytes, counters, results and
   outgoing datagrams;
 - fuzz: over a million random and mutated datagrams through the native copy, with guard
-  bytes around the destination: no crash, no byte written outside it.
+  bytes around the destination: no crash, no byte written outside it;
+- the same, authenticated: the tags the compiled path builds and checks are the Python
+  reference's, byte for byte, and a million mutated sealed datagrams write nothing
+  anywhere but what verifies.
 
 Skipped, with the reason, where the extension is not built.
 """
@@ -26,6 +29,7 @@ from boundedloss.net import native
 from boundedloss.net.loss import Bernoulli
 from boundedloss.policy import EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransferMux, TransportConfig
+from boundedloss.protocol.auth import TAG_BYTES, DatagramAuth, job_key
 from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Kind, MalformedDatagram
 from conftest import PROPERTY, SENTINEL, SESSION, source_bytes
 
@@ -33,7 +37,12 @@ pytestmark = pytest.mark.skipif(native.status().startswith("python ("),
                                 reason=f"compiled data path: {native.status()}")
 
 PEER = ("10.1.2.3", 4000)
+#: the receiving endpoint's own address (what an authenticated receiver's tags cover)
+LOCAL = ("10.1.2.4", 5000)
+KEY = job_key(b"test secret", SESSION)
 GUARD = 64
+needs_openssl = pytest.mark.skipif(not native.authenticates(),
+                                   reason=f"compiled data path: {native.AUTH_FALLBACK}")
 
 
 def _parse_reason(data: bytes) -> str | None:
@@ -62,10 +71,12 @@ def _mutate(rng: np.random.Generator, d: bytes) -> bytes:
     return bytes(b)
 
 
-def _message(nbytes: int, chunk_bytes: int, seed: int) -> list[bytes]:
-    """Every datagram a real sender puts out for a message, first pass and FINAL PROBE."""
-    sender = TransferMux(SESSION, TransportConfig(chunk_bytes=chunk_bytes))
-    sender.start_send(PEER, 3, 7, source_bytes(nbytes, seed), 0.0)
+def _message(nbytes: int, chunk_bytes: int, seed: int, auth: bool = False) -> list[bytes]:
+    """Every datagram a real sender puts out for a message, first pass and FINAL PROBE
+    (``auth``: sealed, from PEER to LOCAL)."""
+    sender = TransferMux(SESSION, TransportConfig(chunk_bytes=chunk_bytes),
+                         auth=DatagramAuth(KEY, PEER) if auth else None)
+    sender.start_send(LOCAL if auth else PEER, 3, 7, source_bytes(nbytes, seed), 0.0)
     return [b"".join(bytes(p) for p in parts) for parts, _ in sender.poll(0.0, 1 << 20)]
 
 
@@ -89,11 +100,11 @@ def test_classify_agrees_with_wire_parse() -> None:
 
 # ------------------------------------------------------------------ differential
 def _twin(policy_factory, nbytes: int, chunk_bytes: int, critical: np.ndarray | None,
-          sized: bool):
+          sized: bool, auth: bool = False):
     cfg = TransportConfig(chunk_bytes=chunk_bytes, receive_deadline=5.0)
     side = []
     for use_native in (False, True):
-        mux = TransferMux(SESSION, cfg)
+        mux = TransferMux(SESSION, cfg, auth=DatagramAuth(KEY, LOCAL) if auth else None)
         path = native.NativeDataPath(mux) if use_native else None
         big = np.full(nbytes + 2 * GUARD, SENTINEL, dtype=np.uint8)
         out = big[GUARD : GUARD + nbytes] if sized else None
@@ -196,6 +207,84 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
     _same(side, sent)
 
 
+def _sealed_probe(count: int, nbytes: int, chunk_bytes: int) -> bytes:
+    h = wire.Header(Kind.PROBE, SESSION, 3, 7, 1, count, nbytes, chunk_bytes)
+    parts = (wire.control_datagram(h, Kind.PROBE, 9, flags=Flag.FINAL),)
+    return b"".join(DatagramAuth(KEY, PEER).seal(parts, LOCAL))
+
+
+@needs_openssl
+@settings(PROPERTY, max_examples=300)
+@given(
+    policy=st.sampled_from(sorted(POLICIES)),
+    nbytes=st.integers(0, 3000),
+    chunk_bytes=st.sampled_from([1, 7, 64, 250]),
+    seed=st.integers(0, 2**16),
+    ops=st.lists(st.tuples(st.sampled_from(["drop", "dup", "swap", "mutate", "tag", "payload",
+                                            "unsealed", "elsewhere", "probe"]),
+                           st.integers(0, 10_000)), max_size=40),
+    sized=st.booleans(),
+    poll_every=st.integers(1, 40),
+)
+def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, ops, sized,
+                                             poll_every) -> None:
+    """Authenticated, both cores take and refuse the same datagrams - forged ones (a
+    flipped tag or payload byte, no tag, a mutated header, sealed for another receiver)
+    among them - and send the same sealed ACKs, STOPs and BITMAPs."""
+    datagrams = _message(nbytes, chunk_bytes, seed, auth=True)
+    count = wire.chunk_count(nbytes, chunk_bytes)
+    rng = np.random.default_rng(seed)
+    for op, arg in ops:
+        i = arg % len(datagrams)
+        b = bytearray(datagrams[i])
+        if op == "drop":
+            del datagrams[i]
+        elif op == "dup":
+            datagrams.insert(arg % (len(datagrams) + 1), datagrams[i])
+        elif op == "swap":
+            j = (arg * 7919) % len(datagrams)
+            datagrams[i], datagrams[j] = datagrams[j], datagrams[i]
+        elif op == "mutate":  # (a header changed under its tag)
+            datagrams.insert(i, _mutate(rng, datagrams[i]))
+        elif op == "tag":
+            b[-1 - arg % TAG_BYTES] ^= 1 << (arg % 8)
+            datagrams.insert(i, bytes(b))
+        elif op == "payload" and len(b) > HEADER_BYTES + TAG_BYTES:
+            b[HEADER_BYTES + arg % (len(b) - HEADER_BYTES - TAG_BYTES)] ^= 0x80
+            datagrams.insert(i, bytes(b))
+        elif op == "unsealed":  # a forger without the key: a valid header, no tag
+            datagrams.insert(i, bytes(b[:-TAG_BYTES]))
+        elif op == "elsewhere":  # sealed by the same sender, for another receiver
+            body = (bytes(b[:-TAG_BYTES]),)
+            datagrams.insert(i, b"".join(DatagramAuth(KEY, PEER).seal(body, ("10.9.9.9", 1))))
+        elif op == "probe":
+            datagrams.insert(i, _sealed_probe(count, nbytes, chunk_bytes))
+        if not datagrams:
+            break
+    side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, sized, auth=True)
+    sent = _feed(side, datagrams, poll_every)
+    _same(side, sent)
+    # what they sent verifies at the sender, which is PEER
+    opener = DatagramAuth(KEY, PEER)
+    assert all(opener.open(d, LOCAL) is not None for d in sent[0])
+
+
+@needs_openssl
+def test_the_compiled_tag_is_the_python_tag() -> None:
+    rng = np.random.default_rng(11)
+    disp = native.module().Dispatcher(SESSION)
+    disp.authenticate(KEY, *native.ipv4_address(LOCAL))
+    for n in [0, 1, 47, 48, 64, 1400, 9000, 65000]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        src, dst = ("10.0.0.1", int(rng.integers(1 << 16))), ("192.168.7.9", 65535)
+        py = DatagramAuth(KEY, src).seal((data,), dst)[-1]
+        assert disp.tag(data, *native.ipv4_address(src), *native.ipv4_address(dst)) == py
+    with pytest.raises(ValueError):
+        disp.authenticate(KEY, 1, 2)  # once
+    with pytest.raises(ValueError):
+        native.module().Dispatcher(SESSION).authenticate(b"short", 1, 2)
+
+
 @settings(PROPERTY, max_examples=150)
 @given(
     policy=st.sampled_from(sorted(POLICIES)),
@@ -205,14 +294,15 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
     runs=st.lists(st.integers(1, 64), min_size=1, max_size=30),
     loss=st.sampled_from([0.0, 0.05, 0.3]),
     mangle=st.integers(0, 3),
+    auth=st.booleans() if native.authenticates() else st.just(False),
 )
 def test_native_matches_python_on_gro_runs_of_every_length(policy, chunks, chunk_bytes, seed,
-                                                           runs, loss, mangle) -> None:
+                                                           runs, loss, mangle, auth) -> None:
     """Batches as a socket hands them over - GRO runs of 1 to 64 equal-sized datagrams
-    (the last may be shorter), a loss model deciding per datagram - against the Python
-    core fed the same datagrams one by one."""
+    (the last may be shorter), a loss model deciding per datagram, authenticated or
+    not - against the Python core fed the same datagrams one by one."""
     nbytes = chunks * chunk_bytes - (seed % chunk_bytes)
-    datagrams = _message(nbytes, chunk_bytes, seed)
+    datagrams = _message(nbytes, chunk_bytes, seed, auth=auth)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(datagrams)).tolist() + rng.integers(
         len(datagrams), size=len(datagrams) // 4).tolist()  # reordered, some twice
@@ -234,7 +324,7 @@ def test_native_matches_python_on_gro_runs_of_every_length(policy, chunks, chunk
             if len(run[-1]) < size:
                 break  # a short datagram closes a run
         messages.append((b"".join(run), size) if len(run) > 1 else run[0])
-    side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, True)
+    side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, True, auth=auth)
     (ref, _, _, _), (mux, path, _, _) = side
     ref_loss = Bernoulli(loss, seed=seed) if loss else None
     nat_loss = Bernoulli(loss, seed=seed) if loss else None
@@ -338,6 +428,54 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
         total += len(lengths)
     counts = disp.counters()
     assert counts["taken"] > 500_000 and counts["bad_geometry"] > 0 and counts["short"] > 0
+
+
+@needs_openssl
+def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
+    """Authenticated: a million sealed datagrams of a message, most of them mutated (a
+    header byte, a field, the length, noise) - only the untouched ones are taken; the
+    rest are counted and write nothing, and nothing lands outside the destination."""
+    rng = np.random.default_rng(2027)
+    disp = native.module().Dispatcher(SESSION)
+    disp.authenticate(KEY, *native.ipv4_address(LOCAL))
+    ip, port = native.ipv4_address(PEER)
+    total = delivered_total = 0
+    while total < 1_000_000:
+        chunk_bytes = int(rng.choice([1, 64, 512, 1400]))
+        nbytes = int(rng.integers(1, 40 * chunk_bytes + 1))
+        count = wire.chunk_count(nbytes, chunk_bytes)
+        big = np.full(nbytes + 2 * GUARD, SENTINEL, dtype=np.uint8)
+        delivered = bytearray(count)
+        shared = native.module().Receive()
+        shared.heard = True
+        shared.need = count + 1
+        shared.bind(PEER, ip, port, 3, 7, count, nbytes, chunk_bytes, 4,
+                    big[GUARD : GUARD + nbytes], delivered, None, bytes(HEADER_BYTES + 4))
+        disp.register(shared)
+        seed = int(rng.integers(1 << 30))
+        valid = _message(nbytes, chunk_bytes, seed, auth=True)
+        stride = HEADER_BYTES + chunk_bytes + TAG_BYTES + 16
+        rows, lengths = _fuzz_rows(rng, valid, 100_000, stride)
+        out: list = []
+        i = 0
+        while i < len(lengths):
+            i = disp.take_rows(rows, stride, lengths, ip, port, out, i) + 1
+        disp.unregister(shared)
+        # only datagrams that verify are written: every chunk holds the message's own
+        # bytes or was never touched
+        assert (big[:GUARD] == SENTINEL).all() and (big[-GUARD:] == SENTINEL).all()
+        dest, source = big[GUARD : GUARD + nbytes], np.asarray(source_bytes(nbytes, seed))
+        got = np.repeat(np.frombuffer(bytes(delivered), np.uint8), chunk_bytes)[:nbytes] == 1
+        assert np.array_equal(dest[got], source.view(np.uint8)[got])
+        assert (dest[~got] == SENTINEL).all()
+        assert all(len(o) == 3 and o[2] is True for o in out)  # its ACKs went out sealed
+        delivered_total += shared.delivered_count
+        total += len(lengths)
+    counts = disp.counters()
+    # (of the mutated ones, those whose session field changed count as another job's)
+    assert counts["bad_auth"] + counts["foreign_session"] > 500_000 and counts["short"] > 0
+    assert "bad_geometry" not in counts and "bad_magic" not in counts  # (the tag goes first)
+    assert delivered_total > 0
 
 
 # --------------------------------------------------------------------- Hadamard

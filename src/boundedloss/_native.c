@@ -303,6 +303,9 @@ typedef struct {
     unsigned char *lose;             /* per datagram of the batch: a loss model drops it */
     Py_ssize_t lose_len, lose_cap;
     int auth;                        /* every datagram carries a tag (authenticate) */
+    /* what recv found of each datagram's tag, checked without the GIL (VERDICT_*) */
+    unsigned char *verdicts;
+    Py_ssize_t verdicts_len, verdicts_cap;
     unsigned char ident[IDENT_BYTES];  /* our own address as a tag covers it */
 #ifdef BL_OPENSSL
     EVP_MAC_CTX *mac;                /* HMAC-SHA256 under the job's key */
@@ -374,6 +377,7 @@ static void dispatcher_dealloc(DispatcherObject *d) {
     }
     PyMem_Free(d->buf);
     PyMem_Free(d->lose);
+    PyMem_RawFree(d->verdicts);
     PyMem_Free(d->stage);
 #ifdef BL_OPENSSL
     EVP_MAC_CTX_free(d->mac);
@@ -481,6 +485,22 @@ static inline ReceiveObject *lookup(DispatcherObject *d, uint32_t ip, uint16_t p
 }
 
 enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
+/* a datagram's tag: not checked yet, or what recv's check found (else a drop reason) */
+enum { UNCHECKED = 255, VERIFIED = 0 };
+
+/* Check a datagram's tag: VERIFIED, a drop reason, or FAILED (OpenSSL failed). Needs
+ * no GIL. */
+static int verify(DispatcherObject *d, const unsigned char *p, size_t n, uint32_t ip,
+                  uint16_t port) {
+    unsigned char src[IDENT_BYTES], tag[TAG_BYTES];
+    if (n < HEADER_BYTES + TAG_BYTES) return R_SHORT;
+    n -= TAG_BYTES;
+    put_ident(src, ip, port);
+    if (mac_tag(d, src, d->ident, p, n, NULL, 0, tag) < 0) return FAILED;
+    if (!tags_equal(tag, p + n))
+        return ld64(p + OFF_SESSION) != d->session ? R_FOREIGN_SESSION : R_BAD_AUTH;
+    return VERIFIED;
+}
 
 /* Take one datagram if the data path may: TAKEN (counted, dropped or delivered), or
  * HANDED_BACK (Python's core must handle it, untouched but for its tag: when
@@ -489,27 +509,21 @@ enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
  * TransferMux.datagram_received followed by MessageReceiver.data_received for the
  * datagrams it takes. */
 static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_t ip,
-                uint16_t port, PyObject *out) {
+                uint16_t port, PyObject *out, int verdict) {
     Header h;
     size_t n = *np;
     if (d->auth) {  /* (as TransferMux.datagram_received: the tag before anything else) */
-        unsigned char src[IDENT_BYTES], tag[TAG_BYTES];
-        if (n < HEADER_BYTES + TAG_BYTES) {
-            d->drops[R_SHORT]++;
+        if (verdict == UNCHECKED) verdict = verify(d, p, n, ip, port);
+        if (verdict == FAILED) {
+            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+            return FAILED;
+        }
+        if (verdict != VERIFIED) {
+            d->drops[verdict]++;
             d->taken++;
             return TAKEN;
         }
         n -= TAG_BYTES;
-        put_ident(src, ip, port);
-        if (mac_tag(d, src, d->ident, p, n, NULL, 0, tag) < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
-            return FAILED;
-        }
-        if (!tags_equal(tag, p + n)) {
-            d->drops[ld64(p + OFF_SESSION) != d->session ? R_FOREIGN_SESSION : R_BAD_AUTH]++;
-            d->taken++;
-            return TAKEN;
-        }
         *np = n;
     }
     int r = parse(p, n, &h);
@@ -593,7 +607,7 @@ static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     PyObject *out;
     if (!PyArg_ParseTuple(args, "y*IIO!", &b, &ip, &port, &PyList_Type, &out)) return NULL;
     size_t n = (size_t)b.len;
-    int r = take(d, (const unsigned char *)b.buf, &n, ip, (uint16_t)port, out);
+    int r = take(d, (const unsigned char *)b.buf, &n, ip, (uint16_t)port, out, UNCHECKED);
     PyBuffer_Release(&b);
     if (r == FAILED) return NULL;
     return PyBool_FromLong(r == TAKEN);
@@ -625,7 +639,7 @@ static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
         }
         size_t n = len;
         int r = take(d, (const unsigned char *)rows.buf + i * stride, &n, ip, (uint16_t)port,
-                     out);
+                     out, UNCHECKED);
         if (r == FAILED) goto done;
         if (r == HANDED_BACK) break;
     }
@@ -634,6 +648,35 @@ done:
     PyBuffer_Release(&rows);
     PyBuffer_Release(&lengths);
     return result;
+}
+
+/* The tag of every datagram of the batch's first ``got`` messages into d->verdicts, in
+ * batch order. 0, or -1 (out of memory; nothing recorded). Needs no GIL. */
+static int verify_batch(DispatcherObject *d, int got) {
+    Py_ssize_t total = 0;
+    for (int s = 0; s < got; s++) {
+        uint32_t seg = d->segs[s] ? d->segs[s] : 1;
+        total += d->lens[s] == 0 ? 1 : (d->lens[s] + seg - 1) / seg;
+    }
+    if (total > d->verdicts_cap) {
+        unsigned char *v = PyMem_RawRealloc(d->verdicts, (size_t)total);
+        if (v == NULL) return -1;
+        d->verdicts = v;
+        d->verdicts_cap = total;
+    }
+    Py_ssize_t i = 0;
+    for (int s = 0; s < got; s++) {
+        uint32_t len = d->lens[s], seg = d->segs[s], off = 0;
+        do {  /* (the same walk as step's) */
+            uint32_t n = len - off;
+            if (seg && n > seg) n = seg;
+            int v = verify(d, d->buf + (size_t)s * SLOT_BYTES + off, n, d->ips[s], d->ports[s]);
+            d->verdicts[i++] = v == FAILED ? UNCHECKED : (unsigned char)v;
+            off += n;
+        } while (off < len);
+    }
+    d->verdicts_len = total;
+    return 0;
 }
 
 #ifdef __linux__
@@ -662,18 +705,15 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
         msgs[i].msg_hdr.msg_control = ctrl[i].buf;
         msgs[i].msg_hdr.msg_controllen = sizeof ctrl[i].buf;
     }
-    int got;
-    Py_BEGIN_ALLOW_THREADS
-    got = recvmmsg(fd, msgs, RECV_SLOTS, MSG_DONTWAIT, NULL);
-    Py_END_ALLOW_THREADS
+    int got, saved_errno = 0, verified = 0;
     d->batch = d->slot = 0;
     d->offset = 0;
     d->seq = 0;
     d->lose_len = 0;
-    if (got < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return PyLong_FromLong(0);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
+    d->verdicts_len = 0;
+    Py_BEGIN_ALLOW_THREADS
+    got = recvmmsg(fd, msgs, RECV_SLOTS, MSG_DONTWAIT, NULL);
+    saved_errno = errno;
     for (int i = 0; i < got; i++) {
         uint32_t seg = 0;
         for (struct cmsghdr *c = CMSG_FIRSTHDR(&msgs[i].msg_hdr); c;
@@ -689,6 +729,15 @@ static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
         d->ips[i] = ntohl(addrs[i].sin_addr.s_addr);
         d->ports[i] = ntohs(addrs[i].sin_port);
     }
+    /* the tags, here without the GIL (else take() checks each one itself, with it) */
+    if (got > 0 && d->auth) verified = verify_batch(d, got) == 0;
+    Py_END_ALLOW_THREADS
+    if (got < 0) {
+        if (saved_errno == EAGAIN || saved_errno == EWOULDBLOCK) return PyLong_FromLong(0);
+        errno = saved_errno;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (!verified) d->verdicts_len = 0;
     d->batch = got;
     return PyLong_FromLong(got);
 }
@@ -907,7 +956,8 @@ static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
             continue;
         }
         size_t len_in = n;
-        int r = take(d, p, &len_in, d->ips[s], d->ports[s], out);
+        int verdict = seq < d->verdicts_len ? d->verdicts[seq] : UNCHECKED;
+        int r = take(d, p, &len_in, d->ips[s], d->ports[s], out, verdict);
         if (r == FAILED) return NULL;
         if (r == HANDED_BACK)  /* (verified and without its tag, when authenticating) */
             return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)len_in, d->ips[s],
@@ -939,6 +989,7 @@ static PyObject *dispatcher_load(DispatcherObject *d, PyObject *args) {
     d->offset = 0;
     d->seq = 0;
     d->lose_len = 0;
+    d->verdicts_len = 0;  /* (step checks each tag itself) */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *data = item;
         unsigned long segment = 0;

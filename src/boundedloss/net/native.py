@@ -16,7 +16,7 @@ import socket
 import struct
 from collections.abc import Hashable
 
-from ..native import authenticates, enabled, module, status
+from ..native import AUTH_FALLBACK, authenticates, enabled, module, status
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from .loss import LossModel
@@ -141,4 +141,5 @@ class NativeDataPath:
         return peer
 
 
-__all__ = ["NativeDataPath", "enabled", "ipv4_address", "module", "status"]
+__all__ = ["AUTH_FALLBACK", "NativeDataPath", "authenticates", "enabled", "ipv4_address",
+           "module", "status"]
