@@ -10,6 +10,7 @@ with OpenSSL.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -281,3 +282,53 @@ def test_an_authenticated_endpoint_leaves_room_for_its_tag_and_binds_one_address
     assert largest_chunk(1500) - largest_chunk(1500, TAG_BYTES) == TAG_BYTES
     with pytest.raises(ValueError, match="binds one address"):
         UdpEndpoint("0.0.0.0", 0, session=1, auth_key=KEY)
+
+
+_FALLBACK_SCRIPT = """
+import logging, sys
+import numpy as np
+from boundedloss import native
+from boundedloss.net.udp import UdpEndpoint
+from boundedloss.protocol.auth import job_key
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+assert native.__file__.startswith(sys.argv[1]), native.__file__
+assert native.enabled() and not native.authenticates()
+key = job_key(b"s", 5)
+data = np.arange(300_000, dtype=np.uint8)
+with UdpEndpoint(session=5, auth_key=key) as a, UdpEndpoint(session=5, auth_key=key) as b:
+    assert a.data_path is None and a.data_path_note == native.AUTH_FALLBACK
+    f = b.receive(a.address, message_id=1, nbytes=data.nbytes)
+    a.send(b.address, data, message_id=1).result(20)
+    assert np.array_equal(f.result(20).data, data)
+with UdpEndpoint(session=5) as c:  # unauthenticated endpoints keep the compiled path
+    assert c.data_path is not None
+print("ok")
+"""
+
+
+@pytest.mark.skipif(native.status().startswith("python ("),
+                    reason=f"compiled data path: {native.status()}")
+def test_built_without_openssl_authenticated_endpoints_take_the_python_path(tmp_path) -> None:
+    """The extension built without OpenSSL (as where its headers are missing): an
+    authenticated endpoint runs on the Python path, says why once, and works."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("src", "setup.py", "pyproject.toml", "README.md"):
+        src = root / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    for so in (tmp_path / "src" / "boundedloss").glob("_native*.so"):
+        so.unlink()
+    env = {**os.environ, "BOUNDEDLOSS_NATIVE_OPENSSL": "0"}
+    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path)],
+                         env={**env, "PYTHONPATH": str(tmp_path / "src")},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip() == "ok"
+    assert run.stderr.count("authenticated datagrams take the Python path") == 1

@@ -106,8 +106,9 @@ class PolicyParam(click.ParamType):
 
 def _transport_table(rows, title: str) -> Table:
     t = Table(title=title)
-    for col in ("chunk B", "message", "loss", "policy", "offload", "path", "goodput Gb/s",
-                "ceiling Gb/s", "ratio", "retx rounds", "retx frac", "delivered"):
+    for col in ("chunk B", "message", "loss", "policy", "offload", "path", "auth",
+                "goodput Gb/s", "vs no auth", "ceiling Gb/s", "ratio", "retx rounds",
+                "retx frac", "delivered"):
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
@@ -117,7 +118,9 @@ def _transport_table(rows, title: str) -> Table:
             r.policy,
             "on" if r.offload else "off",
             "native" if r.native else "python",
+            "on" if r.auth else "off",
             f"{r.goodput_gbps:.2f}",
+            "-" if r.auth_ratio is None else f"{r.auth_ratio:.2f}",
             f"{r.ceiling_gbps:.2f}",
             f"{r.ratio_to_ceiling:.2f}",
             f"{r.retransmit_rounds:g}",
@@ -172,16 +175,22 @@ def bench() -> None:
               help="UDP segmentation offload and receive coalescing: on and/or off.")
 @click.option("--paths", default="native,python", show_default=True,
               help="Data paths: native (compiled) and/or python (the reference).")
+@click.option("--auth", "auth", default="on,off", show_default=True,
+              help="Authenticated datagrams (a training job's default): on and/or off.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 50),
               help="Interleaved repeats; the median is reported.")
-def bench_transport(json_path, sizes, chunks, losses, policies, offload, paths,
+def bench_transport(json_path, sizes, chunks, losses, policies, offload, paths, auth,
                     repeats) -> None:
     """Goodput of message transfers on loopback against the machine's own limit."""
     offloads = _parse_choices(offload, {"on": True, "off": False}, "--offload")
     native_paths = _parse_choices(paths, {"native": True, "python": False}, "--paths")
+    auths = _parse_choices(auth, {"on": True, "off": False}, "--auth")
     if any(native_paths) and not native.enabled():
         raise click.BadParameter(f"the compiled data path is not in use ({native.status()}); "
                                  "measure --paths python", param_hint="--paths")
+    if any(native_paths) and any(auths) and not native.authenticates():
+        raise click.BadParameter(native.AUTH_FALLBACK + "; measure --auth off or --paths "
+                                 "python", param_hint="--auth")
     sizes_t = _parse_list(sizes, int, "--sizes")
     chunks_t = _parse_list(chunks, int, "--chunks")
     losses_t = _parse_list(losses, float, "--losses")
@@ -200,7 +209,7 @@ def bench_transport(json_path, sizes, chunks, losses, policies, offload, paths,
     with console.status("measuring...") as status:
         rows = transport_bench.run_transport_bench(
             message_mb=sizes_t, chunk_sizes=chunks_t, losses=losses_t, policies=pols,
-            offloads=offloads, native_paths=native_paths, repeats=repeats,
+            offloads=offloads, native_paths=native_paths, auths=auths, repeats=repeats,
             progress=lambda msg: status.update(msg),
         )
     console.print(_transport_table(rows, f"transport goodput (median of {repeats})"))
@@ -307,12 +316,13 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
         raise click.ClickException(str(e)) from e
     t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "
                     f"MTU {mtu:,}")
-    for col in ("system", "topology", "loss", "p50 ms", "p99 ms", "max ms", "mean ms",
+    for col in ("system", "topology", "auth", "loss", "p50 ms", "p99 ms", "max ms", "mean ms",
                 "delivered"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r.system, r.topology, f"{r.loss:.0%}", f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}",
-                  f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}", f"{r.delivered_fraction:.4f}")
+        t.add_row(r.system, r.topology, r.auth, f"{r.loss:.0%}", f"{r.p50_ms:.1f}",
+                  f"{r.p99_ms:.1f}", f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}",
+                  f"{r.delivered_fraction:.4f}")
     console.print(t)
     write_json(rows, json_path)
     console.print(f"rows written to {json_path}")
@@ -444,15 +454,27 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--resume", default=None,
               type=click.Path(exists=True, file_okay=False, dir_okay=True),
               help="Go on from the checkpoints in this folder (every rank's, of one epoch).")
+@click.option("--auth/--no-auth", default=TRAIN_DEFAULTS.auth, show_default=True,
+              help="Authenticate every datagram with a per-job key, from the secret in "
+                   "BOUNDEDLOSS_SECRET or --secret-file (the same on every rank), else a "
+                   "random one handed out over torch.distributed's store in plaintext. "
+                   "--no-auth: anyone who can send to the job's UDP ports can write into "
+                   "its gradients (warns once).")
+@click.option("--secret-file", default=None, type=click.Path(dir_okay=False),
+              help="A file holding the job's secret (sets BOUNDEDLOSS_SECRET_FILE for the "
+                   "workers; give every rank the same).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
               type=click.Path(file_okay=False), callback=_out_folder)
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
-          probe_copies_max, guard_rounds, checkpoint_every, resume, out) -> None:
+          probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
+          out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (starts local workers,
     or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
     from .net.loss import parse_loss_spec
+    from .protocol.auth import AuthenticationError
+    from .secret import SECRET_ENV, SECRET_FILE_ENV, read_secret_file, secret_from_env
 
     try:
         parse_loss_spec(loss_spec)
@@ -468,11 +490,29 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
-                      checkpoint_every=checkpoint_every, resume=resume)
+                      checkpoint_every=checkpoint_every, resume=resume, auth=auth)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if secret_file is not None:
+        if not auth:
+            raise click.BadParameter("a secret with --no-auth: authenticate, or give no "
+                                     "secret", param_hint="--secret-file")
+        if SECRET_ENV in os.environ:
+            raise click.BadParameter(f"{SECRET_ENV} is set too: give one secret",
+                                     param_hint="--secret-file")
+        try:
+            read_secret_file(secret_file, "--secret-file")
+        except AuthenticationError as e:
+            raise click.UsageError(str(e)) from None
+        # the ranks read it (local workers and testbed ranks inherit the environment)
+        os.environ[SECRET_FILE_ENV] = os.path.abspath(secret_file)
+    elif auth and policy.uses_transport:
+        try:
+            secret_from_env()
+        except AuthenticationError as e:
+            raise click.UsageError(str(e)) from None
 
     def report(summary: dict) -> None:
         console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "

@@ -14,7 +14,9 @@ retransmission timeout after the others: timing each rank from its own start wou
 charge that timeout - the harness's, not the exchange's - to whichever system waits for
 that rank's data. The testbed's links have the MTU
 ``--mtu`` (9,000: jumbo frames, as in data centres); boundedloss's chunks follow it (one
-packet each, as ``register()`` picks them).
+packet each, as ``register()`` picks them). Like ``register()``, boundedloss
+authenticates every datagram (the key from BOUNDEDLOSS_SECRET[_FILE], else a random one
+handed out at rendezvous); each row says how (``auth``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class KernelLossRow:
     max_ms: float
     mean_ms: float
     delivered_fraction: float
+    #: how the datagrams were authenticated: "secret", "random" or "off" (gloo: "off",
+    #: it authenticates nothing)
+    auth: str = "off"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -97,7 +102,9 @@ def rank_main(argv: list[str] | None = None) -> None:
     spec = parse_policy(a.system)
     coll: Collective | None = None
     endpoint: UdpEndpoint | None = None
+    auth = "off"
     if spec.uses_transport:
+        from ..protocol.auth import TAG_BYTES
         from ..torch import hook_transport
         from ..torch.rendezvous import (
             agree_chunk_bytes,
@@ -105,13 +112,19 @@ def rank_main(argv: list[str] | None = None) -> None:
             default_store,
             exchange_addresses,
             local_ip,
+            rendezvous_auth,
         )
 
         store = default_store()
         session = agree_session(store, "bench", a.rank)
-        chunk = agree_chunk_bytes(store, "bench", a.rank, a.world, local_ip())
+        # authenticated, as register() runs a job: chunks leave room for the tag
+        chunk = agree_chunk_bytes(store, "bench", a.rank, a.world, local_ip(),
+                                  trailer=TAG_BYTES)
+        job_auth = rendezvous_auth(store, "bench", a.rank, a.world, session, enabled=True)
+        auth = job_auth.mode
         endpoint = UdpEndpoint(local_ip(), 0, session=session,
-                               config=hook_transport(chunk_bytes=chunk))
+                               config=hook_transport(chunk_bytes=chunk),
+                               auth_key=job_auth.key)
         peers = exchange_addresses(store, "bench", a.rank, a.world, endpoint.address)
         policy = spec.make()
         # steady gradient norms after warm-up: DBLP in its relaxed phase (the other
@@ -136,7 +149,7 @@ def rank_main(argv: list[str] | None = None) -> None:
             ends.append(time.monotonic())
             fractions.append(frac)
     Path(a.out, f"rank{a.rank}.json").write_text(
-        json.dumps({"start": starts, "end": ends, "frac": fractions}))
+        json.dumps({"start": starts, "end": ends, "frac": fractions, "auth": auth}))
     dist.barrier()
     if coll is not None:
         coll.close()
@@ -224,6 +237,7 @@ def run_kernel_loss_bench(
                     p50_ms=round(_percentile(lat, 0.5), 2), p99_ms=round(_percentile(lat, 0.99), 2),
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
+                    auth=per_rank[0]["auth"],
                 ))
                 if progress:
                     progress(f"{system} ({topology}) at {loss:.0%} loss: "

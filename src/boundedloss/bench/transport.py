@@ -9,7 +9,9 @@ datagram size, no protocol - UDP_SEGMENT sends into a UDP_GRO socket with offloa
 datagram per system call on both sides without - sending the message's bytes from the
 sender's buffer and copying what arrives on into a message-sized destination, as any
 transport must (``loop_ceiling_gbps``: the same loops on one small buffer the cache
-keeps, which no transport of a real message can match). Where the extension is not
+keeps, which no transport of a real message can match). Rows with ``auth`` on carry a tag
+on every datagram (HMAC-SHA256 under a job key, as a training job does by default), and
+``auth_ratio`` is their goodput over the same row's without. Where the extension is not
 built the ceilings are the same loops in Python, and the rows say so. Goodput is message bytes over
 the time from the send being posted to the receiver's close as its I/O thread saw it
 (for the ceiling: from the first send to the last datagram received, over at least 16 MB
@@ -38,6 +40,7 @@ from ..net.native import ipv4_address
 from ..net.udp import DEFAULT_SOCKET_BUFFER, SOL_UDP, UDP_GRO, UdpEndpoint, set_socket_buffer
 from ..policy import parse_policies, parse_policy
 from ..protocol import ReceiveResult, TransportConfig
+from ..protocol.auth import KEY_BYTES, job_key
 from ..wire import DEFAULT_CHUNK_BYTES, HEADER_BYTES
 
 MB = 1 << 20
@@ -50,6 +53,7 @@ DEFAULT_LOSSES = (0.0, 0.01)
 DEFAULT_POLICIES = ("reliable", "mlt")  # as parse_policy reads them
 DEFAULT_OFFLOADS = (True, False)
 DEFAULT_NATIVE = (True, False)  # the compiled data path, and the Python reference
+DEFAULT_AUTH = (True, False)  # authenticated datagrams (a training job's default), and not
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class TransportRow:
     policy: str
     offload: bool  # UDP segmentation offload and receive coalescing (GSO/GRO)
     native: bool  # the compiled data path (False: the Python reference)
+    auth: bool  # every datagram authenticated (protocol.auth)
     goodput_gbps: float
     ceiling_gbps: float
     loop_ceiling_gbps: float
@@ -69,6 +74,8 @@ class TransportRow:
     delivered_fraction: float
     repeats: int
     ceiling: str  # what the ceiling loop was: "native" or "python"
+    #: authenticated goodput over the same row's unauthenticated one (None: not measured)
+    auth_ratio: float | None = None
 
 
 # ---------------------------------------------------------------- worker side
@@ -92,15 +99,16 @@ def _worker(conn: Connection) -> None:
         cmd, *args = conn.recv()
         if cmd == "quit":
             break
-        if cmd == "open":  # (session, chunk_bytes, loss, seed, offload, native)
+        if cmd == "open":  # (session, chunk_bytes, loss, seed, offload, native, auth_key)
             if endpoint is not None:
                 endpoint.close()
-            session, chunk_bytes, loss, seed, offload, use_native = args
+            session, chunk_bytes, loss, seed, offload, use_native, auth_key = args
             cfg = TransportConfig(chunk_bytes=chunk_bytes, peer_timeout=30.0,
                                   receive_deadline=60.0)
             model = Bernoulli(loss, seed=seed) if loss else None
             endpoint = UdpEndpoint(session=session, config=cfg, loss=model,
-                                   segmentation_offload=offload, native_data_path=use_native)
+                                   segmentation_offload=offload, native_data_path=use_native,
+                                   auth_key=auth_key)
             conn.send(endpoint.address)
         elif cmd == "post":  # (peer, nbytes, policy, round)
             peer, nbytes, policy, rnd = args
@@ -207,8 +215,9 @@ class _Pair:
         for p in self.procs:
             p.start()
         self.session = secrets.randbits(64)
+        self.key = job_key(secrets.token_bytes(KEY_BYTES), self.session)
         # warm-up: imports, first-use paths
-        self.transfer(8192, 4 * MB, 0.0, "reliable", 0, True, native.enabled())
+        self.transfer(8192, 4 * MB, 0.0, "reliable", 0, True, native.enabled(), True)
 
     def call(self, conn, *msg):
         conn.send(msg)
@@ -245,11 +254,12 @@ class _Pair:
         return got * chunk_bytes * 8 / max(t_last - t0, 1e-9) / 1e9
 
     def transfer(self, chunk_bytes: int, message_bytes: int, loss: float, policy: str,
-                 rnd: int, offload: bool, use_native: bool) -> dict:
+                 rnd: int, offload: bool, use_native: bool, auth: bool) -> dict:
+        key = self.key if auth else None
         tx_addr = self.call(self.tx_conn, "open", self.session, chunk_bytes, 0.0, 0, offload,
-                            use_native)
+                            use_native, key)
         rx_addr = self.call(self.rx_conn, "open", self.session, chunk_bytes, loss, rnd,
-                            offload, use_native)
+                            offload, use_native, key)
         self.call(self.rx_conn, "post", tx_addr, message_bytes, policy, rnd)
         t0, status, rounds, retx = self.call(self.tx_conn, "send", rx_addr, message_bytes, rnd)
         t_end, delivered, chunks, reason = self.call(self.rx_conn, "wait")
@@ -271,18 +281,21 @@ def run_transport_bench(
     policies: tuple[str, ...] = DEFAULT_POLICIES,
     offloads: tuple[bool, ...] = DEFAULT_OFFLOADS,
     native_paths: tuple[bool, ...] = DEFAULT_NATIVE,
+    auths: tuple[bool, ...] = DEFAULT_AUTH,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[TransportRow]:
     """One row per chunk size, message size, loss rate, policy (each as
     :func:`~boundedloss.policy.parse_policy` reads it; ``ValueError`` for a bad one,
     or for gloo, which does not use this transport), offload and data path (``True``:
-    the compiled one - ``ValueError`` where it is not built)."""
+    the compiled one - ``ValueError`` where it is not built) and authentication."""
     specs = parse_policies(policies)
     if not all(spec.uses_transport for spec in specs):
         raise ValueError("bench transport measures the bounded-loss transport; gloo has none")
     if any(native_paths) and not native.enabled():
         raise ValueError(f"the compiled data path is not in use: {native.status()}")
+    if any(native_paths) and any(auths) and not native.authenticates():
+        raise ValueError(native.AUTH_FALLBACK)
     names = {str(spec): spec.make().describe() for spec in specs}  # the rows' names
     ceiling_kind = "native" if native.enabled() else "python"
     pair = _Pair()
@@ -302,19 +315,23 @@ def run_transport_bench(
                                 pair.ceiling(cb, nbytes, offload, move))
                     for offload in offloads:
                         for use_native in native_paths:
-                            for loss in losses:
-                                for pol in names:
-                                    rnd += 1
-                                    samples.setdefault(
-                                        (offload, use_native, loss, pol), []).append(
-                                        pair.transfer(cb, nbytes, loss, pol, rnd, offload,
-                                                      use_native))
+                            for auth in auths:
+                                for loss in losses:
+                                    for pol in names:
+                                        rnd += 1
+                                        samples.setdefault(
+                                            (offload, use_native, auth, loss, pol), []).append(
+                                            pair.transfer(cb, nbytes, loss, pol, rnd, offload,
+                                                          use_native, auth))
                     if progress:
                         progress(f"chunk {cb} B, message {mb} MB: repeat {rep + 1}/{repeats}")
-                for (offload, use_native, loss, pol), runs in samples.items():
+                goodput = {key: statistics.median(r["goodput_gbps"] for r in runs)
+                           for key, runs in samples.items()}
+                for (offload, use_native, auth, loss, pol), runs in samples.items():
                     ceiling = statistics.median(ceilings[(offload, True)])
                     loop_ceiling = statistics.median(ceilings[(offload, False)])
                     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                    plain = goodput.get((offload, use_native, False, loss, pol))
                     rows.append(
                         TransportRow(
                             chunk_bytes=cb,
@@ -323,6 +340,7 @@ def run_transport_bench(
                             policy=names[pol],
                             offload=offload,
                             native=use_native,
+                            auth=auth,
                             goodput_gbps=round(med["goodput_gbps"], 3),
                             ceiling_gbps=round(ceiling, 3),
                             loop_ceiling_gbps=round(loop_ceiling, 3),
@@ -332,6 +350,8 @@ def run_transport_bench(
                             delivered_fraction=round(med["delivered_fraction"], 4),
                             repeats=repeats,
                             ceiling=ceiling_kind,
+                            auth_ratio=(round(med["goodput_gbps"] / plain, 3)
+                                        if auth and plain else None),
                         )
                     )
     finally:

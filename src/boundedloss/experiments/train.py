@@ -9,8 +9,9 @@ that one rank. Rank 0 writes, under ``out``:
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
 - ``summary.json``  the configuration, final metric, wall time, whether the UDP
-  endpoints used segmentation offload, the most copies a PROBE went in, and the data
-  path (``native``, or ``python (why)``);
+  endpoints used segmentation offload, the most copies a PROBE went in, the data
+  path (``native``, or ``python (why)``) and how datagrams were authenticated
+  (``auth``: ``secret``, ``random`` or ``off``; None under gloo);
 - with ``checkpoint_every``, ``checkpoint.rank<r>.pt`` per rank (every rank writes its
   own, replaced at each checkpoint): the epoch and round reached, the model's, the
   optimizer's, the scheduler's and the hook's ``state_dict()``. ``resume=DIR`` starts
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ from .. import native
 from ..aggregate import AGGREGATORS
 from ..collective import TOPOLOGIES
 from ..policy import parse_policy
+from ..secret import secret_from_env
 from ..wire import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
@@ -74,6 +77,9 @@ class TrainConfig:
     guard_rounds: int | None = None
     checkpoint_every: int = 0  # a checkpoint every this many epochs (0: none)
     resume: str | None = None  # a directory with every rank's checkpoint to start from
+    #: authenticate every datagram (the key: from BOUNDEDLOSS_SECRET[_FILE] in the
+    #: ranks' environment, else a random one rank 0 hands out); False warns once
+    auth: bool = True
 
     def validate(self) -> None:
         try:
@@ -298,17 +304,26 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     resumed = (load_checkpoint(cfg, rank, world, spec.uses_transport)
                if cfg.resume is not None else None)
     # UDP offload in use at the end, PROBE copies, the data path (None: gloo)
-    offload = copies = data_path = None
+    offload = copies = data_path = auth = None
     if spec.uses_transport:
         from .. import torch as bl_torch
 
         loss = parse_loss_spec(cfg.loss, seed=cfg.seed * 100 + rank).for_rank(rank)
-        state = bl_torch.register(
-            ddp, spec.make(), aggregator=cfg.aggregator, topology=cfg.topology,
-            transport=cfg.transport(), hadamard=cfg.hadamard,
-            stale_broadcast=cfg.stale_broadcast,
-            loss=None if loss.describe().startswith("none") else loss, guard=cfg.guard(),
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = bl_torch.register(
+                ddp, spec.make(), aggregator=cfg.aggregator, topology=cfg.topology,
+                transport=cfg.transport(), hadamard=cfg.hadamard,
+                stale_broadcast=cfg.stale_broadcast,
+                loss=None if loss.describe().startswith("none") else loss, guard=cfg.guard(),
+                auth=cfg.auth,
+            )
+        for w in caught:  # a run without authentication says so once, in one line, on rank 0
+            if not issubclass(w.category, bl_torch.UnauthenticatedWarning):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            elif rank == 0:
+                print(w.message, file=sys.stderr, flush=True)
+        auth = state.auth
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=0.9)
     milestones = sorted({max(1, int(cfg.epochs * 0.5)), max(1, int(cfg.epochs * 0.75))})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.2)
@@ -417,7 +432,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
                "udp_segmentation_offload": offload, "probe_copies_max": copies,
-               "data_path": data_path,
+               "data_path": data_path, "auth": auth,
                "resumed_from_epoch": None if resumed is None else resumed["epoch"]}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -527,6 +542,8 @@ def run_training(cfg: TrainConfig, testbed: Testbed | None = None) -> dict:
     up :class:`~boundedloss.emulate.Testbed`; rank 0 in its server node, rank r in
     worker r-1), or as ``cfg.workers`` local processes."""
     cfg.validate()
+    if cfg.auth and parse_policy(cfg.policy).uses_transport:
+        secret_from_env()  # a secret that cannot be read: one line now, before any rank
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train_rank(cfg, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     ranks: list[RankProcess]

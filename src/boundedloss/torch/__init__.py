@@ -5,6 +5,7 @@ from .hook import (
     STATE_DICT_FORMAT,
     BoundedLossState,
     LossGuard,
+    UnauthenticatedWarning,
     comm_hook,
     default_guard,
     hook_transport,
@@ -12,4 +13,4 @@ from .hook import (
 )
 
 __all__ = ["HOOK_MAX_OPEN_RECEIVES", "STATE_DICT_FORMAT", "BoundedLossState", "LossGuard",
-           "comm_hook", "default_guard", "hook_transport", "register"]
+           "UnauthenticatedWarning", "comm_hook", "default_guard", "hook_transport", "register"]

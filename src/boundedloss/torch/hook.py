@@ -6,9 +6,9 @@ function, every tunable and per-bucket memory in one documented, picklable state
 ``register`` is collective: every rank calls it after ``init_process_group``. It binds a
 UDP endpoint on the address this rank uses to reach the others, publishes it on
 torch.distributed's store, agrees on a random 64-bit session token (carried in every
-datagram), builds the collective and registers :func:`comm_hook`. The Gloo process group
-stays the control plane (rendezvous, the end-of-epoch phase agreement) and the reliable
-baseline.
+datagram) and on the key that authenticates every datagram, builds the collective and
+registers :func:`comm_hook`. The Gloo process group stays the control plane
+(rendezvous, the end-of-epoch phase agreement) and the reliable baseline.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import threading
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from ..net.udp import UdpEndpoint
 from ..policy import Policy, ReliablePolicy, make_policy
 from ..policy._params import non_negative_int
 from ..protocol import TransportConfig, TransportError
+from ..protocol.auth import TAG_BYTES
 from ..protocol.path import PeerPath
 from .rendezvous import (
     agree_chunk_bytes,
@@ -50,9 +52,28 @@ from .rendezvous import (
     default_store,
     exchange_addresses,
     local_ip,
+    rendezvous_auth,
 )
 
 _REGISTRATIONS = 0  # distinct store keys when a process registers more than once
+
+
+class UnauthenticatedWarning(UserWarning):
+    """A job runs with ``auth=False``: its datagrams are not authenticated."""
+
+
+UNAUTHENTICATED_MESSAGE = (
+    "boundedloss: datagrams are not authenticated (auth=False / --no-auth): anyone who "
+    "can send to this job's UDP ports can write into its gradients")
+_WARNED_UNAUTHENTICATED = False  # once per process, however many registrations
+
+
+def warn_unauthenticated(stacklevel: int = 2) -> None:
+    """Warn (once per process) that this process runs without authentication."""
+    global _WARNED_UNAUTHENTICATED
+    if not _WARNED_UNAUTHENTICATED:
+        _WARNED_UNAUTHENTICATED = True
+        warnings.warn(UNAUTHENTICATED_MESSAGE, UnauthenticatedWarning, stacklevel=stacklevel + 1)
 
 #: receives one endpoint of the hook may hold open: every bucket of every peer, both
 #: phases, posted a round ahead - far more than a point-to-point transfer needs
@@ -115,6 +136,10 @@ class BoundedLossState:
     #: this rank and the world it ran in (set by register; None before)
     rank: int | None = None
     world_size: int | None = None
+    #: how the job authenticates its datagrams, as register agreed it: "secret" (a key
+    #: from BOUNDEDLOSS_SECRET), "random" (a random key handed out on the store) or
+    #: "off"; None before register. (The key itself is the endpoint's, never kept here.)
+    auth: str | None = None
     #: the collective's per-bucket memory, the loss guard's per-bucket state and what
     #: the endpoint learned of each peer's path (by rank), as of the last pickling or
     #: load_state_dict before register (which restores them)
@@ -144,7 +169,7 @@ class BoundedLossState:
     def __setstate__(self, d: dict) -> None:
         # (a state pickled before the guard and the paths were kept has none)
         d = {"guard": LossGuard(), "rank": None, "world_size": None, "guards": {},
-             "paths": {}, **d}
+             "paths": {}, "auth": None, **d}
         self.__dict__.update(d)
         for k in self._RUNTIME:
             self.__dict__[k] = None
@@ -473,6 +498,7 @@ def register(
     process_group: Any = None,
     state: BoundedLossState | None = None,
     guard: LossGuard | None = None,
+    auth: bool = True,
     **policy_kw: Any,
 ) -> BoundedLossState:
     """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
@@ -487,7 +513,25 @@ def register(
     reliable; ``LossGuard(rounds=0)`` turns it off). ``state`` resumes from a
     pickled state (its policy, aggregator, transport, guard, round counters, memory
     and paths are kept; the rest is rebuilt); or register afresh and call
-    ``state.load_state_dict(...)`` with a ``state_dict()`` saved by ``torch.save``."""
+    ``state.load_state_dict(...)`` with a ``state_dict()`` saved by ``torch.save``.
+
+    ``auth`` (default True): every datagram carries a 16-byte tag (HMAC-SHA256,
+    truncated to 128 bits, over both addresses, the header and the payload) under a
+    per-job key; a datagram whose tag does not verify is counted (``bad_auth``) and
+    dropped before anything is written. The key is derived (HKDF-SHA256) from the
+    session and a secret: ``BOUNDEDLOSS_SECRET`` (the secret) or
+    ``BOUNDEDLOSS_SECRET_FILE`` (a file holding it), the same on every rank; without
+    either, rank 0 draws a random one. Every rank checks at rendezvous that all ranks
+    hold the same key (and agree on ``auth``); if not, every rank fails with a one-line
+    :class:`~boundedloss.protocol.auth.AuthenticationError` naming the ranks that
+    differ. ``state.auth`` says which ("secret", "random", "off").
+
+    What it protects: with a secret, the data plane is safe from anyone who lacks the
+    secret. Without one, the random key travels over torch.distributed's store (its
+    TCPStore) in plaintext, so it protects the data plane only from those who cannot
+    read the store's TCP traffic or connect to its port. ``auth=False`` authenticates
+    nothing - anyone who can send to the job's UDP ports can write into its gradients -
+    and warns once per process (:class:`UnauthenticatedWarning`)."""
     global _REGISTRATIONS
     moved = sorted(set(policy_kw) & set(_TRANSPORT_KEYWORDS))
     if moved:
@@ -505,10 +549,12 @@ def register(
     store = default_store()
     _REGISTRATIONS += 1
     prefix = f"boundedloss/{_REGISTRATIONS}"
+    if not auth:
+        warn_unauthenticated()
     if state is None:
-        if transport is None:  # chunks follow the path MTU
-            transport = hook_transport(
-                chunk_bytes=agree_chunk_bytes(store, prefix, rank, world, local_ip()))
+        if transport is None:  # chunks follow the path MTU (and leave room for the tag)
+            transport = hook_transport(chunk_bytes=agree_chunk_bytes(
+                store, prefix, rank, world, local_ip(), trailer=TAG_BYTES if auth else 0))
         the_policy = make_policy(policy, **policy_kw) if isinstance(policy, str) else policy
         state = BoundedLossState(
             policy=the_policy,
@@ -527,8 +573,10 @@ def register(
                              "each rank resumes its own")
 
     session = agree_session(store, prefix, rank)
+    # (a rank whose auth or secret differs fails here, on every rank, before any UDP)
+    job_auth = rendezvous_auth(store, prefix, rank, world, session, enabled=auth)
     endpoint = UdpEndpoint(local_ip(), 0, session=session, config=state.transport, loss=loss,
-                           name=f"boundedloss-udp-r{rank}")
+                           name=f"boundedloss-udp-r{rank}", auth_key=job_auth.key)
     peers = exchange_addresses(store, prefix, rank, world, endpoint.address)
     try:
         for peer in peers:
@@ -548,6 +596,7 @@ def register(
         if r != rank and r < world:
             endpoint.load_path_state(peers[r], path)
     state.rank, state.world_size = rank, world
+    state.auth = job_auth.mode
     state.process_group = process_group
     state.endpoint = endpoint
     state.collective = collective
@@ -557,4 +606,5 @@ def register(
 
 
 __all__ = ["HOOK_MAX_OPEN_RECEIVES", "STATE_DICT_FORMAT", "BoundedLossState", "LossGuard",
-           "comm_hook", "default_guard", "hook_transport", "register"]
+           "UnauthenticatedWarning", "comm_hook", "default_guard", "hook_transport",
+           "register", "warn_unauthenticated"]
