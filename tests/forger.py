@@ -53,7 +53,8 @@ class Forger:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
         self._sniff.close()
         self._raw.close()
 

@@ -11,7 +11,8 @@ that one rank. Rank 0 writes, under ``out``:
 - ``summary.json``  the configuration, final metric, wall time, whether the UDP
   endpoints used segmentation offload, the most copies a PROBE went in, the data
   path (``native``, or ``python (why)``) and how datagrams were authenticated
-  (``auth``: ``secret``, ``random`` or ``off``; None under gloo);
+  (``auth``: ``secret``, ``random`` or ``off``; None under gloo), and what rank 0's
+  endpoint dropped, by reason (``datagrams_dropped``: ``bad_auth`` counts forgeries);
 - with ``checkpoint_every``, ``checkpoint.rank<r>.pt`` per rank (every rank writes its
   own, replaced at each checkpoint): the epoch and round reached, the model's, the
   optimizer's, the scheduler's and the hook's ``state_dict()``. ``resume=DIR`` starts
@@ -41,7 +42,10 @@ from ..aggregate import AGGREGATORS
 from ..collective import TOPOLOGIES
 from ..policy import parse_policy
 from ..secret import secret_from_env
-from ..wire import DEFAULT_CHUNK_BYTES
+from ..wire import DEFAULT_CHUNK_BYTES, DropReason
+
+#: the endpoint counters that are datagrams dropped, by why
+DROP_REASONS = frozenset(r.value for r in DropReason)
 
 if TYPE_CHECKING:
     import torch
@@ -305,6 +309,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
                if cfg.resume is not None else None)
     # UDP offload in use at the end, PROBE copies, the data path (None: gloo)
     offload = copies = data_path = auth = None
+    drops: dict[str, int] | None = None
     if spec.uses_transport:
         from .. import torch as bl_torch
 
@@ -428,11 +433,14 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             copies = state.endpoint.config.probe_copies_max if state.endpoint else None
             data_path = (("native" if state.endpoint.data_path is not None
                           else f"python ({native.status()})") if state.endpoint else None)
+            # what this rank's endpoint dropped, by reason (bad_auth: forged datagrams)
+            drops = {} if state.endpoint is None else {
+                k: v for k, v in state.endpoint.counters().items() if k in DROP_REASONS and v}
             state.close()
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
                "udp_segmentation_offload": offload, "probe_copies_max": copies,
-               "data_path": data_path, "auth": auth,
+               "data_path": data_path, "auth": auth, "datagrams_dropped": drops,
                "resumed_from_epoch": None if resumed is None else resumed["epoch"]}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
