@@ -84,11 +84,11 @@ class Forger:
             self.seen += 1
             if self.seen % self.every:
                 continue
-            # an authenticated job's datagrams end in a 16-byte tag: forge its length
+            # an authenticated job's datagrams end in a 28-byte trailer: forge its length
             # (a run sent with UDP_SEGMENT crosses loopback whole: the next datagram's
             # header follows the first one's end)
             end = HEADER_BYTES + plen
-            trailer = 16 if len(body) == end + 16 or body[end + 16:end + 18] == MAGIC else 0
+            trailer = 28 if len(body) == end + 28 or body[end + 28:end + 30] == MAGIC else 0
             self._forge(bytearray(body[:HEADER_BYTES]), trailer, src, dst, sport, dport)
 
     def _forge(self, head: bytearray, trailer: int, src: bytes, dst: bytes, sport: int,
@@ -102,7 +102,7 @@ class Forger:
             for i in range(first, min(count - 1, first + self.ahead)):  # full chunks only
                 struct.pack_into("<I", head, OFF_INDEX, i)
                 struct.pack_into("<H", head, OFF_PLEN, cbytes)
-                # random bytes where an authenticated datagram has its tag
+                # random bytes where an authenticated datagram has its nonce and tag
                 datagram = bytes(head) + nan + np.random.bytes(trailer)
                 udp = struct.pack("!HHHH", sport, dport, 8 + len(datagram), 0)
                 try:

@@ -24,9 +24,11 @@ from boundedloss.net.udp import UdpEndpoint, largest_chunk
 from boundedloss.policy import ReliablePolicy
 from boundedloss.protocol import SendStatus, TransferMux, TransportConfig
 from boundedloss.protocol.auth import (
-    TAG_BYTES,
+    TRAILER_BYTES,
     AuthenticationError,
     DatagramAuth,
+    Gmac,
+    NonceSequence,
     hkdf_sha256,
     identity,
     job_key,
@@ -47,7 +49,7 @@ PATHS = [False] + ([True] if native.authenticates() else [])
 def test_a_sealed_datagram_opens_only_untouched_between_the_same_two_addresses() -> None:
     body = bytes(range(200))
     sealed = b"".join(DatagramAuth(KEY, A).seal((body[:48], body[48:]), B))
-    assert len(sealed) == len(body) + TAG_BYTES
+    assert len(sealed) == len(body) + TRAILER_BYTES
     at_b = DatagramAuth(KEY, B)
     assert bytes(at_b.open(sealed, A)) == body
     for i in range(len(sealed)):  # any one bit anywhere
@@ -57,7 +59,22 @@ def test_a_sealed_datagram_opens_only_untouched_between_the_same_two_addresses()
     assert at_b.open(sealed, ("10.0.0.3", 4001)) is None  # from elsewhere
     assert DatagramAuth(KEY, ("10.0.0.3", 4002)).open(sealed, A) is None  # to elsewhere
     assert DatagramAuth(WRONG, B).open(sealed, A) is None
-    assert at_b.open(sealed[:TAG_BYTES - 1], A) is None
+    assert at_b.open(sealed[:TRAILER_BYTES - 1], A) is None
+
+
+def test_gmac_is_aes_gcm_and_no_nonce_repeats() -> None:
+    # NIST's GCM test case 13 (AES-256, zero key and IV, nothing else): the tag alone
+    assert Gmac(bytes(32)).tag(bytes(12), b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
+    # test case 14's tag covers a ciphertext: with it as associated data the tag differs
+    assert Gmac(bytes(32)).tag(bytes(12), bytes(16)) != Gmac(bytes(32)).tag(bytes(12), b"")
+    seq = NonceSequence(b"\xab" * 4 + b"\xff" * 8)
+    first = seq.next()
+    assert first[:4] == b"\xab" * 4 and int.from_bytes(first[4:], "big") == (1 << 62) - 1
+    assert int.from_bytes(seq.next()[4:], "big") == 1 << 62  # counts up; 2^64 is far away
+    auth = DatagramAuth(KEY, A)
+    nonces = {auth.seal((b"x",), B)[-1][:12] for _ in range(1000)}
+    assert len(nonces) == 1000
+    assert DatagramAuth(KEY, A).nonces.prefix != auth.nonces.prefix  # (2^-32 to fail)
 
 
 def test_keys_differ_per_secret_and_per_session_and_the_check_reveals_neither() -> None:
@@ -114,7 +131,7 @@ def _forge(kind: Kind, *, round_id: int = 3, message_id: int = 7, nbytes: int = 
     flags = Flag.FINAL if kind in (Kind.BITMAP, Kind.PROBE) else Flag.NONE
     body = wire.control_datagram(h, kind, index, payload, flags=flags, tseq=10**6)
     if key is None:
-        return body + np.random.default_rng(len(body)).bytes(TAG_BYTES)
+        return body + np.random.default_rng(len(body)).bytes(TRAILER_BYTES)
     return b"".join(DatagramAuth(key, src).seal((body,), dst))
 
 
@@ -234,14 +251,14 @@ def _flood(target, stop: threading.Event, template: bytes, counter: list) -> Non
     """A forger without the key: the right session and headers, NaN payloads, every
     round id from the message's on, no valid tag."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    body = bytearray(template[:-TAG_BYTES])
+    body = bytearray(template[:-TRAILER_BYTES])
     nan = np.full((len(body) - HEADER_BYTES) // 4, np.nan, np.float32).tobytes()
     body[HEADER_BYTES : HEADER_BYTES + len(nan)] = nan
     i = 0
     try:
         while not stop.is_set():
             body[wire.OFFSET["index"]] = i % 200
-            s.sendto(bytes(body) + bytes(TAG_BYTES), target)
+            s.sendto(bytes(body) + bytes(TRAILER_BYTES), target)
             counter[0] += 1
             i += 1
             if i % 64 == 0:
@@ -260,7 +277,7 @@ def test_udp_endpoints_move_a_message_intact_under_a_forging_flood(use_native) -
         assert (a.data_path is not None) == use_native
         h = Header(Kind.DATA, 99, 0, 1, 0, wire.chunk_count(data.nbytes, cfg.chunk_bytes),
                    data.nbytes, cfg.chunk_bytes)
-        template = wire.encode(h, bytes(cfg.chunk_bytes)) + bytes(TAG_BYTES)
+        template = wire.encode(h, bytes(cfg.chunk_bytes)) + bytes(TRAILER_BYTES)
         stop, sent = threading.Event(), [0]
         flood = threading.Thread(target=_flood, args=(b.address, stop, template, sent))
         f = b.receive(a.address, message_id=1, nbytes=data.nbytes)
@@ -279,7 +296,7 @@ def test_udp_endpoints_move_a_message_intact_under_a_forging_flood(use_native) -
 
 
 def test_an_authenticated_endpoint_leaves_room_for_its_tag_and_binds_one_address() -> None:
-    assert largest_chunk(1500) - largest_chunk(1500, TAG_BYTES) == TAG_BYTES
+    assert largest_chunk(1500) - largest_chunk(1500, TRAILER_BYTES) == TRAILER_BYTES
     with pytest.raises(ValueError, match="binds one address"):
         UdpEndpoint("0.0.0.0", 0, session=1, auth_key=KEY)
 

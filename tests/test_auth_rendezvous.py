@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from boundedloss.cli import main
-from boundedloss.protocol.auth import KEY_BYTES, TAG_BYTES, AuthenticationError, job_key
+from boundedloss.protocol.auth import KEY_BYTES, TRAILER_BYTES, AuthenticationError, job_key
 from boundedloss.secret import SECRET_ENV, SECRET_FILE_ENV, read_secret_file, secret_from_env
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -180,8 +180,8 @@ def test_a_rank_whose_secret_cannot_be_read_stops_the_others_at_once(tmp_path):
 
 def test_chunks_leave_room_for_the_tag():
     got = _ranks(lambda store, r: agree_chunk_bytes(store, "job", r, 2, "127.0.0.1",
-                                                    trailer=TAG_BYTES), 2)
-    assert got == [AUTO_CHUNK_MAX - TAG_BYTES] * 2
+                                                    trailer=TRAILER_BYTES), 2)
+    assert got == [AUTO_CHUNK_MAX - TRAILER_BYTES] * 2
 
 
 # ------------------------------------------------------------------ the command line

@@ -29,7 +29,7 @@ from boundedloss.net import native
 from boundedloss.net.loss import Bernoulli
 from boundedloss.policy import EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransferMux, TransportConfig
-from boundedloss.protocol.auth import TAG_BYTES, DatagramAuth, job_key
+from boundedloss.protocol.auth import TRAILER_BYTES, DatagramAuth, identity, job_key
 from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Kind, MalformedDatagram
 from conftest import PROPERTY, SENTINEL, SESSION, source_bytes
 
@@ -247,15 +247,15 @@ def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, 
         elif op == "mutate":  # (a header changed under its tag)
             datagrams.insert(i, _mutate(rng, datagrams[i]))
         elif op == "tag":
-            b[-1 - arg % TAG_BYTES] ^= 1 << (arg % 8)
+            b[-1 - arg % TRAILER_BYTES] ^= 1 << (arg % 8)  # (the nonce or the tag)
             datagrams.insert(i, bytes(b))
-        elif op == "payload" and len(b) > HEADER_BYTES + TAG_BYTES:
-            b[HEADER_BYTES + arg % (len(b) - HEADER_BYTES - TAG_BYTES)] ^= 0x80
+        elif op == "payload" and len(b) > HEADER_BYTES + TRAILER_BYTES:
+            b[HEADER_BYTES + arg % (len(b) - HEADER_BYTES - TRAILER_BYTES)] ^= 0x80
             datagrams.insert(i, bytes(b))
         elif op == "unsealed":  # a forger without the key: a valid header, no tag
-            datagrams.insert(i, bytes(b[:-TAG_BYTES]))
+            datagrams.insert(i, bytes(b[:-TRAILER_BYTES]))
         elif op == "elsewhere":  # sealed by the same sender, for another receiver
-            body = (bytes(b[:-TAG_BYTES]),)
+            body = (bytes(b[:-TRAILER_BYTES]),)
             datagrams.insert(i, b"".join(DatagramAuth(KEY, PEER).seal(body, ("10.9.9.9", 1))))
         elif op == "probe":
             datagrams.insert(i, _sealed_probe(count, nbytes, chunk_bytes))
@@ -263,26 +263,36 @@ def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, 
             break
     side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, sized, auth=True)
     sent = _feed(side, datagrams, poll_every)
-    _same(side, sent)
-    # what they sent verifies at the sender, which is PEER
+    _same(side, _opened(sent))
+
+
+def _opened(sent: list[list[bytes]]) -> list[list[bytes]]:
+    """What each core sent (to PEER, sealed), each datagram checked and without its
+    trailer: the cores seal with nonces of their own, so only that much is alike."""
     opener = DatagramAuth(KEY, PEER)
-    assert all(opener.open(d, LOCAL) is not None for d in sent[0])
+    bodies = [[opener.open(d, LOCAL) for d in side] for side in sent]
+    assert all(b is not None for side in bodies for b in side)
+    return [[bytes(b) for b in side] for side in bodies]  # type: ignore[arg-type]
 
 
 @needs_openssl
 def test_the_compiled_tag_is_the_python_tag() -> None:
     rng = np.random.default_rng(11)
     disp = native.module().Dispatcher(SESSION)
-    disp.authenticate(KEY, *native.ipv4_address(LOCAL))
+    disp.authenticate(KEY, *native.ipv4_address(LOCAL), bytes(12))
     for n in [0, 1, 47, 48, 64, 1400, 9000, 65000]:
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         src, dst = ("10.0.0.1", int(rng.integers(1 << 16))), ("192.168.7.9", 65535)
-        py = DatagramAuth(KEY, src).seal((data,), dst)[-1]
-        assert disp.tag(data, *native.ipv4_address(src), *native.ipv4_address(dst)) == py
+        trailer = DatagramAuth(KEY, src).seal((data,), dst)[-1]
+        nonce, tag = trailer[:12], trailer[12:]
+        assert disp.tag(data, nonce, *native.ipv4_address(src), *native.ipv4_address(dst)) == tag
+        assert DatagramAuth(KEY, src).tag(nonce, (data,), identity(src), identity(dst)) == tag
     with pytest.raises(ValueError):
-        disp.authenticate(KEY, 1, 2)  # once
+        disp.authenticate(KEY, 1, 2, bytes(12))  # once
     with pytest.raises(ValueError):
-        native.module().Dispatcher(SESSION).authenticate(b"short", 1, 2)
+        native.module().Dispatcher(SESSION).authenticate(b"short", 1, 2, bytes(12))
+    with pytest.raises(ValueError):
+        native.module().Dispatcher(SESSION).authenticate(KEY, 1, 2, bytes(11))
 
 
 @settings(PROPERTY, max_examples=150)
@@ -341,7 +351,7 @@ def test_native_matches_python_on_gro_runs_of_every_length(policy, chunks, chunk
                 ref.datagram_received(d, PEER, t)
         path.take_batch(batch, PEER, t, nat_loss)
     sent = [[b"".join(bytes(p) for p in parts) for parts, _ in m.poll(99.0)] for m in (ref, mux)]
-    _same(side, sent)
+    _same(side, _opened(sent) if auth else sent)
 
 
 def test_native_takes_the_data_python_would_have() -> None:
@@ -437,7 +447,7 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
     rest are counted and write nothing, and nothing lands outside the destination."""
     rng = np.random.default_rng(2027)
     disp = native.module().Dispatcher(SESSION)
-    disp.authenticate(KEY, *native.ipv4_address(LOCAL))
+    disp.authenticate(KEY, *native.ipv4_address(LOCAL), bytes(12))
     ip, port = native.ipv4_address(PEER)
     total = delivered_total = 0
     while total < 1_000_000:
@@ -454,7 +464,7 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
         disp.register(shared)
         seed = int(rng.integers(1 << 30))
         valid = _message(nbytes, chunk_bytes, seed, auth=True)
-        stride = HEADER_BYTES + chunk_bytes + TAG_BYTES + 16
+        stride = HEADER_BYTES + chunk_bytes + TRAILER_BYTES + 16
         rows, lengths = _fuzz_rows(rng, valid, 100_000, stride)
         out: list = []
         i = 0

@@ -104,7 +104,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     endpoint: UdpEndpoint | None = None
     auth = "off"
     if spec.uses_transport:
-        from ..protocol.auth import TAG_BYTES
+        from ..protocol.auth import TRAILER_BYTES
         from ..torch import hook_transport
         from ..torch.rendezvous import (
             agree_chunk_bytes,
@@ -119,7 +119,7 @@ def rank_main(argv: list[str] | None = None) -> None:
         session = agree_session(store, "bench", a.rank)
         # authenticated, as register() runs a job: chunks leave room for the tag
         chunk = agree_chunk_bytes(store, "bench", a.rank, a.world, local_ip(),
-                                  trailer=TAG_BYTES)
+                                  trailer=TRAILER_BYTES)
         job_auth = rendezvous_auth(store, "bench", a.rank, a.world, session, enabled=True)
         auth = job_auth.mode
         endpoint = UdpEndpoint(local_ip(), 0, session=session,

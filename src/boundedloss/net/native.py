@@ -12,11 +12,13 @@ native one off, and where the extension was not built it is off and says why
 
 from __future__ import annotations
 
+import secrets
 import socket
 import struct
 from collections.abc import Hashable
 
 from ..native import AUTH_FALLBACK, authenticates, enabled, module, status
+from ..protocol.auth import NONCE_BYTES
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from .loss import LossModel
@@ -50,7 +52,8 @@ class NativeDataPath:
             if local is None or not authenticates():
                 raise ValueError("the compiled data path authenticates IPv4 endpoints, "
                                  "built with OpenSSL")
-            self.dispatcher.authenticate(mux.auth.key, *local)
+            # (its own nonces: a sealer of its own, seeded apart from the Python core's)
+            self.dispatcher.authenticate(mux.auth.key, *local, secrets.token_bytes(NONCE_BYTES))
             self._hand_back = mux.authenticated_datagram_received
         mux.data_path = self
 

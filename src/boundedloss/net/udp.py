@@ -211,7 +211,7 @@ class UdpEndpoint:
         self.sock.bind((host, port))
         self.auth = None if auth_key is None else DatagramAuth(auth_key, self.address)
         #: bytes after each datagram's payload (the tag's, when authenticating)
-        self.trailer = 0 if self.auth is None else self.auth.tag_bytes
+        self.trailer = 0 if self.auth is None else self.auth.trailer_bytes
         self.mux = TransferMux(session, config, auth=self.auth)
         if sys.platform.startswith("linux"):
             # DF on every datagram: the kernel refuses one the path cannot carry rather

@@ -29,7 +29,7 @@ from ..wire import (
     Kind,
     MalformedDatagram,
 )
-from .auth import TAG_BYTES, DatagramAuth
+from .auth import TRAILER_BYTES, DatagramAuth
 from .path import PeerPath
 from .receiver import RUN_MAX, MessageReceiver
 from .sender import MessageSender
@@ -173,7 +173,7 @@ class TransferMux:
         self._accept(data, peer, now)
 
     def _count_unauthentic(self, data) -> None:
-        if len(data) < HEADER_BYTES + TAG_BYTES:
+        if len(data) < HEADER_BYTES + TRAILER_BYTES:
             self.drops[DropReason.SHORT] += 1
         elif wire.peek_session(data) != self.session:
             self.drops[DropReason.FOREIGN_SESSION] += 1  # (another job's, most likely)
@@ -256,7 +256,7 @@ class TransferMux:
                 self._count_unauthentic(row.data)
             else:
                 good.append(i)
-        return np.ascontiguousarray(rows[good, : rows.shape[1] - TAG_BYTES])
+        return np.ascontiguousarray(rows[good, : rows.shape[1] - TRAILER_BYTES])
 
     def _take_run(self, rows: np.ndarray, peer, now: float, receive) -> bool:
         """Take ``rows`` as one run of DATA if that is what they are; False if not (nothing

@@ -44,7 +44,7 @@ from ..net.udp import UdpEndpoint
 from ..policy import Policy, ReliablePolicy, make_policy
 from ..policy._params import non_negative_int
 from ..protocol import TransportConfig, TransportError
-from ..protocol.auth import TAG_BYTES
+from ..protocol.auth import TRAILER_BYTES
 from ..protocol.path import PeerPath
 from .rendezvous import (
     agree_chunk_bytes,
@@ -554,7 +554,7 @@ def register(
     if state is None:
         if transport is None:  # chunks follow the path MTU (and leave room for the tag)
             transport = hook_transport(chunk_bytes=agree_chunk_bytes(
-                store, prefix, rank, world, local_ip(), trailer=TAG_BYTES if auth else 0))
+                store, prefix, rank, world, local_ip(), trailer=TRAILER_BYTES if auth else 0))
         the_policy = make_policy(policy, **policy_kw) if isinstance(policy, str) else policy
         state = BoundedLossState(
             policy=the_policy,
