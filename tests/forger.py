@@ -84,11 +84,11 @@ class Forger:
             self.seen += 1
             if self.seen % self.every:
                 continue
-            # an authenticated job's datagrams end in a 28-byte trailer: forge its length
+            # an authenticated job's datagrams end in a 24-byte trailer: forge its length
             # (a run sent with UDP_SEGMENT crosses loopback whole: the next datagram's
             # header follows the first one's end)
             end = HEADER_BYTES + plen
-            trailer = 28 if len(body) == end + 28 or body[end + 28:end + 30] == MAGIC else 0
+            trailer = 24 if len(body) == end + 24 or body[end + 24:end + 26] == MAGIC else 0
             self._forge(bytearray(body[:HEADER_BYTES]), trailer, src, dst, sport, dport)
 
     def _forge(self, head: bytearray, trailer: int, src: bytes, dst: bytes, sport: int,

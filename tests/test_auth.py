@@ -64,7 +64,8 @@ def test_a_sealed_datagram_opens_only_untouched_between_the_same_two_addresses()
 
 def test_gmac_is_aes_gcm_and_no_nonce_repeats() -> None:
     # NIST's GCM test case 13 (AES-256, zero key and IV, nothing else): the tag alone
-    assert Gmac(bytes(32)).tag(bytes(12), b"").hex() == "530f8afbc74536b9a963b4f1c4cb738b"
+    # (its first 96 bits: our tags are truncated to those)
+    assert Gmac(bytes(32)).tag(bytes(12), b"").hex() == "530f8afbc74536b9a963b4f1"
     # test case 14's tag covers a ciphertext: with it as associated data the tag differs
     assert Gmac(bytes(32)).tag(bytes(12), bytes(16)) != Gmac(bytes(32)).tag(bytes(12), b"")
     seq = NonceSequence(b"\xab" * 4 + b"\xff" * 8)

@@ -483,7 +483,7 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
         total += len(lengths)
     counts = disp.counters()
     # (of the mutated ones, those whose session field changed count as another job's)
-    assert counts["bad_auth"] + counts["foreign_session"] > 500_000 and counts["short"] > 0
+    assert counts["bad_auth"] + counts["foreign_session"] > 400_000 and counts["short"] > 0
     assert "bad_geometry" not in counts and "bad_magic" not in counts  # (the tag goes first)
     assert delivered_total > 0
 

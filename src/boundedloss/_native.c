@@ -73,7 +73,7 @@ static const char *const REASONS[N_REASONS] = {
 };
 /* protocol/auth.py: a datagram's trailer (nonce, tag), an address's bytes in the tag's
  * input (4, address, port), the key */
-enum { NONCE_BYTES = 12, TAG_BYTES = 16, TRAILER_BYTES = NONCE_BYTES + TAG_BYTES,
+enum { NONCE_BYTES = 12, TAG_BYTES = 12, TRAILER_BYTES = NONCE_BYTES + TAG_BYTES,
        IDENT_BYTES = 7, KEY_BYTES = 32 };
 
 /* Little-endian loads and stores that never assume alignment. */

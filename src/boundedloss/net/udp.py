@@ -356,7 +356,8 @@ class UdpEndpoint:
         cb = self.config.chunk_bytes
         most = None if mtu is None else largest_chunk(mtu, self.trailer)
         if most is not None and cb > most:
-            tag = f" (datagrams carry a {self.trailer}-byte tag)" if self.trailer else ""
+            tag = (f" (authenticated datagrams carry a {self.trailer}-byte nonce and tag)"
+                   if self.trailer else "")
             raise ChunkTooLarge(
                 f"chunk size {cb:,} B does not fit one packet to {peer[0]}:{peer[1]}: the "
                 f"path MTU is {mtu:,} B, so chunks can be at most {most:,} B{tag} "

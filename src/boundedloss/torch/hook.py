@@ -515,8 +515,8 @@ def register(
     and paths are kept; the rest is rebuilt); or register afresh and call
     ``state.load_state_dict(...)`` with a ``state_dict()`` saved by ``torch.save``.
 
-    ``auth`` (default True): every datagram carries a 16-byte tag (HMAC-SHA256,
-    truncated to 128 bits, over both addresses, the header and the payload) under a
+    ``auth`` (default True): every datagram carries a nonce and a tag (AES-256-GMAC over
+    both addresses, the header and the payload; 24 bytes in all) under a
     per-job key; a datagram whose tag does not verify is counted (``bad_auth``) and
     dropped before anything is written. The key is derived (HKDF-SHA256) from the
     session and a secret: ``BOUNDEDLOSS_SECRET`` (the secret) or

@@ -10,6 +10,7 @@ import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -101,6 +102,7 @@ def rendezvous_auth(store: dist.Store, prefix: str, rank: int, world: int, sessi
     except AuthenticationError:
         # say so on the store, so that the other ranks stop now, not at its timeout
         store.set(f"{prefix}/auth/{rank}", "error -")
+        _linger(store, prefix, rank, world)
         raise
     mode = "off" if not enabled else "random" if secret is None else "secret"
     if rank == 0 and mode == "random":
@@ -118,8 +120,27 @@ def rendezvous_auth(store: dist.Store, prefix: str, rank: int, world: int, sessi
                for r in range(world)]
     problem = _disagreement(rank, entries)
     if problem is not None:
+        _linger(store, prefix, rank, world)
         raise AuthenticationError(problem)
     return JobAuth(mode, key)
+
+
+#: how long a rank that fails rendezvous waits for the others to have read what it
+#: published before it exits
+LINGER_S = 10.0
+
+
+def _linger(store: dist.Store, prefix: str, rank: int, world: int) -> None:
+    """Say this rank has read every entry, then wait (at most LINGER_S) until every rank
+    has: the rank hosting the store (rank 0's TCPStore) must not exit, taking the store
+    with it, while another still reads why - that one would fail with a connection reset
+    instead of its own one-line reason."""
+    store.set(f"{prefix}/auth_read/{rank}", "1")
+    try:
+        store.wait([f"{prefix}/auth_read/{r}" for r in range(world)],
+                   timedelta(seconds=LINGER_S))
+    except Exception:  # noqa: BLE001 - a rank gone already: nothing left to wait for
+        pass
 
 
 def agree_auth(store: dist.Store, prefix: str, rank: int, world: int, session: int, *,
