@@ -44,9 +44,6 @@ class NativeDataPath:
         self._mux = mux
         self.dispatcher = self._native.Dispatcher(mux.session)
         self._peers: dict[tuple[int, int], tuple[str, int]] = {}
-        #: what a datagram it hands back goes to: with authentication it has verified the
-        #: tag and cut it off already
-        self._hand_back = mux.datagram_received
         if mux.auth is not None:
             local = ipv4_address(mux.auth.local)
             if local is None or not authenticates():
@@ -54,7 +51,6 @@ class NativeDataPath:
                                  "built with OpenSSL")
             # (its own nonces: a sealer of its own, seeded apart from the Python core's)
             self.dispatcher.authenticate(mux.auth.key, *local, secrets.token_bytes(NONCE_BYTES))
-            self._hand_back = mux.authenticated_datagram_received
         mux.data_path = self
 
     # ------------------------------------------------------- DataPath for the mux
@@ -128,7 +124,10 @@ class NativeDataPath:
                 rounds = [-1] * len(rounds)  # type: ignore[assignment]
             dispatcher.lose(bytes(loss.drop(now, r) for r in rounds))
         outbox = self._mux.outbox
-        hand_back = self._hand_back
+        # (with authentication a datagram handed back is verified, its trailer cut off)
+        mux = self._mux
+        hand_back = (mux.authenticated_datagram_received if mux.auth is not None
+                     else mux.datagram_received)
         handed = dispatcher.step(outbox)
         while handed is not None:
             data, ip, port = handed

@@ -88,7 +88,7 @@ class TransferMux:
         self._closed: OrderedDict[tuple, _Closed] = OrderedDict()
         #: control datagrams waiting for poll, as ``(parts, peer)`` (one list for the
         #: endpoint's life: a data path appends the ACKs it builds to it - sealed
-        #: already when authenticating, and then marked ``(parts, peer, SEALED)``)
+        #: already when authenticating, and then marked so: ``(parts, peer, True)``)
         self.outbox: list = []
         #: the compiled data path taking DATA for open receives, if one is attached
         self.data_path: DataPath | None = None
