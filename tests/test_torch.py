@@ -468,7 +468,7 @@ def test_a_rank_still_running_after_the_others_ended_is_stopped_and_reported():
         "rank 1 (stopped: still running 1 s after another ended)")
 
 
-def test_the_report_names_the_rank_that_failed_first():
+def test_the_report_names_the_rank_that_failed_first(tmp_path):
     """When one rank dies the others fail after it (PeerFailure): the run's last line
     names the one that ended first, then the rest."""
     import multiprocessing as mp
@@ -476,8 +476,16 @@ def test_the_report_names_the_rank_that_failed_first():
     from boundedloss.experiments.train import failure_report, supervise
 
     ctx = mp.get_context("spawn")
-    later = [sys.executable, "-c", "import sys, time; time.sleep(1.0); sys.exit(1)"]
-    dies = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    # the others end only after the first has said it is about to die (a fixed sleep
+    # raced a slow interpreter start on a loaded machine)
+    dead = tmp_path / "dying"
+    later = [sys.executable, "-c",
+             "import os, sys, time\n"
+             f"while not os.path.exists({str(dead)!r}): time.sleep(0.01)\n"
+             "time.sleep(0.5); sys.exit(1)"]
+    dies = [sys.executable, "-c",
+            f"import os, signal; open({str(dead)!r}, 'w').close(); "
+            "os.kill(os.getpid(), signal.SIGKILL)"]
     ranks = [ctx.Process(target=os.execv, args=(sys.executable, argv))
              for argv in (later, dies, later)]
     for p in ranks:
