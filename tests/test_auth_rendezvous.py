@@ -27,7 +27,6 @@ torch_dist = pytest.importorskip("torch.distributed")
 from boundedloss.torch.rendezvous import (  # noqa: E402 - after the skip
     AUTO_CHUNK_MAX,
     JobAuth,
-    agree_auth,
     agree_chunk_bytes,
     rendezvous_auth,
 )
@@ -101,8 +100,8 @@ def test_off_on_every_rank_is_no_key():
     results = _agree([{SECRET_ENV: "x"}, {SECRET_FILE_ENV: "/nonexistent"}],
                      enabled=[False, False])
     assert results == [JobAuth("off", None)] * 2
-    keys = _ranks(lambda store, r: agree_auth(store, "job", r, 2, 1, enabled=False,
-                                              environ={}), 2)
+    keys = _ranks(lambda store, r: rendezvous_auth(store, "job", r, 2, 1, enabled=False,
+                                                   environ={}).key, 2)
     assert keys == [None, None]
 
 

@@ -150,6 +150,22 @@ def _same(side, sent) -> None:
     assert (big1[:GUARD] == SENTINEL).all() and (big1[-GUARD:] == SENTINEL).all()
 
 
+def _reorder(datagrams: list[bytes], op: str, arg: int) -> bool:
+    """What the network does to a stream: ``drop``, ``dup`` or ``swap`` datagrams (True
+    if ``op`` was one of them)."""
+    i = arg % len(datagrams)
+    if op == "drop":
+        del datagrams[i]
+    elif op == "dup":
+        datagrams.insert(arg % (len(datagrams) + 1), datagrams[i])
+    elif op == "swap":
+        j = (arg * 7919) % len(datagrams)
+        datagrams[i], datagrams[j] = datagrams[j], datagrams[i]
+    else:
+        return False
+    return True
+
+
 POLICIES = {
     "reliable": ReliablePolicy,
     "mlt": lambda: FixedBoundPolicy(0.1),
@@ -178,13 +194,8 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
     critical = (rng.random(count) < 0.2) if with_critical and sized else None
     for op, arg in ops:
         i = arg % len(datagrams)
-        if op == "drop":
-            del datagrams[i]
-        elif op == "dup":
-            datagrams.insert(arg % (len(datagrams) + 1), datagrams[i])
-        elif op == "swap":
-            j = (arg * 7919) % len(datagrams)
-            datagrams[i], datagrams[j] = datagrams[j], datagrams[i]
+        if _reorder(datagrams, op, arg):
+            pass
         elif op == "mutate":
             datagrams[i] = _mutate(rng, datagrams[i])
         elif op == "foreign":  # the right datagram, another job's session
@@ -237,13 +248,8 @@ def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, 
     for op, arg in ops:
         i = arg % len(datagrams)
         b = bytearray(datagrams[i])
-        if op == "drop":
-            del datagrams[i]
-        elif op == "dup":
-            datagrams.insert(arg % (len(datagrams) + 1), datagrams[i])
-        elif op == "swap":
-            j = (arg * 7919) % len(datagrams)
-            datagrams[i], datagrams[j] = datagrams[j], datagrams[i]
+        if _reorder(datagrams, op, arg):
+            pass
         elif op == "mutate":  # (a header changed under its tag)
             datagrams.insert(i, _mutate(rng, datagrams[i]))
         elif op == "tag":

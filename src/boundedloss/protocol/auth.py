@@ -53,7 +53,6 @@ TAG_BYTES = 12  # (GCM tags truncated to 96 bits)
 #: what an authenticated datagram carries after its payload: the nonce, then the tag
 TRAILER_BYTES = NONCE_BYTES + TAG_BYTES
 KEY_BYTES = 32
-ALGORITHM = "aes-256-gmac"
 _DIGEST = "sha256"
 #: what the key derivation and the rendezvous key check put into HMAC besides the key
 _SALT = b"boundedloss datagram authentication v1"

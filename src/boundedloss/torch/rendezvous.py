@@ -96,7 +96,18 @@ class JobAuth:
 
 def rendezvous_auth(store: dist.Store, prefix: str, rank: int, world: int, session: int, *,
                     enabled: bool, environ: Mapping[str, str] | None = None) -> JobAuth:
-    """:func:`agree_auth`, with the mode this rank (and so every rank) runs in."""
+    """The job's datagram key, the same on every rank (None when ``enabled`` is
+    False), and the mode every rank runs in. Collective: every rank calls it with the
+    same ``prefix`` and ``session``.
+
+    With a secret (:func:`secret_from_env`), the key is derived from it and the session
+    (:func:`~boundedloss.protocol.auth.job_key`). Without one, rank 0 draws a random
+    secret and hands it out on the ``store`` in plaintext: the key is then as safe as
+    the store's TCP traffic. Every rank publishes its mode and a check of its key
+    (:func:`~boundedloss.protocol.auth.key_check`, which does not give the key away)
+    and compares every other rank's with its own: a rank with another secret, without
+    one, or without authentication fails rendezvous on every rank with a one-line
+    AuthenticationError naming the ranks that differ from this one."""
     try:
         secret = secret_from_env(environ) if enabled else None
     except AuthenticationError:
@@ -141,23 +152,6 @@ def _linger(store: dist.Store, prefix: str, rank: int, world: int) -> None:
                    timedelta(seconds=LINGER_S))
     except Exception:  # noqa: BLE001 - a rank gone already: nothing left to wait for
         pass
-
-
-def agree_auth(store: dist.Store, prefix: str, rank: int, world: int, session: int, *,
-               enabled: bool, environ: Mapping[str, str] | None = None) -> bytes | None:
-    """The job's 32-byte datagram key, the same on every rank, or None when ``enabled``
-    is False. Collective: every rank calls it with the same ``prefix`` and ``session``.
-
-    With a secret (:func:`secret_from_env`), the key is derived from it and the session
-    (:func:`~boundedloss.protocol.auth.job_key`). Without one, rank 0 draws a random
-    secret and hands it out on the ``store`` in plaintext: the key is then as safe as
-    the store's TCP traffic. Every rank publishes its mode and a check of its key
-    (:func:`~boundedloss.protocol.auth.key_check`, which does not give the key away)
-    and compares every other rank's with its own: a rank with another secret, without
-    one, or without authentication fails rendezvous on every rank with a one-line
-    AuthenticationError naming the ranks that differ from this one."""
-    return rendezvous_auth(store, prefix, rank, world, session, enabled=enabled,
-                           environ=environ).key
 
 
 def _entry(raw: bytes) -> tuple[str, bytes]:
