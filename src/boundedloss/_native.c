@@ -547,7 +547,7 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     if (d->auth) {  /* (as TransferMux.datagram_received: the tag before anything else) */
         if (verdict == UNCHECKED) verdict = verify(d, p, n, ip, port);
         if (verdict == FAILED) {
-            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
             return FAILED;
         }
         if (verdict != VERIFIED) {
@@ -598,7 +598,7 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
             unsigned char dst[IDENT_BYTES];
             put_ident(dst, rx->ip, rx->port);
             if (seal(d, dst, a, HEADER_BYTES + 4, NULL, 0, a + HEADER_BYTES + 4) < 0) {
-                PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+                PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
                 return FAILED;
             }
             alen += TRAILER_BYTES;
@@ -942,7 +942,7 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
         i += sent;  /* (sendmmsg may stop short: the next call says why) */
     }
     if (mac_failed) {
-        PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's HMAC failed");
+        PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
         goto done;
     }
 #undef CLEN

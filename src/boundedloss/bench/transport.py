@@ -10,7 +10,7 @@ datagram per system call on both sides without - sending the message's bytes fro
 sender's buffer and copying what arrives on into a message-sized destination, as any
 transport must (``loop_ceiling_gbps``: the same loops on one small buffer the cache
 keeps, which no transport of a real message can match). Rows with ``auth`` on carry a tag
-on every datagram (HMAC-SHA256 under a job key, as a training job does by default), and
+on every datagram (AES-256-GMAC under a job key, as a training job does by default), and
 ``auth_ratio`` is their goodput over the same row's without. Where the extension is not
 built the ceilings are the same loops in Python, and the rows say so. Goodput is message bytes over
 the time from the send being posted to the receiver's close as its I/O thread saw it
