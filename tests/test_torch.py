@@ -476,15 +476,20 @@ def test_the_report_names_the_rank_that_failed_first(tmp_path):
     from boundedloss.experiments.train import failure_report, supervise
 
     ctx = mp.get_context("spawn")
-    # the others end only after the first has said it is about to die (a fixed sleep
-    # raced a slow interpreter start on a loaded machine)
+    # the others end only once the supervisor has reaped the first (its pid is gone), so
+    # the order is fixed however slowly the interpreters start (timed sleeps raced that)
     dead = tmp_path / "dying"
     later = [sys.executable, "-c",
              "import os, sys, time\n"
              f"while not os.path.exists({str(dead)!r}): time.sleep(0.01)\n"
-             "time.sleep(0.5); sys.exit(1)"]
+             f"pid = int(open({str(dead)!r}).read())\n"
+             "while True:\n"
+             "    try: os.kill(pid, 0)\n"
+             "    except ProcessLookupError: sys.exit(1)\n"
+             "    time.sleep(0.01)"]
     dies = [sys.executable, "-c",
-            f"import os, signal; open({str(dead)!r}, 'w').close(); "
+            f"import os, signal; open({str(dead)!r} + '.tmp', 'w').write(str(os.getpid())); "
+            f"os.rename({str(dead)!r} + '.tmp', {str(dead)!r}); "
             "os.kill(os.getpid(), signal.SIGKILL)"]
     ranks = [ctx.Process(target=os.execv, args=(sys.executable, argv))
              for argv in (later, dies, later)]

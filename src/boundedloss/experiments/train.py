@@ -614,16 +614,22 @@ def supervise(ranks: Sequence[RankProcess], grace: float) -> Supervision:
     stopped: set[int] = set()
     ended: list[int] = []
     try:
-        while any(p.is_alive() for p in ranks):
-            wait([p.sentinel for p in ranks if p.is_alive()], timeout=min(1.0, grace))
-            ended += [r for r, p in enumerate(ranks) if p.exitcode is not None and r not in ended]
+        while True:
+            # a rank is reaped (exitcode polled) only here, where its end is recorded:
+            # polling it elsewhere first would let a later rank's end be seen in the same
+            # pass and be listed ahead of it
+            ended += [r for r, p in enumerate(ranks) if r not in ended and p.exitcode is not None]
+            if len(ended) == len(ranks):
+                break
             if give_up_at is None and ended:
                 give_up_at = time.monotonic() + grace
             if give_up_at is not None and time.monotonic() > give_up_at:
                 for r, p in enumerate(ranks):
-                    if p.is_alive():
+                    if r not in ended and r not in stopped:
                         p.terminate()
                         stopped.add(r)
+            wait([p.sentinel for r, p in enumerate(ranks) if r not in ended],
+                 timeout=min(1.0, grace))
     except KeyboardInterrupt:
         for p in ranks:
             p.terminate()
