@@ -307,6 +307,47 @@ def test_a_udp_segment_sender_reaches_a_gro_endpoint_across_the_testbed(bed):
     assert rx.returncode == 0 and out.strip().endswith("ok"), out
 
 
+_UDP_GRO_SINK = ("import socket,struct,sys\n"
+                 "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM); s.bind(('0.0.0.0',9403))\n"
+                 "s.setsockopt(17,104,1)\n"  # UDP_GRO: coalesced datagrams come in one read
+                 "s.setsockopt(socket.SOL_SOCKET,33,64<<20)\n"  # SO_RCVBUFFORCE: keep all
+                 "s.settimeout(2.0); print('ready', flush=True)\n"
+                 "reads=datagrams=0\n"
+                 "try:\n"
+                 "    while True:\n"
+                 "        d,anc,_,_=s.recvmsg(1<<16,64); reads+=1\n"
+                 "        size=[struct.unpack('H',v[:2])[0] for l,t,v in anc if (l,t)==(17,104)]\n"
+                 "        datagrams+=len(d)//size[0] if size else 1\n"
+                 "except socket.timeout: pass\n"
+                 "print(reads, datagrams)\n")
+
+
+@needs_kernel
+def test_the_receiver_coalesces_what_survived_the_switch(bed):
+    """Drops happen per wire packet at the switch, before the receiver; the receiver's
+    interface then coalesces what arrives (GRO), as a NIC's driver would: a UDP_GRO
+    socket reads the surviving datagrams in far fewer reads than datagrams, and the
+    loss per wire packet is still the configured one."""
+    p = 0.05
+    bed.set_loss(p, "server", protocol="udp")
+    before = bed.loss_stats("server")
+    sink = bed.run("server", [sys.executable, "-c", _UDP_GRO_SINK], stdout=subprocess.PIPE,
+                   text=True)
+    assert sink.stdout is not None and sink.stdout.readline().strip() == "ready"
+    paced = _UDP_GSO_SEND.replace("9401", "9403").replace(
+        "s.send(bytes(45*1400))", "s.send(bytes(45*1400)); time.sleep(0.001)")
+    sender = bed.call("w1", [sys.executable, "-c", "import time\n" + paced,
+                             bed.addresses["server"]])
+    assert sender.returncode == 0, sender.stderr
+    sent = int(sender.stdout)
+    reads, datagrams = map(int, sink.communicate(timeout=30)[0].split())
+    after = bed.loss_stats("server")
+    dropped = after.dropped_packets - before.dropped_packets
+    assert datagrams == sent - dropped  # every survivor delivered, whole
+    assert abs(dropped / sent - p) < 0.02
+    assert reads < datagrams / 4, f"{reads} reads for {datagrams} datagrams: no GRO"
+
+
 def _link_tx(bed, node: str) -> tuple[int, int]:
     """(packets, bytes) the switch's port toward ``node`` has sent: what left the tbf."""
     out = subprocess.run(["ip", "-n", bed.switch_namespace, "-s", "-j", "link", "show", "dev",
@@ -483,8 +524,8 @@ def test_teardown_leaves_nothing():
         t.set_bottleneck(None)
         assert t.qdisc_stats().kind != "tbf"
         t.set_loss(0)
-        chains = t.call("server", ["iptables", "-S"], check=True).stdout
-        assert LOSS_CHAIN not in chains
+        chains = t.call("sw", ["iptables", "-S"], check=True).stdout
+        assert LOSS_CHAIN not in chains and "FORWARD -o" not in chains
         t.set_loss(0.1)
     assert sleeper.poll() is not None  # ended, not orphaned in a deleted namespace
     assert signal.getsignal(signal.SIGTERM) == prev

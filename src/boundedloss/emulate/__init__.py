@@ -1,5 +1,5 @@
-"""The real-kernel testbed: network namespaces, a bridge, a tbf bottleneck toward the
-server, iptables random loss on a receiver, and microbursts (loss steps or real
+"""The real-kernel testbed: network namespaces, a routing switch, a tbf bottleneck toward
+the server, iptables random loss on the way to a receiver, and microbursts (loss steps or real
 cross-traffic). Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 and iptables.
 
     from boundedloss.emulate import Bottleneck, Testbed

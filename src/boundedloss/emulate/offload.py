@@ -1,4 +1,5 @@
-"""Wire-size packets on the testbed's links: turn a device's segmentation offloads off.
+"""Wire-size packets on the testbed's links, coalesced on arrival: a device's segmentation
+offloads off and its GRO on.
 
 A veth, like a NIC with TSO, passes a 64 KB TCP (or UDP_SEGMENT) super-packet to its
 peer in one piece: a qdisc and an iptables rule downstream then see one "packet" where a
@@ -6,12 +7,16 @@ wire would carry 45, and a random drop takes all 45 at once. With the device's
 ``tx-tcp-segmentation``, ``tx-tcp6-segmentation`` and ``tx-udp-segmentation`` features
 off, the kernel's software GSO cuts every super-packet into MTU-sized packets just
 before the device - the sender still pays one system call per super-packet, as with a
-NIC, and everything after the link sees wire-size packets.
+NIC, and everything after the link sees wire-size packets. With ``rx-gro`` on, the
+device's receive path coalesces the packets that arrive (a veth does GRO only when it is
+asked to), as a NIC's driver would, so a receiver pays per super-packet too: TCP, and
+UDP for sockets that set UDP_GRO.
 
 The features are set with the ethtool ioctl (``SIOCETHTOOL``: the feature names, then
 ETHTOOL_SFEATURES), so no ethtool binary is needed. Run inside the node's namespace::
 
-    python -m boundedloss.emulate.offload eth0
+    python -m boundedloss.emulate.offload --gro eth0    # a node: coalesce on arrival
+    python -m boundedloss.emulate.offload to-w0 to-w1   # the switch: wire-size only
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ ETH_GSTRING_LEN = 32
 SEGMENTATION_FEATURES = ("tx-tcp-segmentation", "tx-tcp6-segmentation",
                          "tx-tcp-ecn-segmentation", "tx-tcp-mangleid-segmentation",
                          "tx-tcp-accecn-segmentation", "tx-udp-segmentation")
+#: generic receive offload: coalescing on arrival
+GRO = "rx-gro"
 
 
 def _ioctl(ifname: str, buf: array.array) -> None:
@@ -87,17 +94,24 @@ def set_features(ifname: str, wanted: dict[str, bool]) -> dict[str, bool]:
     return active_features(ifname)
 
 
-def wire_size_only(ifname: str) -> dict[str, bool]:
-    """Turn ``ifname``'s segmentation offloads off (software GSO stays on)."""
-    return set_features(ifname, dict.fromkeys(SEGMENTATION_FEATURES, False))
+def as_on_a_wire(ifname: str, *, gro: bool) -> dict[str, bool]:
+    """Turn ``ifname``'s segmentation offloads off (software GSO stays on) and its GRO
+    on or off. A veth coalesces on its peer's receive only when the sending side has
+    TSO off too, so both ends of a link need this."""
+    return set_features(ifname, {**dict.fromkeys(SEGMENTATION_FEATURES, False), GRO: gro})
 
 
 def main(argv: list[str]) -> int:
-    for ifname in argv:
-        now = wire_size_only(ifname)
+    """``python -m boundedloss.emulate.offload [--gro] IFACE...``"""
+    gro = "--gro" in argv
+    for ifname in (a for a in argv if a != "--gro"):
+        now = as_on_a_wire(ifname, gro=gro)
         left = [f for f in SEGMENTATION_FEATURES if now.get(f)]
         if left:
             print(f"{ifname}: could not turn off {', '.join(left)}", file=sys.stderr)
+            return 1
+        if now.get(GRO) != gro:
+            print(f"{ifname}: could not turn {GRO} {'on' if gro else 'off'}", file=sys.stderr)
             return 1
     return 0
 

@@ -1,15 +1,22 @@
-"""The real-kernel testbed: network namespaces joined by a bridge, a tbf bottleneck in
-front of the server, and iptables random loss on a receiver's INPUT chain.
+"""The real-kernel testbed: network namespaces joined by a switch namespace that routes
+between them, a tbf bottleneck in front of the server, and iptables random loss at the
+switch port toward each receiver.
 
 Topology (everything lives in namespaces the testbed creates; the root namespace's
 interfaces, routes and firewall are never touched)::
 
-    ns <p><id>-w0      ns <p><id>-sw (switch)                     ns <p><id>-server
+    ns <p><id>-w0      ns <p><id>-sw (switch: IPv4 forwarding)          ns <p><id>-server
     eth0 10.201.0.2 --- to-w0 --+
-    ns <p><id>-w1               |
-    eth0 10.201.0.3 --- to-w1 --+-- br0 -- to-server [tbf] ------- eth0 10.201.0.1
-    ...                         |            (egress toward         (INPUT -> BL_LOSS:
-    eth0 10.201.0.N+1 - to-wN-1-+             the server)            statistic DROP)
+    ns <p><id>-w1               |   FORWARD -o to-X -> BL_LOSS-X
+    eth0 10.201.0.3 --- to-w1 --+   (statistic DROP) -> to-server [tbf] --- eth0 10.201.0.1
+    ...                         |                      (egress toward        (GRO)
+    eth0 10.201.0.N+1 - to-wN-1-+                       the server)
+
+Packets are wire-size wherever they are dropped or queued, as on a NIC and a wire: each
+node's interface has its segmentation offloads off (software GSO cuts a TCP or
+UDP_SEGMENT super-packet into MTU-sized packets just before it), the switch forwards
+packet by packet (its ports have GRO off), and each node's interface has GRO on, so a
+receiver's kernel coalesces what survived, as a NIC's driver would.
 
 Names carry ``prefix`` + a 6-hex-digit id, so several testbeds can coexist and
 ``sweep(prefix)`` can find leftovers of a crashed run without any state file.
@@ -39,9 +46,9 @@ from .units import format_rate, parse_rate, parse_size
 if TYPE_CHECKING:  # pragma: no cover
     from .bursts import LossSchedule
 
-#: iptables chain (inside a node's namespace) that holds the random-drop rule.
+#: iptables chains in the switch's namespace that hold the random-drop rules: one per
+#: receiving node (``BL_LOSS-server``, ``BL_LOSS-w0``...), see :func:`loss_chain`.
 LOSS_CHAIN = "BL_LOSS"
-BRIDGE = "br0"
 NODE_IFACE = "eth0"
 SERVER = "server"
 SWITCH = "sw"
@@ -102,7 +109,6 @@ def require_privileges() -> None:
 _HINTS = {
     "ip": "install iproute2",
     "tc": "install iproute2",
-    "bridge": "install iproute2",
     "iptables": "install iptables (apt-get install -y iptables)",
     "iptables-restore": "install iptables (apt-get install -y iptables)",
 }
@@ -210,7 +216,7 @@ def _delete_namespace(ns: str) -> None:
 def sweep(prefix: str = "bl-") -> list[str]:
     """Remove every testbed leftover named ``prefix`` + id, with or without a state file:
     processes still inside those namespaces are ended, the namespaces deleted (which
-    deletes their veths, bridge, qdiscs and iptables rules with them). Returns what was
+    deletes their veths, routes, qdiscs and iptables rules with them). Returns what was
     removed."""
     require_privileges()
     found = leftovers(prefix)
@@ -434,7 +440,7 @@ def _qdisc_from_json(items: list[dict]) -> QdiscStats | None:
 @dataclass(frozen=True)
 class LossStats:
     """The random-drop rule of one node and its counters (since the rule was set).
-    ``seen_packets`` counts every packet that entered the node's INPUT chain."""
+    ``seen_packets`` counts every packet the switch forwarded toward the node."""
 
     probability: float
     protocol: str | None  # "udp", "all", or None when no rule is set
@@ -459,27 +465,38 @@ class TestbedStatus:
 # ----------------------------------------------------------------------------- testbed
 
 
-def loss_transaction(p: float, protocol: str, *, jump: bool) -> str:
-    """The iptables-restore transaction that makes chain BL_LOSS drop ``p`` of what
-    arrives (``protocol`` "udp" or "all"); ``jump`` adds INPUT's jump to it (the chain's
-    first use). ``:CHAIN - [0:0]`` creates the chain, or flushes it when it exists, so
-    the rule is replaced atomically."""
+def loss_chain(node: str) -> str:
+    """The switch's chain that drops packets on their way to ``node``."""
+    return f"{LOSS_CHAIN}-{node}"
+
+
+def port_name(node: str) -> str:
+    """The switch-side veth toward ``node``."""
+    return f"to-{node}"
+
+
+def loss_transaction(p: float, protocol: str, *, node: str, jump: bool) -> str:
+    """The iptables-restore transaction (for the switch's namespace) that makes
+    ``node``'s chain drop ``p`` of the packets forwarded to it (``protocol`` "udp" or
+    "all"); ``jump`` adds FORWARD's jump to it (the chain's first use). ``:CHAIN - [0:0]``
+    creates the chain, or flushes it when it exists, so the rule is replaced atomically."""
     if protocol not in ("udp", "all"):
         raise ValueError(f"protocol must be 'udp' or 'all', got {protocol!r}")
-    lines = ["*filter", f":{LOSS_CHAIN} - [0:0]"]
+    chain = loss_chain(node)
+    lines = ["*filter", f":{chain} - [0:0]"]
     if p > 0:
         match = "-p udp " if protocol == "udp" else ""
         stat = f"-m statistic --mode random --probability {p:.10f} " if p < 1 else ""
-        lines.append(f"-A {LOSS_CHAIN} {match}{stat}-j DROP")
+        lines.append(f"-A {chain} {match}{stat}-j DROP")
     if jump:
-        lines.append(f"-I INPUT 1 -j {LOSS_CHAIN}")
+        lines.append(f"-I FORWARD 1 -o {port_name(node)} -j {chain}")
     lines.append("COMMIT")
     return "\n".join(lines) + "\n"
 
 
 class LossRuleWriter:
     """One node's loss rule, changed fast: an ``iptables-restore --noflush`` kept open in
-    the node's namespace applies each transaction written to it at its COMMIT, so a
+    the switch's namespace applies each transaction written to it at its COMMIT, so a
     change costs a write to a pipe instead of starting two processes (tens of
     milliseconds on a loaded machine: longer than the microburst it would start).
     ``set(0)`` leaves the chain empty (nothing dropped) rather than removing it."""
@@ -490,7 +507,7 @@ class LossRuleWriter:
         self.node = node
         self.protocol = protocol
         self._jump = jump
-        self._proc = testbed.run(node, [_tool("iptables-restore"), "-w", "--noflush"],
+        self._proc = testbed.run(SWITCH, [_tool("iptables-restore"), "-w", "--noflush"],
                                  stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
 
@@ -501,7 +518,8 @@ class LossRuleWriter:
         proc = self._proc
         assert proc.stdin is not None
         try:
-            proc.stdin.write(loss_transaction(p, self.protocol, jump=self._jump))
+            proc.stdin.write(loss_transaction(p, self.protocol, node=self.node,
+                                              jump=self._jump))
             proc.stdin.flush()
         except (BrokenPipeError, ValueError):
             self.close()  # raises with iptables-restore's reason
@@ -530,7 +548,7 @@ class LossRuleWriter:
 
 
 class Testbed:
-    """N worker namespaces and one server namespace on a bridge in a switch namespace.
+    """N worker namespaces and one server namespace, routed by a switch namespace.
 
     Use as a context manager (``with Testbed(workers=8) as tb: ...``): ``up()`` on entry,
     ``down()`` on exit whatever happened, and SIGINT/SIGTERM turned into exceptions while
@@ -558,7 +576,7 @@ class Testbed:
         self._prev_handlers: dict[int, Any] | None = None
         self._tearing_down = False
         self._pending_signals: list[int] = []
-        self._chains: set[str] = set()  # namespaces where this process made BL_LOSS
+        self._chains: set[str] = set()  # the loss chains this process made
 
     # -- names ------------------------------------------------------------------------
 
@@ -597,14 +615,16 @@ class Testbed:
 
     def port_of(self, node: str) -> str:
         """The switch-side veth toward ``node`` (the bottleneck lives on ``to-server``)."""
-        return f"to-{self.node(node)}"
+        return port_name(self.node(node))
 
-    def _mac(self, node: str) -> str:
-        """A locally administered unicast MAC (leading 0x02) made of the testbed id and
-        the node's index: unique per node and per testbed."""
+    def _mac(self, node: str, *, switch_side: bool = False) -> str:
+        """A locally administered unicast MAC (leading 0x02, or 0x06 for the switch's
+        port toward the node) made of the testbed id and the node's index: unique per
+        interface and per testbed."""
         i = self.nodes.index(node)
         b = bytes.fromhex(self.id)
-        return ":".join(f"{octet:02x}" for octet in (0x02, b[0], b[1], b[2], i >> 8, i & 0xFF))
+        return ":".join(f"{octet:02x}" for octet in (0x06 if switch_side else 0x02,
+                                                     b[0], b[1], b[2], i >> 8, i & 0xFF))
 
     def node(self, which: str | int) -> str:
         """Resolve ``"server"``, ``"w3"``, ``3`` (worker index), ``"sw"``, or one of our
@@ -639,7 +659,7 @@ class Testbed:
     # -- lifecycle --------------------------------------------------------------------
 
     def up(self) -> Testbed:
-        """Create the namespaces, bridge, veths, addresses, bottleneck and loss rule. On
+        """Create the namespaces, switch routes, veths, addresses, bottleneck and loss rule. On
         any failure (or an interrupt) whatever was made is removed before re-raising."""
         with self._lock:
             if self._active:
@@ -676,42 +696,50 @@ class Testbed:
                   "for k in all default; do f=/proc/sys/net/ipv6/conf/$k/disable_ipv6; "
                   "[ -w $f ] && echo 1 > $f; done; true"], check=False)
         mtu = str(cfg.mtu)
-        sw = [f"link add {BRIDGE} type bridge stp_state 0 forward_delay 0 mcast_snooping 0"]
+        addrs = self.addresses
+        # The switch routes (IPv4 forwarding) rather than bridges: a routed packet passes
+        # the switch's FORWARD chain, where the loss rules drop it one wire packet at a
+        # time before the receiver's GRO; bridged frames would reach iptables only
+        # through br_netfilter, a host-wide module we cannot count on.
+        _run([ip, "netns", "exec", ours[SWITCH], "sh", "-c",
+              "echo 1 > /proc/sys/net/ipv4/ip_forward && "
+              "for k in all default; do echo 0 > /proc/sys/net/ipv4/conf/$k/rp_filter; "
+              "echo 0 > /proc/sys/net/ipv4/conf/$k/send_redirects; done"])
+        sw = ["link set lo up"]
         for n in self.nodes:
             port = self.port_of(n)
-            sw += [f"link add {port} mtu {mtu} type veth peer name {NODE_IFACE} mtu {mtu} "
+            sw += [f"link add {port} mtu {mtu} address {self._mac(n, switch_side=True)} "
+                   f"type veth peer name {NODE_IFACE} mtu {mtu} "
                    f"address {self._mac(n)} netns {ours[n]}",
-                   f"link set {port} master {BRIDGE}",
-                   f"link set {port} up"]
-        sw += [f"link set {BRIDGE} mtu {mtu}", f"link set {BRIDGE} up", "link set lo up"]
+                   f"link set {port} up",
+                   f"route replace {addrs[n]}/32 dev {port}",
+                   # static neighbours: no ARP, so a saturated bottleneck cannot starve
+                   # address resolution (which would look like loss no knob asked for)
+                   f"neigh replace {addrs[n]} lladdr {self._mac(n)} dev {port} nud permanent"]
         _run([ip, "-n", ours[SWITCH], "-batch", "-"], input="\n".join(sw) + "\n")
-        bridge = find_tool("bridge")
-        if bridge is not None:  # static forwarding: no flooding of one-way UDP floods
-            fdb = [f"fdb replace {self._mac(n)} dev {self.port_of(n)} master static"
-                   for n in self.nodes]
-            _run([bridge, "-n", ours[SWITCH], "-batch", "-"], input="\n".join(fdb) + "\n",
-                 check=False)
-        addrs = self.addresses
         for n in self.nodes:
             cmds = ["link set lo up",
                     f"addr add {addrs[n]}/{self.prefixlen} dev {NODE_IFACE}",
                     f"link set {NODE_IFACE} up"]
-            # Static neighbours: no ARP, so a saturated bottleneck cannot starve address
-            # resolution (which would look like loss that no knob asked for).
-            cmds += [f"neigh replace {addrs[m]} lladdr {self._mac(m)} dev {NODE_IFACE} "
-                     "nud permanent" for m in self.nodes if m != n]
+            # every other node is on-link, reached through the switch's port
+            cmds += [f"neigh replace {addrs[m]} lladdr {self._mac(n, switch_side=True)} "
+                     f"dev {NODE_IFACE} nud permanent" for m in self.nodes if m != n]
             _run([ip, "-n", ours[n], "-batch", "-"], input="\n".join(cmds) + "\n")
+        offload = [sys.executable, "-m", "boundedloss.emulate.offload"]
         for n in self.nodes:
-            # Wire-size packets on every link: segmentation offloads off on each node's
-            # interface, so the kernel cuts TCP and UDP_SEGMENT super-packets into
-            # MTU-sized packets before the link (one system call still), and the tbf and
-            # the random drops downstream see what a wire would carry.
-            _run([ip, "netns", "exec", ours[n], sys.executable, "-m",
-                  "boundedloss.emulate.offload", NODE_IFACE])
+            # Wire-size packets on every link, coalesced at the receiver: segmentation
+            # offloads off on each node's interface (the kernel cuts TCP and UDP_SEGMENT
+            # super-packets into MTU-sized packets before the link, one system call
+            # still) and GRO on (what survived the switch is coalesced on arrival).
+            _run([ip, "netns", "exec", ours[n], *offload, "--gro", NODE_IFACE])
+        # the switch's ports: GRO off (the loss rules see each wire packet), and TSO off,
+        # without which a veth does not coalesce at its peer, the receiving node
+        _run([ip, "netns", "exec", ours[SWITCH], *offload,
+              *(self.port_of(n) for n in self.nodes)])
 
     def down(self) -> None:
         """Stop schedules and traffic, end every process left in our namespaces, delete
-        the namespaces (their veths, bridge, qdisc and iptables rules go with them).
+        the namespaces (their veths, routes, qdisc and iptables rules go with them).
         Idempotent; raises TestbedError if something of ours is still there after."""
         with self._lock:
             schedules, self._schedules = list(self._schedules), []
@@ -911,77 +939,82 @@ class Testbed:
     def _ipt(self, ns: str, *args: str, check: bool = True, input: str | None = None):
         return _run([_tool("ip"), "netns", "exec", ns, *args], check=check, input=input)
 
-    def _has_chain(self, ns: str) -> bool:
+    def _has_chain(self, chain: str) -> bool:
         if find_tool("iptables") is None:
             return False
-        return self._ipt(ns, _tool("iptables"), "-w", "-S", LOSS_CHAIN, check=False).returncode == 0
+        return self._ipt(self.switch_namespace, _tool("iptables"), "-w", "-S", chain,
+                         check=False).returncode == 0
 
     def set_loss(self, p: float, node: str | int = SERVER, *, protocol: str = "udp") -> None:
-        """Drop each packet arriving at ``node`` (its INPUT chain) with probability ``p``:
-        UDP only (``protocol="udp"``, the default: control traffic on TCP is spared) or
-        everything (``"all"``). The rule lives alone in chain BL_LOSS, jumped to from
-        INPUT, and is replaced in one iptables-restore transaction; ``p=0`` removes the
-        rule, the jump and the chain."""
+        """Drop each packet on its way to ``node`` (at the switch, the port toward it) with
+        probability ``p``: UDP only (``protocol="udp"``, the default: control traffic on
+        TCP is spared) or everything (``"all"``). The rule lives alone in the node's chain
+        (``loss_chain(node)``), jumped to from the switch's FORWARD for packets leaving
+        through the node's port, and is replaced in one iptables-restore transaction;
+        ``p=0`` removes the rule, the jump and the chain."""
         p = check_probability(p)
         if protocol not in ("udp", "all"):
             raise ValueError(f"protocol must be 'udp' or 'all', got {protocol!r}")
         with self._lock:
-            ns, exists = self._loss_chain(node)
+            name, exists = self._loss_chain(node)
+            chain, ns = loss_chain(name), self.switch_namespace
             if p == 0:
                 if exists:
                     self._ipt(ns, _tool("iptables-restore"), "-w", "--noflush", input=(
-                        f"*filter\n-F {LOSS_CHAIN}\n-D INPUT -j {LOSS_CHAIN}\n"
-                        f"-X {LOSS_CHAIN}\nCOMMIT\n"))
-                self._chains.discard(ns)
+                        f"*filter\n-F {chain}\n-D FORWARD -o {port_name(name)} -j {chain}\n"
+                        f"-X {chain}\nCOMMIT\n"))
+                self._chains.discard(chain)
                 return
             self._ipt(ns, _tool("iptables-restore"), "-w", "--noflush",
-                      input=loss_transaction(p, protocol, jump=not exists))
-            self._chains.add(ns)
+                      input=loss_transaction(p, protocol, node=name, jump=not exists))
+            self._chains.add(chain)
 
     def loss_writer(self, node: str | int = SERVER, *, protocol: str = "all") -> LossRuleWriter:
         """A :class:`LossRuleWriter` on ``node``: its loss rule changed in about a
         millisecond, for microbursts (``down()`` ends it)."""
         with self._lock:
-            ns, exists = self._loss_chain(node)
-            self._chains.add(ns)
-        return LossRuleWriter(self, self.node(node), protocol, jump=not exists)
+            name, exists = self._loss_chain(node)
+            self._chains.add(loss_chain(name))
+        return LossRuleWriter(self, name, protocol, jump=not exists)
 
     def _loss_chain(self, node: str | int) -> tuple[str, bool]:
-        """The namespace of the receiving ``node`` whose loss rule is to change, and
-        whether its chain exists (with the lock held)."""
-        if self.node(node) == SWITCH:
+        """The receiving ``node`` whose loss rule is to change, and whether its chain
+        exists (with the lock held)."""
+        name = self.node(node)
+        if name == SWITCH:
             raise TestbedError("loss goes on a receiving node (server or a worker), "
-                               "not the switch: bridged frames never reach INPUT")
+                               "not the switch")
         if not self._active:
             raise TestbedError("the testbed is not up")
-        ns = self.namespace(node)
-        return ns, ns in self._chains or self._has_chain(ns)
+        chain = loss_chain(name)
+        return name, chain in self._chains or self._has_chain(chain)
 
     def loss_stats(self, node: str | int = SERVER) -> LossStats:
-        """The loss rule on ``node`` as the kernel holds it, with its counters."""
-        ns = self.namespace(node)
-        if not self._has_chain(ns):
+        """The loss rule toward ``node`` as the kernel holds it, with its counters."""
+        name = self.node(node)
+        chain, ns = loss_chain(name), self.switch_namespace
+        if not self._has_chain(chain):
             return LossStats(0.0, None, 0, 0, 0)
         out = self._ipt(ns, _tool("iptables"), "-w", "-L", "-v", "-x", "-n").stdout
-        spec = self._ipt(ns, _tool("iptables"), "-w", "-S", LOSS_CHAIN).stdout
+        spec = self._ipt(ns, _tool("iptables"), "-w", "-S", chain).stdout
         prob, proto = 0.0, None
         for ln in spec.splitlines():
-            if ln.startswith(f"-A {LOSS_CHAIN}") and "-j DROP" in ln:
+            if ln.startswith(f"-A {chain}") and "-j DROP" in ln:
                 m = re.search(r"--probability (\S+)", ln)
                 prob = round(float(m.group(1)), 9) if m else 1.0
                 proto = "udp" if "-p udp" in ln else "all"
         seen = dropped = dbytes = 0
-        chain = None
+        listed = None
         for ln in out.splitlines():
             if ln.startswith("Chain "):
-                chain = ln.split()[1]
+                listed = ln.split()[1]
                 continue
             cols = ln.split()
             if len(cols) < 3 or not cols[0].isdigit():
                 continue
-            if chain == "INPUT" and cols[2] == LOSS_CHAIN:
+            if listed == "FORWARD" and cols[2] == chain:
                 seen += int(cols[0])
-            elif chain == LOSS_CHAIN and cols[2] == "DROP":
+            elif listed == chain and cols[2] == "DROP":
                 dropped += int(cols[0])
                 dbytes += int(cols[1])
         return LossStats(prob, proto, dropped, dbytes, seen)

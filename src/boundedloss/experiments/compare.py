@@ -221,10 +221,11 @@ SCENARIOS: dict[str, Scenario] = {
             bursts=MICROBURSTS,
             description=(
                 "DBLP microburst on the kernel testbed: digits MLP, 30 epochs, 3 ranks, each "
-                "in its own network namespace behind one bridge; parameter-server topology for "
-                "our policies (rank 0 serves and trains), DDP's ring allreduce over TCP "
-                "for gloo. Every node drops 1% of all arriving packets at random (TCP "
-                "and UDP alike, one wire packet at a time), and the server's incoming "
+                "in its own network namespace behind one routing switch; parameter-server "
+                "topology for our policies (rank 0 serves and trains), DDP's ring allreduce "
+                "over TCP for gloo. The switch drops 1% of all packets toward every node at "
+                "random (TCP and UDP alike, one wire packet at a time, before the "
+                "receiver's GRO coalesces what survives), and the server's incoming "
                 f"link has microbursts: {MICROBURSTS.describe()} - about one of our "
                 "rounds in ten, a network's own congestion that does not know the job's "
                 "rounds (a slower system meets more of them). Missing gradient counts "
@@ -265,8 +266,8 @@ SCENARIOS: dict[str, Scenario] = {
             bottleneck=Bottleneck(rate="100mbit", burst="32kb", limit="64kb"),
             description=(
                 "LTP incast on the kernel testbed: 8 ranks, each in its own network "
-                "namespace behind one bridge; 7 push their digits-MLP gradients (340 KB "
-                "each) at once to rank 0 (the parameter server, which also trains) "
+                "namespace behind one routing switch; 7 push their digits-MLP gradients "
+                "(340 KB each) at once to rank 0 (the parameter server, which also trains) "
                 "through a real bottleneck - a tbf on the switch port into the server, "
                 "100 Mbit/s with a 64 KB queue (about 45 full datagrams): a round's 2.4 MB "
                 "of pushes is 190 ms of wire time at the least, and the synchronized "
