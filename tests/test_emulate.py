@@ -649,12 +649,13 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
         p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
                             "kernel-loss", "--systems", "reliable", "--losses", "0.01",
                             "--rounds", "3", "--elements", "65536", "--topology", "ps",
-                            "--json", f"{work}/k.json"],
+                            "--auth", "on,off", "--json", f"{work}/k.json"],
                            capture_output=True, text=True, timeout=300, cwd="/")
         assert p.returncode == 0, p.stdout + p.stderr
         rows = json.loads(open(f"{work}/k.json").read())
-        assert [(r["system"], r["topology"], r["loss"]) for r in rows] == [("reliable", "ps", 0.01)]
-        assert rows[0]["delivered_fraction"] == 1.0
+        assert [(r["system"], r["topology"], r["loss"], r["auth"]) for r in rows] == [
+            ("reliable", "ps", 0.01, "random"), ("reliable", "ps", 0.01, "off")]
+        assert all(r["delivered_fraction"] == 1.0 for r in rows)
 
 
 def test_the_microburst_comparison_runs_without_root():

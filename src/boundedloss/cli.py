@@ -291,8 +291,13 @@ def _beside(path: str, what: str) -> str:
 @click.option("--mtu", default=kernel_loss_bench.DEFAULT_MTU, show_default=True,
               type=click.IntRange(576, 65535),
               help="The testbed links' MTU (9000: jumbo frames); chunks follow it.")
-def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu) -> None:
-    """Round latency of a 4-rank gradient exchange under real kernel loss (needs root)."""
+@click.option("--auth", "auth", default="on", show_default=True,
+              help="boundedloss's datagrams authenticated (a training job's default): on "
+                   "and/or off. Gloo authenticates nothing.")
+def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
+                      auth) -> None:
+    """Round latency of a 4-rank gradient exchange under real kernel loss (root, or a
+    user namespace of its own where the kernel allows one)."""
     from .emulate import TestbedError, rootless
 
     losses_t = _parse_list(losses, float, "--losses")
@@ -300,6 +305,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
     systems_t = tuple(str(spec) for spec in systems)
     _check(checks.distinct, systems_t, "--systems")
+    auths = _parse_choices(auth, {"on": True, "off": False}, "--auth")
     topologies_t = _parse_list(topologies, str.strip, "--topology")
     bad = [t for t in topologies_t if t not in TOPOLOGIES]
     if bad or len(set(topologies_t)) != len(topologies_t):
@@ -311,7 +317,8 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
         with console.status("measuring...") as status:
             rows = kernel_loss_bench.run_kernel_loss_bench(
                 losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
-                topologies=topologies_t, mtu=mtu, progress=lambda m: status.update(m))
+                topologies=topologies_t, mtu=mtu, auths=auths,
+                progress=lambda m: status.update(m))
     except TestbedError as e:
         raise click.ClickException(str(e)) from e
     t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "

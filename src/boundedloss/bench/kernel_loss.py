@@ -15,8 +15,9 @@ charge that timeout - the harness's, not the exchange's - to whichever system wa
 that rank's data. The testbed's links have the MTU
 ``--mtu`` (9,000: jumbo frames, as in data centres); boundedloss's chunks follow it (one
 packet each, as ``register()`` picks them). Like ``register()``, boundedloss
-authenticates every datagram (the key from BOUNDEDLOSS_SECRET[_FILE], else a random one
-handed out at rendezvous); each row says how (``auth``).
+authenticates every datagram by default (the key from BOUNDEDLOSS_SECRET[_FILE], else a
+random one handed out at rendezvous); ``--auth on,off`` measures both, and each row says
+how (``auth``). Gloo authenticates nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ DEFAULT_ELEMENTS = 1 << 20  # float32 values per round: 4 MB
 DEFAULT_ROUNDS = 30
 DEFAULT_TOPOLOGIES = tuple(TOPOLOGIES)  # both collectives
 DEFAULT_MTU = 1500  # Ethernet
+DEFAULT_AUTHS = (True,)  # as a training job runs
 #: the topology a gloo row reports: DDP's own allreduce, whatever --topology says
 GLOO_TOPOLOGY = "gloo"
 
@@ -84,6 +86,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--elements", type=int, required=True)
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--no-auth", dest="auth", action="store_false")
     a = ap.parse_args(argv)
 
     from datetime import timedelta
@@ -117,10 +120,10 @@ def rank_main(argv: list[str] | None = None) -> None:
 
         store = default_store()
         session = agree_session(store, "bench", a.rank)
-        # authenticated, as register() runs a job: chunks leave room for the tag
+        # as register() runs a job: authenticated chunks leave room for the tag
         chunk = agree_chunk_bytes(store, "bench", a.rank, a.world, local_ip(),
-                                  trailer=TRAILER_BYTES)
-        job_auth = rendezvous_auth(store, "bench", a.rank, a.world, session, enabled=True)
+                                  trailer=TRAILER_BYTES if a.auth else 0)
+        job_auth = rendezvous_auth(store, "bench", a.rank, a.world, session, enabled=a.auth)
         auth = job_auth.mode
         endpoint = UdpEndpoint(local_ip(), 0, session=session,
                                config=hook_transport(chunk_bytes=chunk),
@@ -175,11 +178,12 @@ def run_kernel_loss_bench(
     rounds: int = DEFAULT_ROUNDS,
     topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES,
     mtu: int = DEFAULT_MTU,
+    auths: tuple[bool, ...] = DEFAULT_AUTHS,
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
     """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
-    reads it; ``ValueError`` for a bad one, before the testbed comes up) and topology
-    (gloo: one row, its own allreduce)."""
+    reads it; ``ValueError`` for a bad one, before the testbed comes up), topology and
+    authentication (gloo: one row, its own allreduce, unauthenticated)."""
     from ..emulate import Testbed, TestbedConfig
 
     specs = parse_policies(systems)
@@ -187,8 +191,11 @@ def run_kernel_loss_bench(
     if unknown:
         raise ValueError(f"unknown topology {unknown[0]!r}; choose from "
                          f"{', '.join(TOPOLOGIES)}")
-    arms = [(str(spec), topology) for spec in specs
-            for topology in (topologies if spec.uses_transport else (GLOO_TOPOLOGY,))]
+    if not auths or len(set(auths)) != len(auths):
+        raise ValueError("auths: on and/or off, each once")
+    arms = [(str(spec), topology, auth) for spec in specs
+            for topology in (topologies if spec.uses_transport else (GLOO_TOPOLOGY,))
+            for auth in (auths if spec.uses_transport else (False,))]
     rows = []
     with Testbed(TestbedConfig(workers=3, mtu=mtu)) as tb:
         nodes = ["server", "w0", "w1", "w2"]
@@ -197,7 +204,7 @@ def run_kernel_loss_bench(
         for loss in losses:
             for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
-            for system, topology in arms:
+            for system, topology, auth in arms:
                 port += 1
                 with tempfile.TemporaryDirectory() as tmp:
                     logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
@@ -207,7 +214,8 @@ def run_kernel_loss_bench(
                                       "--port", str(port), "--system", system,
                                       "--elements", str(elements), "--rounds", str(rounds),
                                       *(["--topology", topology] if topology in TOPOLOGIES
-                                        else []), "--out", tmp],
+                                        else []), *([] if auth else ["--no-auth"]),
+                                      "--out", tmp],
                                stdout=logs[r], stderr=subprocess.STDOUT)
                         for r, node in enumerate(nodes)
                     ]
@@ -240,7 +248,7 @@ def run_kernel_loss_bench(
                     auth=per_rank[0]["auth"],
                 ))
                 if progress:
-                    progress(f"{system} ({topology}) at {loss:.0%} loss: "
+                    progress(f"{system} ({topology}, auth {rows[-1].auth}) at {loss:.0%} loss: "
                              f"p50 {rows[-1].p50_ms} ms")
     return rows
 
