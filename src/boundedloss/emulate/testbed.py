@@ -55,6 +55,11 @@ SWITCH = "sw"
 #: tbf meters whole frames: an MTU-sized IP packet is MTU + 14 bytes at the veth.
 ETH_HEADER = 14
 MAX_WORKERS = 64
+#: Each switch port's queue where no bottleneck is set (``pfifo``; the kernel's default
+#: receive backlog): without a qdisc a veth whose peer coalesces (GRO, NAPI) drops
+#: what overflows its 256-packet ring, uncounted by any qdisc; with one, a full ring
+#: holds the packets back in the queue, and only what overflows the queue is dropped.
+PORT_QUEUE_PACKETS = 1000
 #: How long any one ip/tc/iptables call may take before it is an error.
 CMD_TIMEOUT_S = 20.0
 
@@ -666,8 +671,7 @@ class Testbed:
                 return self
             require_privileges()
             ip = _tool("ip")
-            if self._bottleneck is not None:
-                _tool("tc")
+            _tool("tc")
             if self.config.loss > 0:
                 _tool("iptables")
                 _tool("iptables-restore")
@@ -717,6 +721,9 @@ class Testbed:
                    # address resolution (which would look like loss no knob asked for)
                    f"neigh replace {addrs[n]} lladdr {self._mac(n)} dev {port} nud permanent"]
         _run([ip, "-n", ours[SWITCH], "-batch", "-"], input="\n".join(sw) + "\n")
+        _run([_tool("tc"), "-n", ours[SWITCH], "-batch", "-"], input="".join(
+            f"qdisc replace dev {self.port_of(n)} root {self._port_queue()}\n"
+            for n in self.nodes))
         for n in self.nodes:
             cmds = ["link set lo up",
                     f"addr add {addrs[n]}/{self.prefixlen} dev {NODE_IFACE}",
@@ -901,7 +908,8 @@ class Testbed:
     def set_bottleneck(self, bottleneck: Bottleneck | None = None, **kw: str) -> None:
         """Install or replace the tbf on the switch port toward the server
         (``set_bottleneck(rate="20mbit", burst="16kb", limit="32kb")`` works too);
-        ``None`` and no keywords removes it."""
+        ``None`` and no keywords puts the port's plain queue back (``pfifo``,
+        :data:`PORT_QUEUE_PACKETS`)."""
         if bottleneck is None and kw:
             bottleneck = Bottleneck(**kw)
         if bottleneck is not None:
@@ -914,11 +922,17 @@ class Testbed:
             if bottleneck is None:
                 current = self.qdisc_stats()
                 if current is not None and current.kind == "tbf":
-                    _run([tc, "-n", self.switch_namespace, "qdisc", "del", "dev", dev, "root"])
+                    _run([tc, "-n", self.switch_namespace, "qdisc", "replace", "dev", dev,
+                          "root", *self._port_queue().split()])
             else:
                 _run([tc, "-n", self.switch_namespace, "qdisc", "replace", "dev", dev,
                       "root", *bottleneck.tc_args()])
             self._bottleneck = bottleneck
+
+    @staticmethod
+    def _port_queue() -> str:
+        """A switch port's qdisc where no bottleneck is set."""
+        return f"pfifo limit {PORT_QUEUE_PACKETS}"
 
     def qdisc_stats(self) -> QdiscStats | None:
         """sent/dropped/overlimits/backlog of the root qdisc toward the server (counters
