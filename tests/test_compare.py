@@ -406,14 +406,16 @@ def test_incast_on_the_kernel_testbed(tmp_path):
 
     before = set(leftovers())
     sc = choose_network(SCENARIOS["incast"], "kernel")
-    rows, runs = run_compare(sc, sc.arms(("ltp",)), str(tmp_path), epochs=1, workers=3,
-                             steps_per_epoch=3)
-    (row,) = rows
+    rows, runs = run_compare(sc, sc.arms(("ltp", "tcp-ps")), str(tmp_path), epochs=1,
+                             workers=3, steps_per_epoch=3)
+    row, tcp = rows
     assert row["network"] == "kernel" and runs["ltp"][0].summary["rounds"] == 3
     grad_mb = 4 * 85_002 / 1e6  # DigitsMLP(hidden=256): 64-256-256-10
     # 2 workers x 3 rounds of pushes (LTP may close early: at least half of each)
     assert row["bottleneck_sent_mb"] > 2 * 3 * grad_mb / 2
     assert 0 <= row["bottleneck_drop_fraction"] < 1
+    # the parameter server over TCP pushes through the same bottleneck, every byte
+    assert tcp["policy"] == "tcp-ps" and tcp["bottleneck_sent_mb"] > 2 * 3 * grad_mb
     assert {p.name for p in (tmp_path / "runs" / "ltp-r0").glob("rank*.log")} == {
         "rank0.log", "rank1.log", "rank2.log"}
     assert set(leftovers()) <= before

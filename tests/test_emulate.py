@@ -676,14 +676,15 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
     prefix = _unprivileged()
     with _their_workdir(prefix) as work:
         p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
-                            "kernel-loss", "--systems", "reliable", "--losses", "0.01",
+                            "kernel-loss", "--systems", "reliable,tcp-ps", "--losses", "0.01",
                             "--rounds", "3", "--elements", "65536", "--topology", "ps",
                             "--auth", "on,off", "--json", f"{work}/k.json"],
                            capture_output=True, text=True, timeout=300, cwd="/")
         assert p.returncode == 0, p.stdout + p.stderr
         rows = json.loads(open(f"{work}/k.json").read())
         assert [(r["system"], r["topology"], r["loss"], r["auth"]) for r in rows] == [
-            ("reliable", "ps", 0.01, "random"), ("reliable", "ps", 0.01, "off")]
+            ("reliable", "ps", 0.01, "random"), ("reliable", "ps", 0.01, "off"),
+            ("tcp-ps", "ps", 0.01, "off")]
         assert all(r["delivered_fraction"] == 1.0 for r in rows)
 
 
@@ -760,7 +761,7 @@ def test_a_killed_rootless_run_leaves_nothing_behind():
     os.chmod(work, 0o777)
     try:
         p = subprocess.Popen([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
-                              "kernel-loss", "--systems", "reliable", "--losses", "0.01",
+                              "kernel-loss", "--systems", "reliable,tcp-ps", "--losses", "0.01",
                               "--rounds", "100000", "--topology", "ps",
                               "--json", f"{work}/k.json"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")

@@ -21,6 +21,7 @@ from boundedloss.policy import (
     GLOO,
     POLICIES,
     SYSTEM_NAMES,
+    TCP_PS,
     ClosePlan,
     CriticalRegimeDetector,
     EarlyClosePolicy,
@@ -714,6 +715,7 @@ def test_make_policy() -> None:
     ("dblp:warmup_epochs=2", "dblp", {"warmup_epochs": 2}),
     ("ltp:ratio_min=0.8", "ltp", {"ratio_min": 0.8}),
     ("gloo", GLOO, {}),
+    ("TCP-PS", TCP_PS, {}),
 ])
 def test_a_policy_as_the_command_line_writes_it(text, name, params) -> None:
     spec = parse_policy(text)
@@ -724,7 +726,7 @@ def test_a_policy_as_the_command_line_writes_it(text, name, params) -> None:
         assert isinstance(policy, POLICIES[name])
         assert policy.describe() == POLICIES[name](**params).describe()
     else:
-        with pytest.raises(ValueError, match="gloo has no policy"):
+        with pytest.raises(ValueError, match=f"{name} has no policy"):
             spec.make()
 
 
@@ -736,7 +738,7 @@ def test_baseline_is_mlt_at_dblps_p_low() -> None:
     assert parse_policy("mlt:0.3").fixed_bound == 0.3
     assert parse_policy("mlt").fixed_bound == FixedBoundPolicy().p
     assert parse_policy("dblp").fixed_bound is None and parse_policy("gloo").fixed_bound is None
-    assert set(SYSTEM_NAMES) == {GLOO, BASELINE, *POLICIES}
+    assert set(SYSTEM_NAMES) == {GLOO, TCP_PS, BASELINE, *POLICIES}
 
 
 @pytest.mark.parametrize("text, says", [
@@ -749,6 +751,7 @@ def test_baseline_is_mlt_at_dblps_p_low() -> None:
     ("dblp:p_low=x", "must be a number"),
     ("ltp:0.9", "not KEY=VALUE"),  # LTP has no leading parameter
     ("gloo:1", "takes no parameters"),
+    ("tcp-ps:0.1", "takes no parameters"),
     ("baseline:0.1", "takes no parameters"),
 ])
 def test_a_bad_policy_is_one_line_that_says_how_to_write_it(text, says) -> None:

@@ -81,6 +81,51 @@ def test_short_training_runs_for_every_policy(tmp_path, policy, topology):
         assert epochs[0]["phase"] in ("critical", "relaxed") and epochs[0]["bound"] is not None
 
 
+_TCP_PS_RANK = """
+import sys, numpy as np, torch, torch.distributed as dist
+from boundedloss.torch.tcp_ps import average_through_server
+rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=world)
+xs = [np.random.default_rng(r).standard_normal(100_003).astype(np.float32)
+      for r in range(world)]
+got = average_through_server(torch.from_numpy(xs[rank].copy())).numpy()
+want = xs[0].copy()
+for x in xs[1:]:  # the server's order: its own, then rank 1, 2, ...
+    want += x
+want /= world
+assert np.array_equal(got, want), float(np.abs(got - want).max())
+dist.destroy_process_group()
+"""
+
+
+def test_the_tcp_parameter_server_averages_exactly():
+    """tcp-ps (LTP's incast baseline): every rank ends with the mean, bit for bit as the
+    server sums it."""
+    port = str(_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _TCP_PS_RANK, str(r), "3", port],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(3)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+
+
+def test_tcp_ps_trains_as_gloo_does(tmp_path):
+    """`train --policy tcp-ps` moves the same mean gradient as DDP's allreduce: the same
+    losses (to float rounding: the sums run in another order) and accuracy."""
+    runs = {}
+    for policy in ("gloo", "tcp-ps"):
+        proc, out = _train(tmp_path / policy, "--policy", policy, "--workers", "3",
+                           "--epochs", "2", "--steps-per-epoch", "6")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[policy] = (_lines(out / "rounds.jsonl"), _lines(out / "epochs.jsonl"))
+    (gloo_rounds, gloo_epochs), (ps_rounds, ps_epochs) = runs["gloo"], runs["tcp-ps"]
+    assert [r["loss"] for r in ps_rounds] == pytest.approx([r["loss"] for r in gloo_rounds],
+                                                          abs=1e-4)
+    assert [e["accuracy"] for e in ps_epochs] == pytest.approx(
+        [e["accuracy"] for e in gloo_epochs], abs=0.01)
+
+
 def _run_training_in_a_process(cfg):
     """``run_training(cfg)`` in a fresh interpreter (its ranks fork from a server there)."""
     from dataclasses import asdict

@@ -489,7 +489,7 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
         raise click.BadParameter(str(e), param_hint="--loss") from None
     _check(checks.loss_ranks_exist, loss_spec, workers)
     if not policy.uses_transport and loss_spec not in ("none", ""):
-        raise click.BadParameter("gloo runs over TCP: in-process loss cannot reach it "
+        raise click.BadParameter(f"{policy} runs over TCP: in-process loss cannot reach it "
                                  "(use the kernel testbed)", param_hint="--loss")
     cfg = TrainConfig(policy=str(policy), topology=topology, workers=workers, model=model,
                       epochs=epochs, seed=seed, loss=loss_spec, out=out, aggregator=aggregator,

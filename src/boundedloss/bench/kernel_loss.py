@@ -4,11 +4,13 @@ A kernel testbed (network namespaces, needs root) with 4 ranks: rank 0 in the se
 namespace, ranks 1-3 in worker namespaces. Every namespace drops incoming packets at
 random with ``iptables -m statistic`` (TCP and UDP alike, so Gloo's TCP sees the same
 loss as our UDP). Each rank exchanges a gradient-sized float32 vector for ``rounds``
-rounds - Gloo allreduce (TCP) or a boundedloss collective (the parameter server or the
-transpose allreduce, ``--topology``) under reliable, MLT (p = 1%) and DBLP (relaxed
-phase: P_low + k) - and times every round. A round starts after a Gloo barrier; its
-latency runs from the moment the last rank entered it to the moment the last rank left
-it (every rank logs both on the monotonic clock the host's namespaces share). The
+rounds - Gloo allreduce (TCP), a parameter server over TCP (``tcp-ps``: gloo's
+point-to-point send and receive through rank 0) or a boundedloss collective (the
+parameter server or the transpose allreduce, ``--topology``) under reliable, MLT
+(p = 1%) and DBLP (relaxed phase: P_low + k) - and times every round. A round starts
+after a Gloo barrier; its latency runs from the moment the last rank entered it to the
+moment the last rank left it (every rank logs both on the monotonic clock the host's
+namespaces share). The
 barrier crosses the same lossy links over TCP, so one rank may leave it a TCP
 retransmission timeout after the others: timing each rank from its own start would
 charge that timeout - the harness's, not the exchange's - to whichever system waits for
@@ -37,7 +39,7 @@ from pathlib import Path
 from ..aggregate import UnbiasedRescale
 from ..collective import TOPOLOGIES, Collective
 from ..net.udp import UdpEndpoint
-from ..policy import parse_policies, parse_policy
+from ..policy import TCP_PS, parse_policies, parse_policy
 
 #: what a run measures unless told otherwise (``boundedloss bench kernel-loss``'s defaults)
 DEFAULT_SYSTEMS = ("gloo", "reliable", "mlt", "dblp")  # as parse_policy reads them
@@ -49,12 +51,14 @@ DEFAULT_MTU = 1500  # Ethernet
 DEFAULT_AUTHS = (True,)  # as a training job runs
 #: the topology a gloo row reports: DDP's own allreduce, whatever --topology says
 GLOO_TOPOLOGY = "gloo"
+#: what each TCP system's row reports as its topology
+TCP_TOPOLOGIES = {"gloo": GLOO_TOPOLOGY, TCP_PS: "ps"}
 
 
 @dataclass(frozen=True)
 class KernelLossRow:
     system: str
-    topology: str  # a boundedloss collective, or "gloo" for gloo's own allreduce
+    topology: str  # a collective ("ps" for tcp-ps too), or "gloo" for gloo's allreduce
     mtu: int
     loss: float
     rounds: int
@@ -94,6 +98,8 @@ def rank_main(argv: list[str] | None = None) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
+
+    from ..torch.tcp_ps import average_through_server
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = a.master
@@ -142,7 +148,10 @@ def rank_main(argv: list[str] | None = None) -> None:
         t0 = time.monotonic()
         if coll is None:
             tensor.copy_(torch.from_numpy(x))
-            dist.all_reduce(tensor)
+            if spec.name == TCP_PS:
+                average_through_server(tensor)
+            else:
+                dist.all_reduce(tensor)
             frac = 1.0
         else:
             _, st = coll.allreduce_mean(x, t, 0)
@@ -194,7 +203,8 @@ def run_kernel_loss_bench(
     if not auths or len(set(auths)) != len(auths):
         raise ValueError("auths: on and/or off, each once")
     arms = [(str(spec), topology, auth) for spec in specs
-            for topology in (topologies if spec.uses_transport else (GLOO_TOPOLOGY,))
+            for topology in (topologies if spec.uses_transport
+                             else (TCP_TOPOLOGIES[spec.name],))
             for auth in (auths if spec.uses_transport else (False,))]
     rows = []
     with Testbed(TestbedConfig(workers=3, mtu=mtu)) as tb:

@@ -157,7 +157,8 @@ class Scenario:
             return arms
         specs = [p if isinstance(p, PolicySpec) else parse_policy(p)
                  for p in (policies or self.default_policies)]
-        # gloo runs over TCP: in-process loss cannot reach it, so it runs lossless
+        # gloo and tcp-ps run over TCP: in-process loss cannot reach them, so they run
+        # lossless
         return [Arm(spec.label, spec, self.loss if spec.uses_transport else "none",
                     self.aggregator) for spec in specs]
 
@@ -251,8 +252,8 @@ SCENARIOS: dict[str, Scenario] = {
             "drained at 20,000 datagrams/s (about 224 Mbit/s at 1,400-byte chunks): "
             "synchronized senders overflow it every round. The queue's drops are "
             "modelled, not its delay. Missing gradient is filled by LTP's BubbleFill "
-            "(the mean of the contributions that arrived). gloo (TCP) cannot take "
-            "in-process loss and runs without the bottleneck."
+            "(the mean of the contributions that arrived). gloo and tcp-ps (TCP) cannot "
+            "take in-process loss and run without the bottleneck."
         ),
         model="mlp",
         topology="ps",
@@ -260,7 +261,7 @@ SCENARIOS: dict[str, Scenario] = {
         epochs=6,
         aggregator="bubble",
         loss="bottleneck:rate=20000,queue=64,rank=0",
-        default_policies=("gloo", "reliable", "mlt", "ltp", "dblp"),
+        default_policies=("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp"),
         baseline="reliable",
         kernel=KernelNetwork(
             bottleneck=Bottleneck(rate="100mbit", burst="32kb", limit="64kb"),
@@ -273,8 +274,10 @@ SCENARIOS: dict[str, Scenario] = {
                 "of pushes is 190 ms of wire time at the least, and the synchronized "
                 "pushes overflow the queue every round. No loss is injected: every drop "
                 "is the kernel's queue. "
-                "Missing gradient is filled by LTP's BubbleFill. gloo (DDP's TCP "
-                "allreduce - a ring, not a parameter server) crosses the same bottleneck."
+                "Missing gradient is filled by LTP's BubbleFill. tcp-ps - the same "
+                "parameter server over TCP (gloo's send and receive), LTP's baseline - and "
+                "gloo (DDP's TCP allreduce: a ring, not a parameter server) cross the same "
+                "bottleneck."
             ),
         ),
     ),

@@ -40,7 +40,7 @@ import numpy as np
 from .. import native
 from ..aggregate import AGGREGATORS
 from ..collective import TOPOLOGIES
-from ..policy import parse_policy
+from ..policy import TCP_PS, parse_policy
 from ..secret import secret_from_env
 from ..wire import DEFAULT_CHUNK_BYTES, DropReason
 
@@ -310,6 +310,10 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     # UDP offload in use at the end, PROBE copies, the data path (None: gloo)
     offload = copies = data_path = auth = None
     drops: dict[str, int] | None = None
+    if spec.name == TCP_PS:
+        from ..torch.tcp_ps import register_tcp_ps
+
+        register_tcp_ps(ddp)
     if spec.uses_transport:
         from .. import torch as bl_torch
 

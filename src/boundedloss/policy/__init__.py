@@ -40,7 +40,16 @@ from .phase_aware import (
 )
 from .registry import POLICIES, make_policy
 from .reliable import ReliablePolicy
-from .spec import BASELINE, GLOO, SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
+from .spec import (
+    BASELINE,
+    GLOO,
+    SYSTEM_NAMES,
+    TCP_PS,
+    TCP_SYSTEMS,
+    PolicySpec,
+    parse_policies,
+    parse_policy,
+)
 
 __all__ = [
     "BASELINE",
@@ -54,6 +63,8 @@ __all__ = [
     "EarlyClosePolicy",
     "FixedBoundPolicy",
     "GLOO",
+    "TCP_PS",
+    "TCP_SYSTEMS",
     "MessageInfo",
     "Outcome",
     "POLICIES",

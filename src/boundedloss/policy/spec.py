@@ -8,9 +8,11 @@ Every command spells a policy the same way (:func:`parse_policy`):
 - ``NAME:KEY=VALUE[:KEY=VALUE...]`` - any of its parameters:
   ``dblp:p_low=0.01:k=0.3``, ``ltp:ratio_min=0.8``.
 
-Two more names are systems a run can be compared on without being a policy of ours:
+Three more names are systems a run can be compared on without being a policy of ours:
 
 - ``gloo`` - DDP's own allreduce over TCP: no bounded-loss transport, no policy;
+- ``tcp-ps`` - a parameter server over TCP (gloo's point-to-point send and receive
+  through rank 0): LTP's baseline under incast, no bounded-loss transport, no policy;
 - ``baseline`` - MLT with its bound fixed at DBLP's ``P_low`` in every phase, the DBLP
   paper's baseline (``mlt:0.008`` under its own name).
 """
@@ -28,10 +30,14 @@ from .registry import POLICIES, make_policy
 
 #: DDP's own allreduce over TCP (the reliable baseline a training job starts from)
 GLOO = "gloo"
+#: a parameter server over TCP (``boundedloss.torch.tcp_ps``): LTP's incast baseline
+TCP_PS = "tcp-ps"
+#: the systems that move gradients over TCP instead of our transport
+TCP_SYSTEMS = (GLOO, TCP_PS)
 #: MLT with P fixed at DBLP's P_low
 BASELINE = "baseline"
 #: every name a command line accepts
-SYSTEM_NAMES: tuple[str, ...] = (GLOO, *POLICIES, BASELINE)
+SYSTEM_NAMES: tuple[str, ...] = (GLOO, TCP_PS, *POLICIES, BASELINE)
 
 SPELLING = (f"write NAME, NAME:VALUE or NAME:KEY=VALUE[:KEY=VALUE...] with NAME one of "
             f"{', '.join(SYSTEM_NAMES)} (e.g. mlt:0.01)")
@@ -41,7 +47,8 @@ ParamValue = int | float
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """One system of a run: ``name`` (a :data:`POLICIES` name, or :data:`GLOO`) with
+    """One system of a run: ``name`` (a :data:`POLICIES` name, or one of
+    :data:`TCP_SYSTEMS`) with
     keyword arguments for its policy; ``alias`` is the name it was asked for by when
     that is not its own (``baseline``). ``str(spec)`` is a spelling that
     :func:`parse_policy` reads back to an equal spec (it names the run's rows)."""
@@ -52,13 +59,14 @@ class PolicySpec:
 
     @property
     def uses_transport(self) -> bool:
-        """False for gloo, which runs DDP's own allreduce instead of ours."""
-        return self.name != GLOO
+        """False for the TCP systems (gloo, tcp-ps), which move gradients without our
+        transport."""
+        return self.name not in TCP_SYSTEMS
 
     def make(self) -> Policy:
-        """A fresh policy as specified (``ValueError`` for gloo, which has none)."""
+        """A fresh policy as specified (``ValueError`` for a TCP system, which has none)."""
         if not self.uses_transport:
-            raise ValueError("gloo has no policy: it is DDP's own allreduce over TCP")
+            raise ValueError(f"{self.name} has no policy: it moves gradients over TCP")
         return make_policy(self.name, **dict(self.params))
 
     @property
@@ -98,10 +106,10 @@ def parse_policy(text: str) -> PolicySpec:
     raw = text.strip()
     head, colon, rest = raw.partition(":")
     name = head.strip().lower()
-    if name in (GLOO, BASELINE):
+    if name in (*TCP_SYSTEMS, BASELINE):
         if colon:
             raise ValueError(f"bad policy {raw!r}: {name} takes no parameters")
-        return PolicySpec(GLOO) if name == GLOO else baseline()
+        return PolicySpec(name) if name in TCP_SYSTEMS else baseline()
     cls = POLICIES.get(name)
     if cls is None:
         older = re.fullmatch(r"([a-z]+)\s*[=(](.*?)\)?", name)
