@@ -340,3 +340,56 @@ def test_a_chunk_never_fragments_and_one_too_large_for_the_path_is_refused():
                             "path MTU is 1,500 B, so chunks can be at most 1,424 B (set "
                             "TransportConfig.chunk_bytes)")
     assert out["complete"] and out["fragments"] == 0
+
+
+def _bare_ranks(world: int, nbytes: int = 300_000):
+    from boundedloss.bench.bare_udp import BareExchange
+
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(world)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    peers = [s.getsockname() for s in socks]
+    return socks, [BareExchange(s, r, peers, nbytes, 1400, 1424, deadline_s=0.5)
+                   for r, s in enumerate(socks)]
+
+
+def test_the_bare_loop_moves_every_datagram_of_a_lossless_round():
+    """bench kernel-loss's machine limit (bare-udp): three ranks exchange two rounds of a
+    transpose allreduce's datagrams, each rank's phases counting exactly what its peers
+    sent it, runs coalesced or not."""
+    import threading
+
+    socks, ranks = _bare_ranks(3)
+    got: dict[int, list[float]] = {r: [] for r in range(3)}
+
+    def run(r: int) -> None:
+        for t in range(2):
+            got[r].append(ranks[r].exchange(t))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    for s in socks:
+        s.close()
+    assert got == {r: [1.0, 1.0] for r in range(3)}
+    assert ranks[0].per_peer == -(-100_000 // 1400)  # a third of 300 KB to each peer
+
+
+def test_the_bare_loop_says_what_did_not_arrive():
+    """A peer that never sends (half of what every phase expects is lost): the round ends
+    at its deadline with half of it."""
+    import threading
+
+    socks, ranks = _bare_ranks(3)  # rank 2 stays silent
+    got: list[float] = []
+    th = threading.Thread(target=lambda: got.append(ranks[1].exchange(0)))
+    th.start()
+    try:
+        assert ranks[0].exchange(0) == pytest.approx(0.5)
+        th.join(30)
+        assert got == [pytest.approx(0.5)]
+    finally:
+        for s in socks:
+            s.close()

@@ -294,8 +294,12 @@ def _beside(path: str, what: str) -> str:
 @click.option("--auth", "auth", default="on", show_default=True,
               help="boundedloss's datagrams authenticated (a training job's default): on "
                    "and/or off. Gloo authenticates nothing.")
+@click.option("--bare/--no-bare", default=True, show_default=True,
+              help="At 0% loss, first the machine's own limit: a bare-udp row, the "
+                   "transpose allreduce's datagrams with the same offloads and nothing "
+                   "else.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
-                      auth) -> None:
+                      auth, bare) -> None:
     """Round latency of a 4-rank gradient exchange under real kernel loss (root, or a
     user namespace of its own where the kernel allows one)."""
     from .emulate import TestbedError, rootless
@@ -317,7 +321,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
         with console.status("measuring...") as status:
             rows = kernel_loss_bench.run_kernel_loss_bench(
                 losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
-                topologies=topologies_t, mtu=mtu, auths=auths,
+                topologies=topologies_t, mtu=mtu, auths=auths, bare=bare,
                 progress=lambda m: status.update(m))
     except TestbedError as e:
         raise click.ClickException(str(e)) from e

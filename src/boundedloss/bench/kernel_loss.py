@@ -20,6 +20,10 @@ packet each, as ``register()`` picks them). Like ``register()``, boundedloss
 authenticates every datagram by default (the key from BOUNDEDLOSS_SECRET[_FILE], else a
 random one handed out at rendezvous); ``--auth on,off`` measures both, and each row says
 how (``auth``). Gloo authenticates nothing.
+
+On the lossless network a ``bare-udp`` row gives the machine's own limit
+(:mod:`.bare_udp`): the transpose allreduce's datagrams with the same offloads and
+nothing else - no acknowledgement, recovery, tag or aggregation.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +45,7 @@ from ..aggregate import UnbiasedRescale
 from ..collective import TOPOLOGIES, Collective
 from ..net.udp import UdpEndpoint
 from ..policy import TCP_PS, parse_policies, parse_policy
+from .bare_udp import BareExchange
 
 #: what a run measures unless told otherwise (``boundedloss bench kernel-loss``'s defaults)
 DEFAULT_SYSTEMS = ("gloo", "reliable", "mlt", "dblp")  # as parse_policy reads them
@@ -53,6 +59,8 @@ DEFAULT_AUTHS = (True,)  # as a training job runs
 GLOO_TOPOLOGY = "gloo"
 #: what each TCP system's row reports as its topology
 TCP_TOPOLOGIES = {"gloo": GLOO_TOPOLOGY, TCP_PS: "ps"}
+#: the machine's own limit (lossless only): the transpose allreduce's datagrams alone
+BARE_UDP = "bare-udp"
 
 
 @dataclass(frozen=True)
@@ -108,11 +116,28 @@ def rank_main(argv: list[str] | None = None) -> None:
                             timeout=timedelta(seconds=120))
     x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
     starts, ends, fractions = [], [], []
-    spec = parse_policy(a.system)
+    bare = a.system == BARE_UDP
+    spec = parse_policy("gloo" if bare else a.system)
     coll: Collective | None = None
     endpoint: UdpEndpoint | None = None
+    loop: BareExchange | None = None
     auth = "off"
-    if spec.uses_transport:
+    if bare:
+        from ..torch.rendezvous import (
+            agree_chunk_bytes,
+            default_store,
+            exchange_addresses,
+            local_ip,
+        )
+        from ..wire import HEADER_BYTES
+
+        store = default_store()
+        chunk = agree_chunk_bytes(store, "bench", a.rank, a.world, local_ip())
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind((local_ip(), 0))
+        peers = exchange_addresses(store, "bench", a.rank, a.world, sock.getsockname())
+        loop = BareExchange(sock, a.rank, peers, x.nbytes, chunk, chunk + HEADER_BYTES)
+    elif spec.uses_transport:
         from ..protocol.auth import TRAILER_BYTES
         from ..torch import hook_transport
         from ..torch.rendezvous import (
@@ -146,7 +171,9 @@ def rank_main(argv: list[str] | None = None) -> None:
     for t in range(a.rounds + 1):  # round 0 warms up (connections, first receives)
         dist.barrier()
         t0 = time.monotonic()
-        if coll is None:
+        if loop is not None:
+            frac = loop.exchange(t)
+        elif coll is None:
             tensor.copy_(torch.from_numpy(x))
             if spec.name == TCP_PS:
                 average_through_server(tensor)
@@ -188,11 +215,13 @@ def run_kernel_loss_bench(
     topologies: tuple[str, ...] = DEFAULT_TOPOLOGIES,
     mtu: int = DEFAULT_MTU,
     auths: tuple[bool, ...] = DEFAULT_AUTHS,
+    bare: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
     """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
     reads it; ``ValueError`` for a bad one, before the testbed comes up), topology and
-    authentication (gloo: one row, its own allreduce, unauthenticated)."""
+    authentication (gloo: one row, its own allreduce, unauthenticated); with ``bare``,
+    first at 0% loss the machine's own limit (:data:`BARE_UDP`)."""
     from ..emulate import Testbed, TestbedConfig
 
     specs = parse_policies(systems)
@@ -214,7 +243,8 @@ def run_kernel_loss_bench(
         for loss in losses:
             for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
-            for system, topology, auth in arms:
+            for system, topology, auth in ([(BARE_UDP, "allreduce", False)] if bare and not loss
+                                           else []) + arms:
                 port += 1
                 with tempfile.TemporaryDirectory() as tmp:
                     logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
