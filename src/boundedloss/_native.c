@@ -32,6 +32,7 @@
 #ifdef BL_OPENSSL
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/modes.h>
 #endif
 
 #ifdef __linux__
@@ -314,7 +315,13 @@ typedef struct {
     unsigned char prefix[4];         /* this sealer's nonces: prefix, then a counter */
     uint64_t counter;
 #ifdef BL_OPENSSL
-    EVP_CIPHER_CTX *gcm;             /* AES-256-GCM under the job's key */
+    /* GCM under the job's key, driven through OpenSSL's own GCM (the code its EVP
+     * AES-GCM runs) rather than the EVP layer: a datagram's fixed cost 0.07 us instead
+     * of 0.17 (BENCHMARKS.md, "Authenticated datagrams"). Its block cipher is AES-256
+     * through EVP (AES-NI where the CPU has it). */
+    GCM128_CONTEXT *gcm;
+    EVP_CIPHER_CTX *aes;
+    int crypto_failed;               /* the block cipher failed once: tag nothing more */
 #endif
 } DispatcherObject;
 
@@ -332,24 +339,21 @@ static int mac_tag(DispatcherObject *d, const unsigned char *src, const unsigned
                    const unsigned char *a, size_t an, const unsigned char *b, size_t bn,
                    const unsigned char *nonce, unsigned char *tag) {
 #ifdef BL_OPENSSL
-    unsigned char none[16], head[2 * IDENT_BYTES + HEADER_BYTES];
-    int len = 0;
-    EVP_CIPHER_CTX *c = d->gcm;
-    /* the addresses and the header in one piece: two calls into EVP a datagram, not four
-     * (BENCHMARKS.md, "Authenticated datagrams") */
+    unsigned char head[2 * IDENT_BYTES + HEADER_BYTES];
+    GCM128_CONTEXT *g = d->gcm;
+    /* the addresses and the header in one piece: one call, not three */
     size_t m = an < HEADER_BYTES ? an : HEADER_BYTES;
     memcpy(head, src, IDENT_BYTES);
     memcpy(head + IDENT_BYTES, dst, IDENT_BYTES);
     memcpy(head + 2 * IDENT_BYTES, a, m);
     /* GCM with associated data only: the key stays, the nonce is this datagram's */
-    if (an > INT_MAX || bn > INT_MAX || EVP_EncryptInit_ex(c, NULL, NULL, NULL, nonce) != 1
-        || EVP_EncryptUpdate(c, NULL, &len, head, (int)(2 * IDENT_BYTES + m)) != 1
-        || (an > m && EVP_EncryptUpdate(c, NULL, &len, a + m, (int)(an - m)) != 1)
-        || (bn && EVP_EncryptUpdate(c, NULL, &len, b, (int)bn) != 1)
-        || EVP_EncryptFinal_ex(c, none, &len) != 1
-        || EVP_CIPHER_CTX_ctrl(c, EVP_CTRL_GCM_GET_TAG, TAG_BYTES, tag) != 1)
+    CRYPTO_gcm128_setiv(g, nonce, NONCE_BYTES);
+    if (CRYPTO_gcm128_aad(g, head, 2 * IDENT_BYTES + m) != 0
+        || (an > m && CRYPTO_gcm128_aad(g, a + m, an - m) != 0)
+        || (bn && CRYPTO_gcm128_aad(g, b, bn) != 0))
         return -1;
-    return 0;
+    CRYPTO_gcm128_tag(g, tag, TAG_BYTES);
+    return d->crypto_failed ? -1 : 0;
 #else
     (void)d; (void)src; (void)dst; (void)a; (void)an; (void)b; (void)bn; (void)nonce;
     (void)tag;
@@ -409,12 +413,24 @@ static void dispatcher_dealloc(DispatcherObject *d) {
     PyMem_RawFree(d->verdicts);
     PyMem_Free(d->stage);
 #ifdef BL_OPENSSL
-    EVP_CIPHER_CTX_free(d->gcm);
+    if (d->gcm) CRYPTO_gcm128_release(d->gcm);
+    EVP_CIPHER_CTX_free(d->aes);
 #endif
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
 
 #ifdef BL_OPENSSL
+/* GCM's block cipher: AES-256 of one block under the job's key (``key`` is the
+ * dispatcher). A failure is remembered, and every tag from then on fails. */
+static void aes_block(const unsigned char in[16], unsigned char out[16], const void *key) {
+    DispatcherObject *d = (DispatcherObject *)key;
+    int len = 0;
+    if (EVP_EncryptUpdate(d->aes, out, &len, in, 16) != 1 || len != 16) {
+        memset(out, 0, 16);
+        d->crypto_failed = 1;
+    }
+}
+
 /* authenticate(key, ip, port, seed): from now on every datagram taken must carry a
  * valid tag, and every one built here is sealed; (ip, port) is this endpoint's own
  * address; seed (12 random bytes) starts this sealer's nonces. */
@@ -429,12 +445,23 @@ static PyObject *dispatcher_authenticate(DispatcherObject *d, PyObject *args) {
         goto done;
     }
     ctx = EVP_CIPHER_CTX_new();
-    if (ctx == NULL || EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, key.buf, NULL) != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "OpenSSL has no AES-256-GCM here");
+    if (ctx == NULL || EVP_EncryptInit_ex(ctx, EVP_aes_256_ecb(), NULL, key.buf, NULL) != 1
+        || EVP_CIPHER_CTX_set_padding(ctx, 0) != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL has no AES-256 here");
         EVP_CIPHER_CTX_free(ctx);
         goto done;
     }
-    d->gcm = ctx;
+    d->aes = ctx;
+    d->crypto_failed = 0;
+    d->gcm = CRYPTO_gcm128_new(d, aes_block);  /* (computes GHASH's key: one block) */
+    if (d->gcm == NULL || d->crypto_failed) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL's GCM could not start");
+        if (d->gcm) CRYPTO_gcm128_release(d->gcm);
+        d->gcm = NULL;
+        EVP_CIPHER_CTX_free(ctx);
+        d->aes = NULL;
+        goto done;
+    }
     put_ident(d->ident, ip, (uint16_t)port);
     const unsigned char *sd = seed.buf;
     memcpy(d->prefix, sd, 4);
