@@ -1,22 +1,21 @@
 """`boundedloss bench kernel-loss`: gradient-exchange round latency under real kernel loss.
 
-A kernel testbed (network namespaces, needs root) with 4 ranks: rank 0 in the server
-namespace, ranks 1-3 in worker namespaces. Every namespace drops incoming packets at
-random with ``iptables -m statistic`` (TCP and UDP alike, so Gloo's TCP sees the same
-loss as our UDP). Each rank exchanges a gradient-sized float32 vector for ``rounds``
-rounds - Gloo allreduce (TCP), a parameter server over TCP (``tcp-ps``: gloo's
-point-to-point send and receive through rank 0) or a boundedloss collective (the
-parameter server or the transpose allreduce, ``--topology``) under reliable, MLT
-(p = 1%) and DBLP (relaxed phase: P_low + k) - and times every round. A round starts
-after a Gloo barrier; its latency runs from the moment the last rank entered it to the
-moment the last rank left it (every rank logs both on the monotonic clock the host's
-namespaces share). The
-barrier crosses the same lossy links over TCP, so one rank may leave it a TCP
-retransmission timeout after the others: timing each rank from its own start would
-charge that timeout - the harness's, not the exchange's - to whichever system waits for
-that rank's data. The testbed's links have the MTU
-``--mtu`` (9,000: jumbo frames, as in data centres); boundedloss's chunks follow it (one
-packet each, as ``register()`` picks them). Like ``register()``, boundedloss
+A kernel testbed (network namespaces: root, or a user namespace of its own) with 4
+ranks: rank 0 in the server namespace, ranks 1-3 in worker namespaces. The switch drops
+packets toward every namespace at random with ``iptables -m statistic``, one wire packet
+at a time (TCP and UDP alike, so Gloo's TCP sees the same loss as our UDP). Each rank
+exchanges a gradient-sized float32 vector for ``rounds`` rounds - Gloo allreduce (TCP),
+a parameter server over TCP (``tcp-ps``: gloo's point-to-point send and receive through
+rank 0) or a boundedloss collective (the parameter server or the transpose allreduce,
+``--topology``) under reliable, MLT (p = 1%) and DBLP (relaxed phase: P_low + k) - and
+times every round. A round starts after a Gloo barrier; its latency runs from the moment
+the last rank entered it to the moment the last rank left it (every rank logs both on
+the monotonic clock the host's namespaces share). The barrier crosses the same lossy
+links over TCP, so one rank may leave it a TCP retransmission timeout after the others:
+timing each rank from its own start would charge that timeout - the harness's, not the
+exchange's - to whichever system waits for that rank's data. The testbed's links have
+the MTU ``--mtu`` (9,000: jumbo frames, as in data centres); boundedloss's chunks follow
+it (one packet each, as ``register()`` picks them). Like ``register()``, boundedloss
 authenticates every datagram by default (the key from BOUNDEDLOSS_SECRET[_FILE], else a
 random one handed out at rendezvous); ``--auth on,off`` measures both, and each row says
 how (``auth``). Gloo authenticates nothing.
@@ -194,6 +193,8 @@ def rank_main(argv: list[str] | None = None) -> None:
         coll.close()
     if endpoint is not None:
         endpoint.close()
+    if loop is not None:
+        loop.sock.close()
     dist.destroy_process_group()
 
 
