@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -545,6 +546,46 @@ def test_the_report_names_the_rank_that_failed_first(tmp_path):
     head, rest = failure_report(ranks, run, 10.0).split("; then ")
     assert head == "rank 1 (killed by SIGKILL) ended first"
     assert sorted(rest.split(", ")) == ["rank 0 (exit 1)", "rank 2 (exit 1)"]  # any order
+
+
+class _EndingRank:
+    """A rank for supervise() that ends ``after`` seconds from now: its sentinel becomes
+    readable then; with ``lag``, the first poll after that still finds it running - as a
+    dying process's sentinel (its closed files) is ready a moment before it is a zombie."""
+
+    def __init__(self, after: float, lag: bool = False):
+        import threading
+
+        self.sentinel, self._w = os.pipe()
+        self._end, self._lag, self._code = time.monotonic() + after, lag, None
+        threading.Timer(after, os.close, args=(self._w,)).start()
+
+    @property
+    def exitcode(self):
+        if self._code is None and time.monotonic() >= self._end:
+            if self._lag:
+                self._lag = False
+            else:
+                self._code = 1
+        return self._code
+
+    def is_alive(self):
+        return self.exitcode is None
+
+    def terminate(self):
+        pass
+
+    def join(self):
+        os.close(self.sentinel)
+
+
+def test_a_rank_seen_dying_a_moment_early_is_still_named_first():
+    """The race CI met: rank 1's sentinel is ready a poll before its exit code, and rank
+    0 ends 0.3 s later; rank 1 must still be recorded first."""
+    from boundedloss.experiments.train import supervise
+
+    ranks = [_EndingRank(0.3), _EndingRank(0.05, lag=True), _EndingRank(0.3)]
+    assert supervise(ranks, grace=10.0).ended[0] == 1
 
 
 def test_train_runs_as_one_rank_per_process_under_torchrun(tmp_path):
