@@ -173,6 +173,12 @@ POLICIES = {
 }
 
 
+def _final_probe(count: int, nbytes: int, chunk_bytes: int) -> bytes:
+    """The sender's FINAL PROBE for the tests' message."""
+    h = wire.Header(Kind.PROBE, SESSION, 3, 7, 1, count, nbytes, chunk_bytes)
+    return wire.control_datagram(h, Kind.PROBE, 9, flags=Flag.FINAL)
+
+
 @settings(PROPERTY, max_examples=400)
 @given(
     policy=st.sampled_from(sorted(POLICIES)),
@@ -209,8 +215,7 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
                 b[wire.OFFSET["message"]] ^= 1
             datagrams.insert(i, bytes(b))
         else:  # a FINAL PROBE, early
-            h = wire.Header(Kind.PROBE, SESSION, 3, 7, 1, count, nbytes, chunk_bytes)
-            datagrams.insert(i, wire.control_datagram(h, Kind.PROBE, 9, flags=Flag.FINAL))
+            datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes))
         if not datagrams:
             break
     side = _twin(POLICIES[policy], nbytes, chunk_bytes, critical, sized)
@@ -219,8 +224,7 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
 
 
 def _sealed_probe(count: int, nbytes: int, chunk_bytes: int) -> bytes:
-    h = wire.Header(Kind.PROBE, SESSION, 3, 7, 1, count, nbytes, chunk_bytes)
-    parts = (wire.control_datagram(h, Kind.PROBE, 9, flags=Flag.FINAL),)
+    parts = (_final_probe(count, nbytes, chunk_bytes),)
     return b"".join(DatagramAuth(KEY, PEER).seal(parts, LOCAL))
 
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -393,3 +394,32 @@ def test_the_bare_loop_says_what_did_not_arrive():
     finally:
         for s in socks:
             s.close()
+
+
+def test_the_bare_loop_counts_a_coalesced_run_by_its_tags():
+    """A run read in one piece counts each segment under its own round and phase: a
+    run of one tag at once, a run across a phase's end segment by segment."""
+    import struct
+
+    from boundedloss.bench.bare_udp import BareExchange
+    from boundedloss.net.udp import SOL_UDP, UDP_SEGMENT
+
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    loop = BareExchange(rx, 0, [rx.getsockname(), ("127.0.0.1", 9)], 1000, 100, 108)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    seg = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", 108))]
+
+    def run(*tags):
+        return b"".join(struct.pack("<II", *t) + bytes(100) for t in tags)
+
+    try:
+        tx.sendmsg([run((1, 0), (1, 0), (1, 0))], seg, 0, rx.getsockname())
+        tx.sendmsg([run((2, 0), (2, 0), (2, 1), (2, 1))], seg, 0, rx.getsockname())
+        deadline = time.monotonic() + 5
+        while sum(loop.counts.values()) < 7 and time.monotonic() < deadline:
+            loop.drain()
+        assert dict(loop.counts) == {(1, 0): 3, (2, 0): 2, (2, 1): 2}
+    finally:
+        tx.close()
+        rx.close()

@@ -71,19 +71,29 @@ class BareExchange:
                 return
             except BlockingIOError:  # the send buffer is full: let the kernel drain it
                 select.select([], [self.sock], [], 0.01)
-                self._drain()
+                self.drain()
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
+        """Read whatever has arrived, counting each datagram under its round and phase."""
         while True:
             try:
                 n, anc, _, _ = self.sock.recvmsg_into([self._buf], 64)
             except BlockingIOError:
                 return
+            if n < _TAG.size:
+                continue
             size = n
             for level, kind, data in anc:
                 if level == SOL_UDP and kind == UDP_GRO:  # the coalesced segments' size
                     size = int.from_bytes(data[:4], sys.byteorder)
-            for off in range(0, n, size):
+            segments = -(-n // size)
+            first = _TAG.unpack_from(self._buf, 0)
+            last_at = (segments - 1) * size
+            if n - last_at >= _TAG.size and _TAG.unpack_from(self._buf, last_at) == first:
+                # a peer's tags only grow and GRO keeps their order: one tag for the run
+                self.counts[first] += segments
+                continue
+            for off in range(0, n, size):  # a run across a phase's end: segment by segment
                 if n - off >= _TAG.size:
                     self.counts[_TAG.unpack_from(self._buf, off)] += 1
 
@@ -95,12 +105,12 @@ class BareExchange:
         for n in runs:  # one run to each peer in turn, reading what has come in between
             for peer in self.peers:
                 self._send(bodies[n], peer)
-            self._drain()
+            self.drain()
         key = (round_id, phase)
         give_up = time.monotonic() + self.deadline_s
         while self.counts[key] < expected and time.monotonic() < give_up:
             select.select([self.sock], [], [], 0.01)
-            self._drain()
+            self.drain()
         return min(1.0, self.counts.pop(key, 0) / expected)
 
     def exchange(self, round_id: int) -> float:

@@ -115,13 +115,12 @@ def rank_main(argv: list[str] | None = None) -> None:
                             timeout=timedelta(seconds=120))
     x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
     starts, ends, fractions = [], [], []
-    bare = a.system == BARE_UDP
-    spec = parse_policy("gloo" if bare else a.system)
+    spec = None if a.system == BARE_UDP else parse_policy(a.system)
     coll: Collective | None = None
     endpoint: UdpEndpoint | None = None
     loop: BareExchange | None = None
     auth = "off"
-    if bare:
+    if spec is None:
         from ..torch.rendezvous import (
             agree_chunk_bytes,
             default_store,
@@ -174,7 +173,7 @@ def rank_main(argv: list[str] | None = None) -> None:
             frac = loop.exchange(t)
         elif coll is None:
             tensor.copy_(torch.from_numpy(x))
-            if spec.name == TCP_PS:
+            if spec is not None and spec.name == TCP_PS:
                 average_through_server(tensor)
             else:
                 dist.all_reduce(tensor)
