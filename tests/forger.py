@@ -17,11 +17,15 @@ import threading
 
 import numpy as np
 
-MAGIC = struct.pack("<H", 0x4C42)
+from boundedloss import wire
+from boundedloss.protocol.auth import TRAILER_BYTES
+
+MAGIC = struct.pack("<H", wire.MAGIC)
 ETH_P_ALL = 0x0003
-HEADER_BYTES = 48
-KIND_DATA = 1
-OFF_ROUND, OFF_INDEX, OFF_PLEN = 16, 24, 6
+HEADER_BYTES = wire.HEADER_BYTES
+KIND_DATA = int(wire.Kind.DATA)
+OFF_ROUND, OFF_INDEX, OFF_PLEN = (wire.OFFSET[f] for f in ("round", "index", "plen"))
+OFF_CBYTES = wire.OFFSET["cbytes"]
 NAN = struct.pack("<f", float("nan"))
 
 
@@ -84,17 +88,18 @@ class Forger:
             self.seen += 1
             if self.seen % self.every:
                 continue
-            # an authenticated job's datagrams end in a 24-byte trailer: forge its length
+            # an authenticated job's datagrams end in a trailer: forge its length
             # (a run sent with UDP_SEGMENT crosses loopback whole: the next datagram's
             # header follows the first one's end)
             end = HEADER_BYTES + plen
-            trailer = 24 if len(body) == end + 24 or body[end + 24:end + 26] == MAGIC else 0
+            t = TRAILER_BYTES
+            trailer = t if len(body) == end + t or body[end + t:end + t + 2] == MAGIC else 0
             self._forge(bytearray(body[:HEADER_BYTES]), trailer, src, dst, sport, dport)
 
     def _forge(self, head: bytearray, trailer: int, src: bytes, dst: bytes, sport: int,
                dport: int) -> None:
         index, count = struct.unpack_from("<II", head, OFF_INDEX)
-        cbytes = struct.unpack_from("<I", head, 40)[0]
+        cbytes = struct.unpack_from("<I", head, OFF_CBYTES)[0]
         nan = (NAN * (cbytes // 4 + 1))[:cbytes]
         rnd = struct.unpack_from("<I", head, OFF_ROUND)[0]
         for r, first in ((rnd, index + 1), (rnd + 1, 0)):

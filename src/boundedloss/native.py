@@ -12,6 +12,7 @@ import os
 from types import ModuleType
 
 from . import wire
+from .protocol.auth import TRAILER_BYTES
 
 
 def _load() -> tuple[ModuleType | None, str]:
@@ -19,8 +20,10 @@ def _load() -> tuple[ModuleType | None, str]:
         _native = importlib.import_module("boundedloss._native")
     except ImportError as e:
         return None, f"the compiled extension is not built ({e})"
-    if dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES:
-        return None, "the compiled extension's header layout differs from wire's: rebuild it"
+    if (dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES
+            or _native.TRAILER_BYTES != TRAILER_BYTES):
+        return None, ("the compiled extension's header or trailer layout differs from "
+                      "wire's and auth's: rebuild it")
     return _native, "built"
 
 

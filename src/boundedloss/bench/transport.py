@@ -325,13 +325,13 @@ def run_transport_bench(
                                                           use_native, auth))
                     if progress:
                         progress(f"chunk {cb} B, message {mb} MB: repeat {rep + 1}/{repeats}")
-                goodput = {key: statistics.median(r["goodput_gbps"] for r in runs)
+                medians = {key: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                            for key, runs in samples.items()}
-                for (offload, use_native, auth, loss, pol), runs in samples.items():
+                for (offload, use_native, auth, loss, pol), med in medians.items():
                     ceiling = statistics.median(ceilings[(offload, True)])
                     loop_ceiling = statistics.median(ceilings[(offload, False)])
-                    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                    plain = goodput.get((offload, use_native, False, loss, pol))
+                    plain = medians.get((offload, use_native, False, loss, pol), {}).get(
+                        "goodput_gbps")
                     rows.append(
                         TransportRow(
                             chunk_bytes=cb,

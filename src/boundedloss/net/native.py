@@ -18,21 +18,10 @@ import struct
 from collections.abc import Hashable
 
 from ..native import AUTH_FALLBACK, authenticates, enabled, module, status
-from ..protocol.auth import NONCE_BYTES
+from ..protocol.auth import NONCE_BYTES, ipv4_address
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from .loss import LossModel
-
-
-def ipv4_address(peer: Hashable) -> tuple[int, int] | None:
-    """``(ip, port)`` as integers for an ``("a.b.c.d", port)`` peer, else None."""
-    if not (isinstance(peer, tuple) and len(peer) == 2 and isinstance(peer[0], str)
-            and isinstance(peer[1], int)):
-        return None
-    try:
-        return struct.unpack("!I", socket.inet_aton(peer[0]))[0], peer[1]
-    except OSError:
-        return None
 
 
 class NativeDataPath:

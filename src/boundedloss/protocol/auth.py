@@ -45,6 +45,7 @@ import ctypes.util
 import hmac
 import secrets
 import socket
+import struct
 import threading
 from collections.abc import Hashable, Sequence
 
@@ -68,16 +69,24 @@ class AuthenticationError(RuntimeError):
         super().__init__(" ".join(str(message).split()))
 
 
+def ipv4_address(peer: Hashable) -> tuple[int, int] | None:
+    """``(ip, port)`` as integers for an ``("a.b.c.d", port)`` peer, else None."""
+    if not (isinstance(peer, tuple) and len(peer) == 2 and isinstance(peer[0], str)
+            and isinstance(peer[1], int)):
+        return None
+    try:
+        return struct.unpack("!I", socket.inet_aton(peer[0]))[0], peer[1]
+    except OSError:
+        return None
+
+
 def identity(peer: Hashable) -> bytes:
     """The bytes an address contributes to a tag. IPv4 ``(host, port)``: 4, the address
     and the port big-endian (7 bytes, as the compiled path builds it); anything else (a
     FakeNetwork's peer names): 0, its repr's length and the repr."""
-    if (isinstance(peer, tuple) and len(peer) == 2 and isinstance(peer[0], str)
-            and isinstance(peer[1], int) and 0 <= peer[1] < 1 << 16):
-        try:
-            return b"\x04" + socket.inet_aton(peer[0]) + peer[1].to_bytes(2, "big")
-        except OSError:
-            pass
+    address = ipv4_address(peer)
+    if address is not None and 0 <= address[1] < 1 << 16:
+        return b"\x04" + address[0].to_bytes(4, "big") + address[1].to_bytes(2, "big")
     text = repr(peer).encode()
     return b"\x00" + len(text).to_bytes(2, "big") + text
 

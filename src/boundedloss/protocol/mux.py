@@ -160,9 +160,8 @@ class TransferMux:
     def datagram_received(self, data, peer, now: float) -> None:
         self.datagrams_in += 1
         if self.auth is not None:
-            body = self.auth.open(data, peer)
+            body = self._open(data, peer)
             if body is None:
-                self._count_unauthentic(data)
                 return
             data = body
         self._accept(data, peer, now)
@@ -172,13 +171,19 @@ class TransferMux:
         self.datagrams_in += 1
         self._accept(data, peer, now)
 
-    def _count_unauthentic(self, data) -> None:
+    def _open(self, data, peer):
+        """``data`` without its trailer if its tag verifies; else None, the drop counted."""
+        assert self.auth is not None
+        body = self.auth.open(data, peer)
+        if body is not None:
+            return body
         if len(data) < HEADER_BYTES + TRAILER_BYTES:
             self.drops[DropReason.SHORT] += 1
         elif wire.peek_session(data) != self.session:
             self.drops[DropReason.FOREIGN_SESSION] += 1  # (another job's, most likely)
         else:
             self.drops[DropReason.BAD_AUTH] += 1
+        return None
 
     def _accept(self, data, peer, now: float) -> None:
         try:
@@ -247,16 +252,13 @@ class TransferMux:
 
     def _open_rows(self, rows: np.ndarray, peer) -> np.ndarray:
         """The rows whose tags verify, without their tags (the others counted)."""
-        auth = self.auth
-        assert auth is not None
         good = []
         for i, row in enumerate(rows):
-            if auth.open(row.data, peer) is None:
+            if self._open(row.data, peer) is None:
                 self.datagrams_in += 1
-                self._count_unauthentic(row.data)
             else:
                 good.append(i)
-        return np.ascontiguousarray(rows[good, : rows.shape[1] - TRAILER_BYTES])
+        return rows[good, : rows.shape[1] - TRAILER_BYTES]  # (a copy, contiguous)
 
     def _take_run(self, rows: np.ndarray, peer, now: float, receive) -> bool:
         """Take ``rows`` as one run of DATA if that is what they are; False if not (nothing

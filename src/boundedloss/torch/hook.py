@@ -68,12 +68,12 @@ UNAUTHENTICATED_MESSAGE = (
 _WARNED_UNAUTHENTICATED = False  # once per process, however many registrations
 
 
-def warn_unauthenticated(stacklevel: int = 2) -> None:
+def warn_unauthenticated() -> None:
     """Warn (once per process) that this process runs without authentication."""
     global _WARNED_UNAUTHENTICATED
     if not _WARNED_UNAUTHENTICATED:
         _WARNED_UNAUTHENTICATED = True
-        warnings.warn(UNAUTHENTICATED_MESSAGE, UnauthenticatedWarning, stacklevel=stacklevel + 1)
+        warnings.warn(UNAUTHENTICATED_MESSAGE, UnauthenticatedWarning, stacklevel=3)
 
 #: receives one endpoint of the hook may hold open: every bucket of every peer, both
 #: phases, posted a round ahead - far more than a point-to-point transfer needs

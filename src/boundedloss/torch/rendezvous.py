@@ -57,7 +57,7 @@ def agree_chunk_bytes(store: dist.Store, prefix: str, rank: int, world: int, hos
     every rank."""
     store.set(f"{prefix}/host/{rank}", host)
     hosts = {store.get(f"{prefix}/host/{r}").decode() for r in range(world)}
-    mine = largest_chunk(9000, trailer)
+    mine = AUTO_CHUNK_MAX - trailer
     for other in hosts:
         mtu = path_mtu((other, 9), host)
         if mtu is not None:
