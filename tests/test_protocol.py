@@ -1048,7 +1048,8 @@ def test_a_silent_first_pass_probes_in_copies_once_the_round_trip_is_known() -> 
         net.run_until_done([tx, rx], timeout=60.0)
         assert tx.result.ok
     # no ACK for 64 datagrams: at least 1 - every/64 of them (or of the ACKs) lost
-    assert CFG.ack_every == 32 and probes.count(1) == tx.recovery.copies_for(1 - 32 / 64) == 7
+    assert CFG.ack_every_for(64) == 32
+    assert probes.count(1) == tx.recovery.copies_for(1 - 32 / 64) == 7
     assert probes.count(2) == 14  # the repeat: twice the copies
 
 
@@ -1311,7 +1312,7 @@ def test_a_run_draws_the_acks_its_datagrams_would_have():
     transmission sequence seen."""
     nbytes = 100 * CB
     dgrams = data_datagrams(source_bytes(nbytes, 3))
-    every = CFG.ack_every
+    every = CFG.ack_every_for(100)
     # transmission sequences 1000.. in sending order
     dgrams = [d[:44] + struct.pack("<I", 1000 + i) + d[48:] for i, d in enumerate(dgrams)]
     mux = TransferMux(SESSION, CFG)
@@ -1325,6 +1326,35 @@ def test_a_run_draws_the_acks_its_datagrams_would_have():
     acks = [a for a in acks if a[0] == Kind.ACK]
     assert len(acks) == 90 // every
     assert acks[-1][10] == 1089  # the highest tseq seen
+
+
+def test_a_long_message_draws_a_few_acks_a_pass_and_its_sender_expects_that_many():
+    """Every ACK is a small packet of its own: a long message's pass draws
+    ACKS_PER_MESSAGE of them, not one per 32 datagrams - and its sender, which reads
+    the loss on the way back from how many ACKs came, reads none from a lossless pass."""
+    from boundedloss.protocol.types import ACK_EVERY_SHORT, ACKS_PER_MESSAGE
+
+    count = 1000
+    acks = []
+
+    def drop(d, nth):
+        if d.kind == ACK:
+            acks.append(d)
+        return False
+
+    net, _, a, b = pair(drop=drop)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy(), nbytes=count * CB)
+    tx = a.start_send("b", ROUND, MSG, source_bytes(count * CB, 1), net.now)
+    net.run_until_done([tx, rx], timeout=10.0)
+    assert tx.result.ok and rx.result.complete
+    every = CFG.ack_every_for(count)
+    assert every == count // ACKS_PER_MESSAGE > ACK_EVERY_SHORT
+    assert len(acks) == count // every == ACKS_PER_MESSAGE
+    assert tx.recovery.reverse_loss() == 0.0
+    # a short message keeps one ACK per ACK_EVERY_SHORT datagrams; a small window, 8
+    assert CFG.ack_every_for(100) == ACK_EVERY_SHORT
+    small = TransportConfig(chunk_bytes=CB, window_bytes=40 * (CB + HEADER_BYTES))
+    assert small.ack_every_for(count) == 5
 
 
 def test_a_clean_run_is_taken_at_once_and_a_short_one_one_by_one(monkeypatch):

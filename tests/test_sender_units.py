@@ -91,7 +91,7 @@ def test_recovery_takes_the_way_back_from_a_receive_until_acks_say_more() -> Non
     assert r.reverse_loss() == 0.5
     r.data_sent(0.0, 64)
     assert r.probe_copies(0.001, first_pass=False) == r.copies_for(0.5)  # no ACK: the hint
-    every = CFG.ack_every
+    every = CFG.ack_every_for(0)  # (a Recovery not told: a short message's)
     heard = Recovery(CFG)
     heard.data_sent(0.0, 4 * every)
     # the receiver delivered all 4*every datagrams and sent 4 ACKs; one came back

@@ -52,7 +52,7 @@ class NativeDataPath:
         receiver.counts.copy_into(shared)
         shared.bind(receiver.peer, address[0], address[1], receiver.round_id,
                     receiver.message_id, receiver.count, receiver.nbytes, receiver.chunk_bytes,
-                    receiver.config.ack_every, dest, delivered, critical,
+                    receiver.ack_every, dest, delivered, critical,
                     receiver.ack_template())
         receiver.counts = shared
         self.dispatcher.register(shared)

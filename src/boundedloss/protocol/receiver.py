@@ -103,7 +103,8 @@ class MessageReceiver:
         self.retransmit_rounds = 0
         self.probes = 0
         self._answered_seq = -1
-        self._ack_every = config.ack_every
+        #: DATA datagrams per ACK (TransportConfig.ack_every_for the message's chunks)
+        self.ack_every = config.ack_every_for(0)  # (until the size is known)
         self._accepting = False
         self._sender_done = False  # a PROBE flagged FINAL: every chunk was sent once
         self.accept_deadline: float | None = None
@@ -120,6 +121,7 @@ class MessageReceiver:
         cb = self.chunk_bytes
         self.nbytes = nbytes
         self.count = count = wire.chunk_count(nbytes, cb)
+        self.ack_every = self.config.ack_every_for(count)
         if self._out is None:
             self._out = np.empty(nbytes, dtype=np.uint8)
         self._dest = wire.as_bytes_view(self._out)
@@ -175,7 +177,7 @@ class MessageReceiver:
         if tseq > n.max_tseq:
             n.max_tseq = tseq
         n.unacked += 1
-        if n.unacked >= self._ack_every:
+        if n.unacked >= self.ack_every:
             n.unacked = 0
             out.append(((self._ack(n.delivered_count),), self.peer))
         delivered = self._delivered
@@ -228,7 +230,7 @@ class MessageReceiver:
                 n.critical_missing -= int(
                     np.frombuffer(self._critical, dtype=np.uint8)[new].sum())
         n.duplicates += k - pos.size
-        acks, n.unacked = divmod(n.unacked + k, self._ack_every)
+        acks, n.unacked = divmod(n.unacked + k, self.ack_every)
         if acks:
             # (an ACK holds what was delivered before the datagram that drew it: the
             # sender reads forward loss from it, and reverse loss from how many came)
@@ -266,7 +268,7 @@ class MessageReceiver:
         from that peer - the way *our* answers to its PROBEs take when we send to it."""
         n = self.counts
         sent = n.max_tseq + 1
-        if sent < 2 * self._ack_every:
+        if sent < 2 * self.ack_every:
             return None
         return max(0.0, 1.0 - n.datagrams / sent)
 

@@ -46,15 +46,19 @@ def probe_copies_for(recovery: str) -> int:
 
 class Recovery:
     __slots__ = (
-        "_ack_delivered", "_ack_tseq", "_acks_heard", "_config", "_copies_sent",
+        "_ack_delivered", "_ack_every", "_ack_tseq", "_acks_heard", "_config", "_copies_sent",
         "_measured", "_min_copies", "_more_copies", "_pass_sent", "_pass_started_at",
         "_reply_missing", "_reverse_hint", "_rto", "_rto_base", "_rttvar", "_srtt",
         "unanswered",
     )
 
     def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
-                 reverse_loss: float | None = None):
+                 reverse_loss: float | None = None, *, ack_every: int | None = None):
+        """``ack_every``: how many DATA datagrams the receiver takes per ACK
+        (``config.ack_every_for`` the message's chunk count; default: a short
+        message's)."""
         self._config = config
+        self._ack_every = ack_every or config.ack_every_for(0)
         # Round trips: from earlier messages to this peer when there were any, so that a
         # new message does not start from the conservative initial RTO.
         self._srtt: float | None = None
@@ -224,7 +228,7 @@ class Recovery:
         ACKs, we heard ``acks_heard`` (ACKs still in flight come after it, so they do not
         count as lost). A PROBE is answered when it and its answer both get through."""
         if not self._acks_heard:
-            every = self._config.ack_every
+            every = self._ack_every
             copies = self.copies_for(self.reverse_loss())  # (no ACK: just the hint)
             if (not first_pass and self._srtt is not None
                     and self._pass_started_at is not None
@@ -249,5 +253,5 @@ class Recovery:
         hint = self._reverse_hint
         if not self._acks_heard:
             return hint
-        sent = max(1, (self._ack_delivered + 1) // self._config.ack_every)
+        sent = max(1, (self._ack_delivered + 1) // self._ack_every)
         return max(hint, 1.0 - min(1.0, self._acks_heard / sent))

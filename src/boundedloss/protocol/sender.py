@@ -211,7 +211,8 @@ class MessageSender:
         self._state = SendState.SENDING
         self._probe = OutstandingProbe()
         self.path = path if path is not None else PeerPath(peer)
-        self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now))
+        self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
+                                 ack_every=config.ack_every_for(count))
         self.pacer = Pacer(config, cb + HEADER_BYTES, now, self.path.best_rate())
         self.started = now
         self._last_heard = now

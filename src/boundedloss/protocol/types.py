@@ -16,8 +16,10 @@ from ..wire import (
     check_chunk_bytes,
 )
 
-#: the most DATA datagrams a receiver takes before it ACKs
-ACK_EVERY_MAX = 32
+#: ACKs a receiver sends over one pass of a long message (see ack_every_for)
+ACKS_PER_MESSAGE = 8
+#: DATA datagrams per ACK of a message too short for ACKS_PER_MESSAGE to be fewer
+ACK_EVERY_SHORT = 32
 
 
 class SendStatus(enum.Enum):
@@ -100,12 +102,17 @@ class TransportConfig:
     def window_datagrams(self) -> int:
         return max(1, self.window_bytes // (self.chunk_bytes + HEADER_BYTES))
 
-    @property
-    def ack_every(self) -> int:
-        """A receiver ACKs every this many DATA datagrams: at least 8 ACKs per window,
-        and one per 32 datagrams, so that even a short message's first pass tells the
-        sender how much of it (and of the ACKs) is being lost."""
-        return max(1, min(ACK_EVERY_MAX, self.window_datagrams // 8))
+    def ack_every_for(self, count: int) -> int:
+        """A receiver of a message of ``count`` chunks ACKs every this many DATA
+        datagrams: at least 8 ACKs per window (flow control), one per 32 datagrams of
+        a short message, and 8 over a long message's pass - enough for the sender to
+        read how much of the pass (and of the ACKs) is being lost before it PROBEs.
+        Every ACK is a small packet of its own, as costly to forward as a coalesced run
+        of DATA, so a long message is not ACKed more often than that. Sender and
+        receiver both know ``count``: the sender reads reverse loss from how many ACKs
+        the receiver owed it."""
+        per_message = max(ACK_EVERY_SHORT, count // ACKS_PER_MESSAGE)
+        return max(1, min(per_message, self.window_datagrams // 8))
 
 
 @dataclass(frozen=True, slots=True)
