@@ -86,6 +86,24 @@ def test_recovery_doubles_the_copies_of_an_unanswered_probe() -> None:
         assert r.probe_copies(0.0, first_pass=False) == expected
 
 
+def test_a_silent_pass_calls_for_copies_only_once_its_first_ack_is_overdue() -> None:
+    """No ACK from a long pass: copies (a microburst may have taken it) only once the
+    first ACK it owed is a retransmission timeout late. An ACK owed for less - for a
+    round trip, counted from when the pass's first datagram went - may only be behind a
+    busy receiver (a CPU-bound host), and 32 copies of a PROBE, each answered, would
+    load it more."""
+    def silent_pass(probe_at: float) -> tuple[Recovery, int]:
+        r = Recovery(CFG, RttEstimate(srtt=1e-3, rttvar=0.25e-3), ack_every=32)
+        r.data_sent(0.0, 16)
+        r.data_sent(0.010, 112)  # the 32nd datagram, which owes the first ACK, at 10 ms
+        return r, r.probe_copies(probe_at, first_pass=False)
+
+    assert silent_pass(0.010)[0].rto_base == pytest.approx(0.002)
+    assert silent_pass(0.011)[1] == 1  # owed for 1 ms: in flight, or the receiver busy
+    late, copies = silent_pass(0.0125)  # owed for more than the 2 ms RTO
+    assert copies == late.copies_for(1 - 32 / 128) > 1
+
+
 def test_recovery_takes_the_way_back_from_a_receive_until_acks_say_more() -> None:
     r = Recovery(CFG, reverse_loss=0.5)
     assert r.reverse_loss() == 0.5

@@ -47,7 +47,8 @@ def probe_copies_for(recovery: str) -> int:
 class Recovery:
     __slots__ = (
         "_ack_delivered", "_ack_every", "_ack_tseq", "_acks_heard", "_config", "_copies_sent",
-        "_measured", "_min_copies", "_more_copies", "_pass_sent", "_pass_started_at",
+        "_ack_owed_at", "_measured", "_min_copies", "_more_copies", "_pass_sent",
+        "_pass_started_at",
         "_reply_missing", "_reverse_hint", "_rto", "_rto_base", "_rttvar", "_srtt",
         "unanswered",
     )
@@ -74,6 +75,8 @@ class Recovery:
         # and how many chunks the answer to its PROBE reported missing
         self._pass_sent = 0
         self._pass_started_at: float | None = None
+        # when the pass had sent enough DATA to be owed its first ACK
+        self._ack_owed_at: float | None = None
         self._reply_missing = 0
         self._measured = False  # an answer has reported chunks missing: loss measured
         # PROBE copies: the least the last pass's loss calls for, how many went with the
@@ -127,6 +130,8 @@ class Recovery:
         if self._pass_started_at is None:
             self._pass_started_at = now
         self._pass_sent += k
+        if self._ack_owed_at is None and self._pass_sent >= self._ack_every:
+            self._ack_owed_at = now
 
     @property
     def pass_started_at(self) -> float | None:
@@ -154,6 +159,7 @@ class Recovery:
             self._min_copies = self.copies_for(1.0 - (1.0 - q) * (1.0 - self.reverse_loss()))
         got = self._pass_sent - self._reply_missing
         self._pass_started_at = None
+        self._ack_owed_at = None
         self._pass_sent = 0
         if self._reply_missing:
             self._measured = True
@@ -231,17 +237,18 @@ class Recovery:
             every = self._ack_every
             copies = self.copies_for(self.reverse_loss())  # (no ACK: just the hint)
             if (not first_pass and self._srtt is not None
-                    and self._pass_started_at is not None
-                    and now - self._pass_started_at > self._srtt
+                    and self._ack_owed_at is not None
+                    and now - self._ack_owed_at > self._rto_base
                     and self._pass_sent >= 2 * every):
-                # The whole pass is out, it lasted a round trip and owed us ACKs, yet
-                # none came: fewer than ack_every of its datagrams (or none of the ACKs)
-                # got through - a microburst of 90% loss, where one copy would cost RTO
-                # after RTO. (Not so for a PROBE sent because the window is shut: there
-                # the silence says the receiver is behind, and copies only load it.)
+                # The whole pass is out, and the first ACK it owed is an RTO late:
+                # fewer than ack_every of its datagrams (or none of the ACKs) got
+                # through - a microburst of 90% loss, where one copy would cost RTO
+                # after RTO. (An ACK late by less may be behind a busy receiver, as on
+                # a CPU-bound host, where copies - each answered - only load it more;
+                # so may a PROBE sent because the window is shut.)
                 copies = max(copies, self.copies_for(1.0 - every / self._pass_sent))
-            # (else nothing to go on but the hint: a short message, or the ACKs are
-            # still on their way - the pass took less than a round trip)
+            # (else nothing to go on but the hint: a short message, or the ACKs may
+            # still be on their way)
             return copies
         q_fwd = 1.0 - min(1.0, (self._ack_delivered + 1) / (self._ack_tseq + 1))
         return self.copies_for(1.0 - (1.0 - q_fwd) * (1.0 - self.reverse_loss()))
