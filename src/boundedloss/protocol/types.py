@@ -107,8 +107,8 @@ class TransportConfig:
         datagrams: at least 8 ACKs per window (flow control), one per 32 datagrams of
         a short message, and 8 over a long message's pass - enough for the sender to
         read how much of the pass (and of the ACKs) is being lost before it PROBEs.
-        Every ACK is a small packet of its own, as costly to forward as a coalesced run
-        of DATA, so a long message is not ACKed more often than that. Sender and
+        Every ACK is a packet of its own, which the network forwards and the sender's
+        core handles one at a time, so a long message is not ACKed more often than that. Sender and
         receiver both know ``count``: the sender reads reverse loss from how many ACKs
         the receiver owed it."""
         per_message = max(ACK_EVERY_SHORT, count // ACKS_PER_MESSAGE)
