@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from boundedloss.net import native
 from boundedloss.net.loss import Bernoulli
 from boundedloss.net.udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, UdpEndpoint, segment_run
-from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
+from boundedloss.policy import ClosePlan, FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import CloseReason, SendStatus, TransportConfig, TransportError
 from conftest import run_behind_a_narrow_path
 
@@ -138,6 +138,41 @@ def test_dead_sender_closes_the_receive_at_its_deadline():
         res = b.receive(("127.0.0.1", 9), message_id=1, nbytes=10_000).result(5)
     assert res.close_reason == CloseReason.DEADLINE
     assert res.delivered.sum() == 0
+
+
+class _NeedsNothing(ReliablePolicy):
+    def plan(self, info):
+        return ClosePlan(min_delivered=0, bound=1.0)
+
+
+def test_a_receive_wakes_the_io_thread_only_for_what_it_must_act_on_first():
+    """Posting a receive wakes the I/O thread (a pass of its loop) only when it has
+    something to send for it, or a timer due before the thread wakes anyway - and then
+    the receive still closes on time."""
+    idle_for = 1.0  # (the I/O thread's longest sleep)
+    with UdpEndpoint(session=7, config=TransportConfig(receive_deadline=0.3)) as short, \
+            UdpEndpoint(session=7) as long:
+        give_up = time.monotonic() + 5
+        while min(short.sleeps_until, long.sleeps_until) < time.monotonic() + idle_for / 2:
+            assert time.monotonic() < give_up, "an idle I/O thread did not go to sleep"
+            time.sleep(0.01)  # (until both threads sleep, up to idle_for)
+
+        def wakes():
+            return short.counters()["io_wakeups"], long.counters()["io_wakeups"]
+
+        quiet = long.receive(("127.0.0.1", 9), message_id=1, nbytes=100)  # deadline 30 s
+        assert wakes() == (0, 0)
+        started = time.monotonic()
+        due = short.receive(("127.0.0.1", 9), message_id=1, nbytes=100)  # deadline 0.3 s
+        assert wakes() == (1, 0)
+        assert due.result(timeout=5).close_reason == CloseReason.DEADLINE
+        assert time.monotonic() - started < 0.3 + idle_for / 2
+        # a receive whose plan needs nothing is met at once, with a STOP to send
+        met = long.receive(("127.0.0.1", 9), message_id=2, nbytes=100,
+                           policy=_NeedsNothing())
+        assert met.result(timeout=5).close_reason == CloseReason.BOUND_MET
+        assert wakes() == (1, 1)
+        long.cancel(quiet)
 
 
 def test_garbage_datagrams_are_counted_and_the_endpoint_keeps_working():

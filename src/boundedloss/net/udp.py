@@ -248,6 +248,10 @@ class UdpEndpoint:
         self._closing = False  # the I/O loop stops, and new calls are refused
         self._closed = False
         self._failure: BaseException | None = None  # what killed the I/O thread, if anything
+        #: when the I/O thread wakes on its own at the latest (monotonic; set under the
+        #: lock with the deadline it sleeps until)
+        self.sleeps_until = 0.0
+        self.wakeups = 0  # times a call woke the I/O thread (a pass of its loop each)
         self.io_errors: Counter[str] = Counter()
         self.sendmsg_calls = 0  # system calls that sent datagrams (one per segmented run)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -286,7 +290,13 @@ class UdpEndpoint:
                                         nbytes=nbytes, critical=critical)
             self._futures[rx.transfer_id] = (rx, fut)
             self._resolve(self.mux.pop_finished())
-        self._wake()
+            # The I/O thread need not run for a receive it would not act on before it
+            # wakes anyway (every wake is a pass of its loop, and a GIL handover): only
+            # for something to send, or a timer of the receive due sooner.
+            due = rx.next_deadline()
+            wake = bool(self.mux.outbox) or (due is not None and due < self.sleeps_until)
+        if wake:
+            self._wake()
         return fut
 
     def cancel(self, future: Future) -> None:
@@ -321,6 +331,7 @@ class UdpEndpoint:
             d = self.mux.counters()
         d.update({f"io_{k}": v for k, v in self.io_errors.items()})
         d["sendmsg_calls"] = self.sendmsg_calls
+        d["io_wakeups"] = self.wakeups
         d["native_data_path"] = int(self.data_path is not None)
         d["authenticated"] = int(self.auth is not None)
         return d
@@ -393,6 +404,7 @@ class UdpEndpoint:
                 self._futures.clear()
 
     def _wake(self) -> None:
+        self.wakeups += 1
         try:
             self._wake_w.send(b"\0")
         except (BlockingIOError, OSError):
@@ -567,14 +579,17 @@ class UdpEndpoint:
                 finished = mux.pop_finished()
                 if finished:
                     self._resolve(finished)
-            if more and not blocked:
-                timeout = 0.0
-            elif deadline is None:
-                timeout = 1.0
-            else:
-                timeout = min(1.0, max(0.0, deadline - monotonic()))
+                now = monotonic()
+                if more and not blocked:
+                    timeout = 0.0
+                elif deadline is None:
+                    timeout = 1.0
+                else:
+                    timeout = min(1.0, max(0.0, deadline - now))
+                if blocked:
+                    timeout = min(timeout, 0.001) if timeout else 0.001
+                self.sleeps_until = now + timeout  # (what receive() compares its timers with)
             if blocked:
-                timeout = min(timeout, 0.001) if timeout else 0.001
                 readable, _, _ = select.select(rlist, [sock], [], timeout)
             else:
                 readable, _, _ = select.select(rlist, [], [], timeout)
