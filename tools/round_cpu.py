@@ -1,0 +1,187 @@
+"""Where a gradient-exchange round's CPU goes, per rank, on the kernel testbed.
+
+Runs ``bench kernel-loss``'s ranks (4, the testbed's server and three workers) with
+each step of the I/O thread and of the collective wrapped in a CPU-time clock
+(``time.thread_time``: this thread's user and kernel time, so a ``sendmsg`` that
+forwards through the testbed's switch counts the forwarding too), and counts the
+datagrams the compiled data path hands to the Python core, by kind. Prints the mean
+per rank and round. The wrappers cost about a microsecond a call: read the figures
+as shares, and time rounds with ``bench kernel-loss``, not with this.
+
+    python tools/round_cpu.py --system reliable --topology allreduce --auth on
+    python tools/round_cpu.py --system dblp --loss 0.05 --rounds 40
+
+(root, or a user namespace of its own, as ``boundedloss testbed``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+#: (what is timed, as printed) -> (module, class, method); indented names run inside
+#: the one above them
+IO_STEPS = {
+    "receive (recvmmsg, take)": ("boundedloss.net.udp", "UdpEndpoint", "_receive_native"),
+    "  recvmmsg": ("boundedloss.net.native", "NativeDataPath", "read"),
+    "  take (tags, copies)": ("boundedloss.net.native", "NativeDataPath", "_take_batch"),
+    "    core: handed back": ("boundedloss.protocol.mux", "TransferMux",
+                              "authenticated_datagram_received"),
+    "    core: handed back (plain)": ("boundedloss.protocol.mux", "TransferMux",
+                                      "datagram_received"),
+    "send runs (tags, sendmsg)": ("boundedloss.net.udp", "UdpEndpoint", "_send_run"),
+    "core: poll": ("boundedloss.protocol.mux", "TransferMux", "poll"),
+    "core: next_deadline": ("boundedloss.protocol.mux", "TransferMux", "next_deadline"),
+    "core: has_output": ("boundedloss.protocol.mux", "TransferMux", "has_output"),
+    "futures resolved": ("boundedloss.net.udp", "UdpEndpoint", "_resolve"),
+}
+MAIN_STEPS = {
+    "collective call": ("boundedloss.collective.transpose", "TransposeAllreduce",
+                        "allreduce_mean"),
+    "collective call (ps)": ("boundedloss.collective.parameter_server", "ParameterServer",
+                             "allreduce_mean"),
+    "  post receives": ("boundedloss.collective.base", "Collective", "_post"),
+    "  post sends": ("boundedloss.net.udp", "UdpEndpoint", "send"),
+    "  wait for results": ("boundedloss.collective.base", "Collective", "_wait"),
+    "  aggregate": ("boundedloss.aggregate", "UnbiasedRescale", "aggregate"),
+    "  accept broadcasts": ("boundedloss.collective.base", "Collective", "_accept_broadcast"),
+    "  chunk masks to elements": ("boundedloss.collective.base", "Collective", "_elements"),
+}
+KINDS = {1: "DATA", 2: "PROBE", 3: "BITMAP", 4: "STOP", 5: "ACK"}
+
+
+def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
+    import importlib
+
+    for name, (module, cls, method) in {**IO_STEPS, **MAIN_STEPS}.items():
+        owner = getattr(importlib.import_module(module), cls)
+        real = getattr(owner, method)
+
+        def timed(*a, _real=real, _name=name, **k):
+            if _name.startswith("collective call") and a[2] == 1 and "warm-up" not in cpu:
+                # round 0 warms up (its receives are not posted ahead): leave it out
+                io_thread = next(t for t in threading.enumerate()
+                                 if t.name.startswith("boundedloss"))
+                io_cpu = time.clock_gettime(time.pthread_getcpuclockid(io_thread.ident))
+                cpu.clear()
+                calls.clear()
+                cpu["warm-up"] = io_cpu
+            t0 = time.thread_time()
+            try:
+                return _real(*a, **k)
+            finally:
+                cpu[_name] += time.thread_time() - t0
+                calls[_name] += 1
+
+        setattr(owner, method, timed)
+    from boundedloss import wire
+    from boundedloss.net import udp
+    from boundedloss.protocol import mux
+
+    # (internals, wrapped by name: this tool is the one place that looks inside)
+    accept = getattr(mux.TransferMux, "_accept")  # noqa: B009
+
+    def counted(self, data, peer, now):
+        try:
+            calls["kind " + KINDS.get(wire.parse(data)[0], "?")] += 1
+        except wire.MalformedDatagram:
+            calls["kind malformed"] += 1
+        return accept(self, data, peer, now)
+
+    setattr(mux.TransferMux, "_accept", counted)  # noqa: B010
+    from boundedloss.protocol.receiver import MessageReceiver
+
+    data_received = MessageReceiver.data_received
+
+    def classified(self, index, *a, **k):
+        calls["DATA " + ("first of its message" if self.first_heard is None
+                         else "last" if index == self.count - 1 else "other")] += 1
+        return data_received(self, index, *a, **k)
+
+    MessageReceiver.data_received = classified
+    io_loop = getattr(udp.UdpEndpoint, "_io_loop")  # noqa: B009
+
+    def io_timed(self):
+        try:
+            return io_loop(self)
+        finally:
+            cpu["I/O thread, all"] = time.thread_time() - cpu["warm-up"]
+
+    setattr(udp.UdpEndpoint, "_io_loop", io_timed)  # noqa: B010
+
+
+def rank(argv: list[str]) -> None:
+    """One rank: ``bench kernel-loss``'s, instrumented; writes cpu<rank>.json."""
+    from boundedloss.bench import kernel_loss
+
+    cpu: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    _instrument(cpu, calls)
+    out, who = argv[argv.index("--out") + 1], argv[argv.index("--rank") + 1]
+    rounds = int(argv[argv.index("--rounds") + 1])
+    kernel_loss.rank_main(argv)
+    time.sleep(0.2)  # (the I/O thread ends with the endpoint: let it add its total)
+    Path(out, f"cpu{who}.json").write_text(json.dumps({
+        "ms": {k: 1e3 * v / rounds for k, v in cpu.items()},
+        "calls": {k: v / rounds for k, v in calls.items()}}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--system", default="reliable", help="as bench kernel-loss --systems")
+    ap.add_argument("--topology", default="allreduce", choices=["ps", "allreduce"])
+    ap.add_argument("--auth", default="on", choices=["on", "off"])
+    ap.add_argument("--loss", type=float, default=0.0)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--elements", type=int, default=1 << 20)
+    a = ap.parse_args()
+    from boundedloss.emulate import Testbed, TestbedConfig
+
+    nodes = ["server", "w0", "w1", "w2"]
+    with tempfile.TemporaryDirectory() as tmp, Testbed(TestbedConfig(workers=3)) as tb:
+        for node in nodes:
+            tb.set_loss(a.loss, node, protocol="all")
+        log = open(Path(tmp, "ranks.log"), "w")
+        procs = [tb.run(node, [sys.executable, __file__, "--rank", str(r), "--world", "4",
+                               "--master", tb.addresses["server"], "--port", "29611",
+                               "--system", a.system, "--topology", a.topology,
+                               "--elements", str(a.elements), "--rounds", str(a.rounds),
+                               *([] if a.auth == "on" else ["--no-auth"]), "--out", tmp],
+                        stdout=log, stderr=subprocess.STDOUT)
+                 for r, node in enumerate(nodes)]
+        for p in procs:
+            if p.wait(timeout=600):
+                log.close()
+                tail = Path(tmp, "ranks.log").read_text().strip().splitlines()[-5:]
+                sys.exit(f"a rank failed (exit {p.returncode}):\n" + "\n".join(tail))
+        log.close()
+        per_rank = [json.loads(Path(tmp, f"cpu{r}.json").read_text()) for r in range(4)]
+    print(f"{a.system} ({a.topology}, auth {a.auth}) at {a.loss:.0%} loss: CPU ms per rank "
+          f"and round (mean of 4 ranks, {a.rounds} rounds), calls per round")
+    for title, steps in (("I/O thread", ["I/O thread, all", *IO_STEPS]),
+                         ("main thread", list(MAIN_STEPS))):
+        print(title)
+        for step in steps:
+            ms = [rk["ms"].get(step, 0.0) for rk in per_rank]
+            n = [rk["calls"].get(step, 0.0) for rk in per_rank]
+            if any(ms):
+                print(f"  {step:32s} {sum(ms) / 4:7.2f} ms  {sum(n) / 4:7.1f} calls")
+    print("datagrams handed to the Python core, per rank and round")
+    for kind in [*KINDS.values(), "DATA first of its message", "DATA last", "DATA other"]:
+        n = sum(rk["calls"].get(("kind " if " " not in kind else "") + kind, 0.0)
+                for rk in per_rank) / 4
+        print(f"  {kind:26s} {n:7.1f}")
+
+
+if __name__ == "__main__":
+    if "--rank" in sys.argv:
+        rank(sys.argv[1:])
+    else:
+        main()
