@@ -304,6 +304,36 @@ def test_the_compiled_tag_is_the_python_tag() -> None:
         native.module().Dispatcher(SESSION).authenticate(KEY, 1, 2, bytes(11))
 
 
+@needs_openssl
+def test_the_compiled_path_seals_the_cores_control_datagrams_as_the_core_would() -> None:
+    """With the compiled path attached, the core's control datagrams (PROBE, STOP,
+    BITMAP) are sealed there, by the sealer of the path's ACKs: each opens under the
+    Python reference's DatagramAuth at the peer, and one changed in flight does not."""
+    peer = ("10.1.2.5", 6000)
+    mux = TransferMux(SESSION, TransportConfig(chunk_bytes=1400),
+                      auth=DatagramAuth(KEY, LOCAL))
+    path = native.NativeDataPath(mux)
+    at_peer = DatagramAuth(KEY, peer)
+    probe = wire.control_datagram(wire.Header(Kind.PROBE, SESSION, 1, 2, 0, 3, 3000, 1400),
+                                  Kind.PROBE, 1)
+    counters = []
+    for parts in [(probe,), (probe[:20], probe[20:]), (probe + bytes(8),)]:
+        sealed = path.seal(parts, peer)
+        assert sealed[:-1] == parts and len(sealed[-1]) == TRAILER_BYTES
+        data = b"".join(sealed)
+        assert at_peer.open(data, LOCAL) == b"".join(parts)
+        assert at_peer.open(data[:-1] + bytes([data[-1] ^ 1]), LOCAL) is None
+        assert at_peer.open(data, ("10.1.2.6", 5000)) is None  # (the tag covers the source)
+        counters.append(int.from_bytes(sealed[-1][4:12], "big"))
+    # the mux's own PROBE: sealed by the same sealer (its nonces go on counting)
+    mux.start_send(peer, 1, 2, np.zeros(3000, np.uint8), 0.0)
+    out = mux.poll(0.0, runs=True)
+    control = [item for item in out if isinstance(item, tuple)]
+    assert len(control) == 1 and at_peer.open(b"".join(control[0][0]), LOCAL) is not None
+    counters.append(int.from_bytes(control[0][0][-1][4:12], "big"))
+    assert counters == list(range(counters[0], counters[0] + 4))
+
+
 @settings(PROPERTY, max_examples=150)
 @given(
     policy=st.sampled_from(sorted(POLICIES)),

@@ -497,6 +497,24 @@ static PyObject *dispatcher_tag(DispatcherObject *d, PyObject *args) {
     }
     return PyBytes_FromStringAndSize((const char *)tag, TAG_BYTES);
 }
+
+/* seal(datagram, dst_ip, dst_port) -> bytes: the trailer (this sealer's next nonce, the
+ * tag) of a datagram from us to that peer - a control datagram the Python core built.
+ * Holds the GIL: a tag is a fraction of a microsecond. */
+static PyObject *dispatcher_seal(DispatcherObject *d, PyObject *args) {
+    Py_buffer b;
+    unsigned int ip, port;
+    if (!PyArg_ParseTuple(args, "y*II", &b, &ip, &port)) return NULL;
+    unsigned char dst[IDENT_BYTES], trailer[TRAILER_BYTES];
+    put_ident(dst, ip, (uint16_t)port);
+    int r = d->auth ? seal(d, dst, b.buf, (size_t)b.len, NULL, 0, trailer) : -1;
+    PyBuffer_Release(&b);
+    if (r < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "seal: not authenticating, or OpenSSL failed");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)trailer, TRAILER_BYTES);
+}
 #endif
 
 static PyObject *dispatcher_register(DispatcherObject *d, PyObject *arg) {
@@ -1161,6 +1179,7 @@ static PyMethodDef dispatcher_methods[] = {
     {"authenticate", (PyCFunction)dispatcher_authenticate, METH_VARARGS,
      "Verify and seal every datagram under this key from now on."},
     {"tag", (PyCFunction)dispatcher_tag, METH_VARARGS, "The tag of a datagram (tests)."},
+    {"seal", (PyCFunction)dispatcher_seal, METH_VARARGS, "A datagram's trailer, to a peer."},
 #endif
     {"take_rows", (PyCFunction)dispatcher_take_rows, METH_VARARGS, "Take rows of datagrams."},
 #ifdef __linux__

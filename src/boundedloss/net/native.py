@@ -61,6 +61,13 @@ class NativeDataPath:
         if isinstance(receiver.counts, self._native.Receive):
             self.dispatcher.unregister(receiver.counts)
 
+    def seal(self, parts: tuple, peer: Hashable) -> tuple:
+        address = ipv4_address(peer)
+        if address is None:  # (resolve() makes every peer an IPv4 address)
+            raise ValueError(f"not an IPv4 peer: {peer!r}")
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        return (*parts, self.dispatcher.seal(data, *address))
+
     def counters(self) -> dict[str, int]:
         c = self.dispatcher.counters()
         c["datagrams_in"] = c.pop("taken")
