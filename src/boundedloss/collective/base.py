@@ -186,6 +186,7 @@ class Collective(abc.ABC):
         #: from it; a checkpoint keeps it)
         self.memory: dict[MemoryKey, np.ndarray] = {}
         self._timeout = endpoint.config.receive_deadline + endpoint.config.peer_timeout
+        self._full_masks: dict[int, np.ndarray] = {}  # size -> every element arrived
 
     # ------------------------------------------------------------- receiving
     def _receive_policy(self, bucket: int, phase: int) -> tuple[Policy, bool]:
@@ -320,8 +321,19 @@ class Collective(abc.ABC):
     # ----------------------------------------------------------------- masks
     def _elements(self, res: ReceiveResult, n: int, dtype) -> tuple[np.ndarray, np.ndarray]:
         values = res.data.view(dtype)[:n]
+        if res.delivered.all():  # (every chunk: one shared, read-only mask per size)
+            return values, self._every_element(n)
         mask = element_mask(res.delivered, res.chunk_bytes, n, np.dtype(dtype).itemsize)
         return values, mask
+
+    def _every_element(self, n: int) -> np.ndarray:
+        mask = self._full_masks.get(n)
+        if mask is None:
+            if len(self._full_masks) > 64:  # (DDP's buckets: a handful of sizes)
+                self._full_masks.clear()
+            mask = self._full_masks[n] = np.ones(n, dtype=bool)
+            mask.flags.writeable = False
+        return mask
 
     # -------------------------------------------------------------- hadamard
     def _encode(self, x: np.ndarray, round_id: int, bucket: int) -> np.ndarray:

@@ -218,6 +218,7 @@ class UdpEndpoint:
             # than fragmenting it (a lost fragment loses the whole datagram)
             self.sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
         self._fits: set[tuple[str, int]] = set()  # peers whose path carries our chunks
+        self._addresses: dict[tuple, tuple[str, int]] = {}  # peer as given -> resolved
         #: the compiled DATA path (None: the Python core takes every datagram);
         #: ``native_data_path`` None: use it unless BOUNDEDLOSS_NATIVE=0 or not built
         self.data_path: NativeDataPath | None = None
@@ -265,7 +266,7 @@ class UdpEndpoint:
     def send(self, peer, payload, *, message_id: int, round_id: int = 0,
              critical: np.ndarray | None = None) -> Future:
         """Send ``payload`` (any C-contiguous buffer; not to be modified until done)."""
-        peer = resolve(peer)
+        peer = self._address(peer)
         self.check_path(peer)
         fut: Future = Future()
         with self._lock:
@@ -280,7 +281,7 @@ class UdpEndpoint:
                 policy: Policy | None = None, out: np.ndarray | None = None,
                 nbytes: int | None = None, critical: np.ndarray | None = None) -> Future:
         """Post a receive; chunks land in ``out`` (or a new uint8 array of the sender's size)."""
-        peer = resolve(peer)
+        peer = self._address(peer)
         self.check_path(peer)
         fut: Future = Future()
         with self._lock:
@@ -315,14 +316,14 @@ class UdpEndpoint:
     def path_state(self, peer) -> dict[str, Any]:
         """What this endpoint has learned of the path to and from ``peer`` - its round
         trip and delivery rates (``PeerPath.state_dict``) - for a checkpoint."""
-        peer = resolve(peer)
+        peer = self._address(peer)
         with self._lock:
             return self.mux.path(peer).state_dict()
 
     def load_path_state(self, peer, state: Mapping[str, Any]) -> None:
         """Start the path to ``peer`` from a checkpoint's :meth:`path_state` (the next
         send to it starts from that round trip and rate instead of the defaults)."""
-        peer = resolve(peer)
+        peer = self._address(peer)
         with self._lock:
             self.mux.path(peer).load_state_dict(state)
 
@@ -358,6 +359,18 @@ class UdpEndpoint:
         self.close()
 
     # --------------------------------------------------------------- internals
+    def _address(self, peer) -> tuple[str, int]:
+        """``peer`` as an IPv4 ``(host, port)``, looked up once per endpoint (a job's
+        peers stay put; ``gethostbyname`` releases the GIL, which a busy I/O thread then
+        holds for a while)."""
+        key = tuple(peer)
+        address = self._addresses.get(key)
+        if address is None:
+            address = resolve(key)
+            if len(self._addresses) < 4096:
+                self._addresses[key] = address
+        return address
+
     def check_path(self, peer: tuple[str, int]) -> None:
         """Raise ChunkTooLarge if a chunk's datagram does not fit one packet to ``peer``
         (its answers come back the same way: a receive checks it too)."""
