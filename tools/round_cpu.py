@@ -37,6 +37,8 @@ IO_STEPS = {
     "    core: handed back (plain)": ("boundedloss.protocol.mux", "TransferMux",
                                       "datagram_received"),
     "send runs (tags, sendmsg)": ("boundedloss.net.udp", "UdpEndpoint", "_send_run"),
+    "sendmsg (control datagrams)": None,
+    "select": None,
     "core: poll": ("boundedloss.protocol.mux", "TransferMux", "poll"),
     "core: next_deadline": ("boundedloss.protocol.mux", "TransferMux", "next_deadline"),
     "core: has_output": ("boundedloss.protocol.mux", "TransferMux", "has_output"),
@@ -60,7 +62,10 @@ KINDS = {1: "DATA", 2: "PROBE", 3: "BITMAP", 4: "STOP", 5: "ACK"}
 def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
     import importlib
 
-    for name, (module, cls, method) in {**IO_STEPS, **MAIN_STEPS}.items():
+    for name, where in {**IO_STEPS, **MAIN_STEPS}.items():
+        if where is None:
+            continue  # (timed below)
+        module, cls, method = where
         owner = getattr(importlib.import_module(module), cls)
         real = getattr(owner, method)
 
@@ -106,6 +111,22 @@ def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
         return data_received(self, index, *a, **k)
 
     MessageReceiver.data_received = classified
+    import socket
+
+    def timed_call(real, name):
+        def call(*a, **k):
+            t0 = time.thread_time()
+            try:
+                return real(*a, **k)
+            finally:
+                cpu[name] += time.thread_time() - t0
+                calls[name] += 1
+        return call
+
+    # the I/O loop's own system calls: control datagrams one by one, its sleep, its wake
+    socket.socket.sendmsg = timed_call(socket.socket.sendmsg,  # type: ignore[method-assign]
+                                       "sendmsg (control datagrams)")
+    udp.select.select = timed_call(udp.select.select, "select")  # type: ignore[attr-defined]
     io_loop = getattr(udp.UdpEndpoint, "_io_loop")  # noqa: B009
 
     def io_timed(self):
