@@ -46,11 +46,10 @@ def probe_copies_for(recovery: str) -> int:
 
 class Recovery:
     __slots__ = (
-        "_ack_delivered", "_ack_every", "_ack_tseq", "_acks_heard", "_config", "_copies_sent",
-        "_ack_owed_at", "_measured", "_min_copies", "_more_copies", "_pass_sent",
-        "_pass_started_at",
-        "_reply_missing", "_reverse_hint", "_rto", "_rto_base", "_rttvar", "_srtt",
-        "unanswered",
+        "_ack_delivered", "_ack_every", "_ack_owed_at", "_ack_tseq", "_acks_heard", "_config",
+        "_copies_sent", "_measured", "_min_copies", "_more_copies", "_pass_sent",
+        "_pass_started_at", "_reply_missing", "_reverse_hint", "_rto", "_rto_base", "_rttvar",
+        "_srtt", "unanswered",
     )
 
     def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
@@ -243,9 +242,10 @@ class Recovery:
                 # The whole pass is out, and the first ACK it owed is an RTO late:
                 # fewer than ack_every of its datagrams (or none of the ACKs) got
                 # through - a microburst of 90% loss, where one copy would cost RTO
-                # after RTO. (An ACK late by less may be behind a busy receiver, as on
-                # a CPU-bound host, where copies - each answered - only load it more;
-                # so may a PROBE sent because the window is shut.)
+                # after RTO. (An ACK late by less may only be behind a busy receiver,
+                # as on a CPU-bound host, and copies - each answered - load it more.
+                # Not for a PROBE sent because the window is shut, either: there the
+                # silence says the receiver is behind.)
                 copies = max(copies, self.copies_for(1.0 - every / self._pass_sent))
             # (else nothing to go on but the hint: a short message, or the ACKs may
             # still be on their way)
