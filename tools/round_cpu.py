@@ -61,16 +61,16 @@ KINDS = {1: "DATA", 2: "PROBE", 3: "BITMAP", 4: "STOP", 5: "ACK"}
 
 def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
     import importlib
+    import socket
 
-    for name, where in {**IO_STEPS, **MAIN_STEPS}.items():
-        if where is None:
-            continue  # (timed below)
-        module, cls, method = where
-        owner = getattr(importlib.import_module(module), cls)
-        real = getattr(owner, method)
+    from boundedloss import wire
+    from boundedloss.net import udp
+    from boundedloss.protocol import mux
+    from boundedloss.protocol.receiver import MessageReceiver
 
-        def timed(*a, _real=real, _name=name, **k):
-            if _name.startswith("collective call") and a[2] == 1 and "warm-up" not in cpu:
+    def timed(real, name):
+        def call(*a, **k):
+            if name.startswith("collective call") and a[2] == 1 and "warm-up" not in cpu:
                 # round 0 warms up (its receives are not posted ahead): leave it out
                 io_thread = next(t for t in threading.enumerate()
                                  if t.name.startswith("boundedloss"))
@@ -80,15 +80,21 @@ def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
                 cpu["warm-up"] = io_cpu
             t0 = time.thread_time()
             try:
-                return _real(*a, **k)
+                return real(*a, **k)
             finally:
-                cpu[_name] += time.thread_time() - t0
-                calls[_name] += 1
+                cpu[name] += time.thread_time() - t0
+                calls[name] += 1
+        return call
 
-        setattr(owner, method, timed)
-    from boundedloss import wire
-    from boundedloss.net import udp
-    from boundedloss.protocol import mux
+    for name, where in {**IO_STEPS, **MAIN_STEPS}.items():
+        if where is not None:  # (None: a system call, timed below)
+            module, cls, method = where
+            owner = getattr(importlib.import_module(module), cls)
+            setattr(owner, method, timed(getattr(owner, method), name))
+    # the I/O loop's own system calls: control datagrams one by one, its sleep
+    socket.socket.sendmsg = timed(socket.socket.sendmsg,  # type: ignore[method-assign]
+                                  "sendmsg (control datagrams)")
+    udp.select.select = timed(udp.select.select, "select")  # type: ignore[attr-defined]
 
     # (internals, wrapped by name: this tool is the one place that looks inside)
     accept = getattr(mux.TransferMux, "_accept")  # noqa: B009
@@ -101,8 +107,6 @@ def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
         return accept(self, data, peer, now)
 
     setattr(mux.TransferMux, "_accept", counted)  # noqa: B010
-    from boundedloss.protocol.receiver import MessageReceiver
-
     data_received = MessageReceiver.data_received
 
     def classified(self, index, *a, **k):
@@ -110,23 +114,7 @@ def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
                          else "last" if index == self.count - 1 else "other")] += 1
         return data_received(self, index, *a, **k)
 
-    MessageReceiver.data_received = classified
-    import socket
-
-    def timed_call(real, name):
-        def call(*a, **k):
-            t0 = time.thread_time()
-            try:
-                return real(*a, **k)
-            finally:
-                cpu[name] += time.thread_time() - t0
-                calls[name] += 1
-        return call
-
-    # the I/O loop's own system calls: control datagrams one by one, its sleep, its wake
-    socket.socket.sendmsg = timed_call(socket.socket.sendmsg,  # type: ignore[method-assign]
-                                       "sendmsg (control datagrams)")
-    udp.select.select = timed_call(udp.select.select, "select")  # type: ignore[attr-defined]
+    MessageReceiver.data_received = classified  # type: ignore[method-assign]
     io_loop = getattr(udp.UdpEndpoint, "_io_loop")  # noqa: B009
 
     def io_timed(self):
