@@ -670,6 +670,20 @@ def test_a_kernel_loss_round_runs_from_the_last_rank_in_to_the_last_rank_out():
     assert round_latencies_ms([on_time, late]) == pytest.approx([50.0, 50.0])
 
 
+def test_kernel_loss_repeats_interleave_every_arm_alike():
+    """With repeats each arm runs once per repeat, every other repeat in reverse order:
+    each arm's runs sit at mirrored places in the sequence, so a steady drift in the
+    machine's speed weighs on every arm alike."""
+    from boundedloss.bench.kernel_loss import interleaved
+
+    arms = [("gloo", "gloo", False), ("dblp", "ps", True), ("dblp", "allreduce", True)]
+    order = interleaved(arms, 4)
+    assert order == arms + arms[::-1] + arms + arms[::-1]
+    places = {arm: [i for i, a in enumerate(order) if a == arm] for arm in arms}
+    assert len({sum(p) for p in places.values()}) == 1  # (the same mean place)
+    assert interleaved(arms, 1) == arms
+
+
 def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
     """bench kernel-loss as an unprivileged user: the testbed runs as root of a user
     namespace of its own, and nothing is left behind in the host's namespaces."""
@@ -678,14 +692,14 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
         p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
                             "kernel-loss", "--systems", "reliable,tcp-ps", "--losses", "0.01",
                             "--rounds", "3", "--elements", "65536", "--topology", "ps",
-                            "--auth", "on,off", "--json", f"{work}/k.json"],
+                            "--auth", "on,off", "--repeats", "2", "--json", f"{work}/k.json"],
                            capture_output=True, text=True, timeout=300, cwd="/")
         assert p.returncode == 0, p.stdout + p.stderr
         rows = json.loads(open(f"{work}/k.json").read())
         assert [(r["system"], r["topology"], r["loss"], r["auth"]) for r in rows] == [
             ("reliable", "ps", 0.01, "random"), ("reliable", "ps", 0.01, "off"),
             ("tcp-ps", "ps", 0.01, "off")]
-        assert all(r["delivered_fraction"] == 1.0 for r in rows)
+        assert all(r["delivered_fraction"] == 1.0 and r["repeats"] == 2 for r in rows)
 
 
 def test_the_microburst_comparison_runs_without_root():

@@ -298,8 +298,11 @@ def _beside(path: str, what: str) -> str:
               help="At 0% loss, first the machine's own limit: a bare-udp row, the "
                    "transpose allreduce's datagrams with the same offloads and nothing "
                    "else.")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 50),
+              help="Runs of every system, interleaved (every other repeat in reverse "
+                   "order); a row's figures pool the rounds of all of them.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
-                      auth, bare) -> None:
+                      auth, bare, repeats) -> None:
     """Round latency of a 4-rank gradient exchange under real kernel loss (root, or a
     user namespace of its own where the kernel allows one)."""
     from .emulate import TestbedError, rootless
@@ -321,12 +324,13 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
         with console.status("measuring...") as status:
             rows = kernel_loss_bench.run_kernel_loss_bench(
                 losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
-                topologies=topologies_t, mtu=mtu, auths=auths, bare=bare,
+                topologies=topologies_t, mtu=mtu, auths=auths, bare=bare, repeats=repeats,
                 progress=lambda m: status.update(m))
     except TestbedError as e:
         raise click.ClickException(str(e)) from e
     t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "
-                    f"MTU {mtu:,}")
+                    f"MTU {mtu:,}" + (f", {rounds} rounds x {repeats} interleaved repeats"
+                                      if repeats > 1 else ""))
     for col in ("system", "topology", "auth", "loss", "p50 ms", "p99 ms", "max ms", "mean ms",
                 "delivered"):
         t.add_column(col, justify="right")

@@ -20,6 +20,10 @@ authenticates every datagram by default (the key from BOUNDEDLOSS_SECRET[_FILE],
 random one handed out at rendezvous); ``--auth on,off`` measures both, and each row says
 how (``auth``). Gloo authenticates nothing.
 
+``--repeats N`` runs every system N times, interleaved (every other repeat in reverse
+order), and each row pools the rounds of its N runs: on a machine whose speed drifts,
+one run's figures move by a few milliseconds from run to run.
+
 On the lossless network a ``bare-udp`` row gives the machine's own limit
 (:mod:`.bare_udp`): the transpose allreduce's datagrams with the same offloads and
 nothing else - no acknowledgement, recovery, tag or aggregation.
@@ -78,6 +82,9 @@ class KernelLossRow:
     #: how the datagrams were authenticated: "secret", "random" or "off" (gloo: "off",
     #: it authenticates nothing)
     auth: str = "off"
+    #: runs of the arm, interleaved with the others'; the figures pool their rounds
+    #: (``rounds`` each)
+    repeats: int = 1
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -206,6 +213,51 @@ def round_latencies_ms(per_rank: list[dict]) -> list[float]:
 
 
 # ------------------------------------------------------------------- driver (root)
+Arm = tuple[str, str, bool]  # (system, topology, authenticated)
+NODES = ["server", "w0", "w1", "w2"]  # rank 0 (a parameter server's) first
+
+
+def interleaved(arms: list[Arm], repeats: int) -> list[Arm]:
+    """The order the arms run in: each once per repeat, every other repeat in reverse, so
+    that a drift in the machine's speed over the run weighs on every arm alike."""
+    return [arm for rep in range(repeats) for arm in (arms if rep % 2 == 0 else arms[::-1])]
+
+
+def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
+             master: str) -> list[dict]:
+    """One run of ``arm``: its 4 ranks in the testbed's namespaces; each rank's log."""
+    system, topology, auth = arm
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
+        procs = [
+            tb.run(node, [sys.executable, "-m", "boundedloss.bench.kernel_loss",
+                          "--rank", str(r), "--world", "4", "--master", master,
+                          "--port", str(port), "--system", system,
+                          "--elements", str(elements), "--rounds", str(rounds),
+                          *(["--topology", topology] if topology in TOPOLOGIES else []),
+                          *([] if auth else ["--no-auth"]), "--out", tmp],
+                   stdout=logs[r], stderr=subprocess.STDOUT)
+            for r, node in enumerate(NODES)
+        ]
+        deadline = time.monotonic() + 600
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # a hung rank must not hang us
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"{system} at {loss:.0%} loss did not finish "
+                                   "within 600 s") from None
+        for f in logs:
+            f.close()
+        if any(p.returncode for p in procs):
+            bad = next(r for r, p in enumerate(procs) if p.returncode)
+            tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
+            raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
+                               f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+
+
 def run_kernel_loss_bench(
     *,
     losses: tuple[float, ...] = DEFAULT_LOSSES,
@@ -216,12 +268,15 @@ def run_kernel_loss_bench(
     mtu: int = DEFAULT_MTU,
     auths: tuple[bool, ...] = DEFAULT_AUTHS,
     bare: bool = True,
+    repeats: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
     """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
     reads it; ``ValueError`` for a bad one, before the testbed comes up), topology and
     authentication (gloo: one row, its own allreduce, unauthenticated); with ``bare``,
-    first at 0% loss the machine's own limit (:data:`BARE_UDP`)."""
+    first at 0% loss the machine's own limit (:data:`BARE_UDP`). With ``repeats``, every
+    arm runs that many times, interleaved (:func:`interleaved`), and its row's figures
+    pool the rounds of all of them."""
     from ..emulate import Testbed, TestbedConfig
 
     specs = parse_policies(systems)
@@ -231,65 +286,41 @@ def run_kernel_loss_bench(
                          f"{', '.join(TOPOLOGIES)}")
     if not auths or len(set(auths)) != len(auths):
         raise ValueError("auths: on and/or off, each once")
-    arms = [(str(spec), topology, auth) for spec in specs
-            for topology in (topologies if spec.uses_transport
-                             else (TCP_TOPOLOGIES[spec.name],))
-            for auth in (auths if spec.uses_transport else (False,))]
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    arms: list[Arm] = [(str(spec), topology, auth) for spec in specs
+                       for topology in (topologies if spec.uses_transport
+                                        else (TCP_TOPOLOGIES[spec.name],))
+                       for auth in (auths if spec.uses_transport else (False,))]
     rows = []
     with Testbed(TestbedConfig(workers=3, mtu=mtu)) as tb:
-        nodes = ["server", "w0", "w1", "w2"]
         master = tb.addresses["server"]
         port = 29500
         for loss in losses:
-            for node in nodes:
+            for node in NODES:
                 tb.set_loss(loss, node, protocol="all")
-            for system, topology, auth in ([(BARE_UDP, "allreduce", False)] if bare and not loss
-                                           else []) + arms:
+            these = ([(BARE_UDP, "allreduce", False)] if bare and not loss else []) + arms
+            pooled: dict[Arm, tuple[list[float], list[float], str]] = {
+                arm: ([], [], "off") for arm in these}
+            for arm in interleaved(these, repeats):
                 port += 1
-                with tempfile.TemporaryDirectory() as tmp:
-                    logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
-                    procs = [
-                        tb.run(node, [sys.executable, "-m", "boundedloss.bench.kernel_loss",
-                                      "--rank", str(r), "--world", "4", "--master", master,
-                                      "--port", str(port), "--system", system,
-                                      "--elements", str(elements), "--rounds", str(rounds),
-                                      *(["--topology", topology] if topology in TOPOLOGIES
-                                        else []), *([] if auth else ["--no-auth"]),
-                                      "--out", tmp],
-                               stdout=logs[r], stderr=subprocess.STDOUT)
-                        for r, node in enumerate(nodes)
-                    ]
-                    deadline = time.monotonic() + 600
-                    for p in procs:
-                        try:
-                            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                        except subprocess.TimeoutExpired:  # a hung rank must not hang us
-                            for q in procs:
-                                q.kill()
-                            raise RuntimeError(f"{system} at {loss:.0%} loss did not finish "
-                                               "within 600 s") from None
-                    for f in logs:
-                        f.close()
-                    if any(p.returncode for p in procs):
-                        bad = next(r for r, p in enumerate(procs) if p.returncode)
-                        tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
-                        raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
-                                           f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
-                    per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text())
-                                for r in range(4)]
-                lat = round_latencies_ms(per_rank)
-                frac = [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
+                per_rank = _run_arm(tb, arm, loss, port, elements, rounds, master)
+                lat, frac, _ = pooled[arm]
+                lat += round_latencies_ms(per_rank)
+                frac += [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
+                pooled[arm] = (lat, frac, per_rank[0]["auth"])
+                if progress:
+                    progress(f"{arm[0]} ({arm[1]}, auth {per_rank[0]['auth']}) at {loss:.0%} "
+                             f"loss: p50 {_percentile(lat, 0.5):.1f} ms")
+            for (system, topology, _), (lat, frac, auth_mode) in pooled.items():
                 rows.append(KernelLossRow(
                     system=system, topology=topology, mtu=mtu, loss=loss, rounds=rounds,
                     elements=elements,
                     p50_ms=round(_percentile(lat, 0.5), 2), p99_ms=round(_percentile(lat, 0.99), 2),
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
-                    auth=per_rank[0]["auth"],
+                    auth=auth_mode, repeats=repeats,
                 ))
-                if progress:
-                    progress(f"{system} ({topology}, auth {rows[-1].auth}) at {loss:.0%} loss: "
-                             f"p50 {rows[-1].p50_ms} ms")
     return rows
 
 
