@@ -300,26 +300,25 @@ def run_kernel_loss_bench(
             for node in NODES:
                 tb.set_loss(loss, node, protocol="all")
             these = ([(BARE_UDP, "allreduce", False)] if bare and not loss else []) + arms
-            pooled: dict[Arm, tuple[list[float], list[float], str]] = {
-                arm: ([], [], "off") for arm in these}
+            runs: dict[Arm, list[list[dict]]] = {arm: [] for arm in these}  # per-rank logs
             for arm in interleaved(these, repeats):
                 port += 1
-                per_rank = _run_arm(tb, arm, loss, port, elements, rounds, master)
-                lat, frac, _ = pooled[arm]
-                lat += round_latencies_ms(per_rank)
-                frac += [min(rk["frac"][i] for rk in per_rank) for i in range(rounds)]
-                pooled[arm] = (lat, frac, per_rank[0]["auth"])
+                runs[arm].append(_run_arm(tb, arm, loss, port, elements, rounds, master))
                 if progress:
-                    progress(f"{arm[0]} ({arm[1]}, auth {per_rank[0]['auth']}) at {loss:.0%} "
-                             f"loss: p50 {_percentile(lat, 0.5):.1f} ms")
-            for (system, topology, _), (lat, frac, auth_mode) in pooled.items():
+                    p50 = _percentile(round_latencies_ms(runs[arm][-1]), 0.5)
+                    progress(f"{arm[0]} ({arm[1]}) at {loss:.0%} loss, run {len(runs[arm])} "
+                             f"of {repeats}: p50 {p50:.1f} ms")
+            for (system, topology, _), logs in runs.items():
+                lat = [ms for per_rank in logs for ms in round_latencies_ms(per_rank)]
+                frac = [min(rk["frac"][i] for rk in per_rank)
+                        for per_rank in logs for i in range(rounds)]
                 rows.append(KernelLossRow(
                     system=system, topology=topology, mtu=mtu, loss=loss, rounds=rounds,
                     elements=elements,
                     p50_ms=round(_percentile(lat, 0.5), 2), p99_ms=round(_percentile(lat, 0.99), 2),
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
-                    auth=auth_mode, repeats=repeats,
+                    auth=logs[0][0]["auth"], repeats=repeats,
                 ))
     return rows
 
