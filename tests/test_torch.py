@@ -569,9 +569,6 @@ class _EndingRank:
                 self._code = 1
         return self._code
 
-    def is_alive(self):
-        return self.exitcode is None
-
     def terminate(self):
         pass
 

@@ -24,10 +24,17 @@ import sys
 import time
 from collections import Counter
 
-from ..net.udp import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, UDP_GRO, UDP_SEGMENT, set_socket_buffer
+from ..net.udp import (
+    DEFAULT_SOCKET_BUFFER,
+    GSO_MAX_BYTES,
+    GSO_MAX_SEGMENTS,
+    SOL_UDP,
+    UDP_GRO,
+    UDP_SEGMENT,
+    set_socket_buffer,
+)
 
 _TAG = struct.Struct("<II")  # round, phase
-SOL_UDP = getattr(socket, "SOL_UDP", 17)
 
 
 class BareExchange:
@@ -47,27 +54,27 @@ class BareExchange:
         self.rank = rank
         self.peers = [p for r, p in enumerate(peers) if r != rank]
         shard = -(-nbytes // len(peers))
-        self.chunk = datagram_bytes
+        self.datagram_bytes = datagram_bytes
         self.per_peer = -(-shard // chunk_bytes)  # datagrams to each peer
         # the longest run the kernel takes, as the endpoints' runs are
         self.run = min(GSO_MAX_SEGMENTS, GSO_MAX_BYTES // datagram_bytes)
         self.deadline_s = deadline_s
         self.counts: Counter[tuple[int, int]] = Counter()
         sock.setsockopt(SOL_UDP, UDP_GRO, 1)
-        set_socket_buffer(sock, "RCV", 64 << 20)
+        set_socket_buffer(sock, "RCV", DEFAULT_SOCKET_BUFFER)
         set_socket_buffer(sock, "SND", 16 << 20)
         sock.setblocking(False)
         self._buf = bytearray(1 << 16)
+        self._segmented = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", datagram_bytes))]
 
     def _run(self, round_id: int, phase: int, n: int) -> bytes:
         tag = _TAG.pack(round_id, phase)
-        return (tag + bytes(self.chunk - _TAG.size)) * n
+        return (tag + bytes(self.datagram_bytes - _TAG.size)) * n
 
     def _send(self, data: bytes, peer: tuple[str, int]) -> None:
-        cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", self.chunk))]
         while True:
             try:
-                self.sock.sendmsg([data], cmsg, 0, peer)
+                self.sock.sendmsg([data], self._segmented, 0, peer)
                 return
             except BlockingIOError:  # the send buffer is full: let the kernel drain it
                 select.select([], [self.sock], [], 0.01)

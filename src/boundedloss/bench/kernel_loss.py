@@ -47,7 +47,7 @@ from pathlib import Path
 from ..aggregate import UnbiasedRescale
 from ..collective import TOPOLOGIES, Collective
 from ..net.udp import UdpEndpoint
-from ..policy import TCP_PS, parse_policies, parse_policy
+from ..policy import GLOO, TCP_PS, parse_policies, parse_policy
 from .bare_udp import BareExchange
 
 #: what a run measures unless told otherwise (``boundedloss bench kernel-loss``'s defaults)
@@ -61,7 +61,7 @@ DEFAULT_AUTHS = (True,)  # as a training job runs
 #: the topology a gloo row reports: DDP's own allreduce, whatever --topology says
 GLOO_TOPOLOGY = "gloo"
 #: what each TCP system's row reports as its topology
-TCP_TOPOLOGIES = {"gloo": GLOO_TOPOLOGY, TCP_PS: "ps"}
+TCP_TOPOLOGIES = {GLOO: GLOO_TOPOLOGY, TCP_PS: "ps"}
 #: the machine's own limit (lossless only): the transpose allreduce's datagrams alone
 BARE_UDP = "bare-udp"
 
@@ -127,13 +127,16 @@ def rank_main(argv: list[str] | None = None) -> None:
     endpoint: UdpEndpoint | None = None
     loop: BareExchange | None = None
     auth = "off"
+    from ..torch.rendezvous import (
+        agree_chunk_bytes,
+        agree_session,
+        default_store,
+        exchange_addresses,
+        local_ip,
+        rendezvous_auth,
+    )
+
     if spec is None:
-        from ..torch.rendezvous import (
-            agree_chunk_bytes,
-            default_store,
-            exchange_addresses,
-            local_ip,
-        )
         from ..wire import HEADER_BYTES
 
         store = default_store()
@@ -145,14 +148,6 @@ def rank_main(argv: list[str] | None = None) -> None:
     elif spec.uses_transport:
         from ..protocol.auth import TRAILER_BYTES
         from ..torch import hook_transport
-        from ..torch.rendezvous import (
-            agree_chunk_bytes,
-            agree_session,
-            default_store,
-            exchange_addresses,
-            local_ip,
-            rendezvous_auth,
-        )
 
         store = default_store()
         session = agree_session(store, "bench", a.rank)

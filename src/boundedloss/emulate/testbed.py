@@ -60,6 +60,8 @@ MAX_WORKERS = 64
 #: what overflows its 256-packet ring, uncounted by any qdisc; with one, a full ring
 #: holds the packets back in the queue, and only what overflows the queue is dropped.
 PORT_QUEUE_PACKETS = 1000
+#: that queue, as tc's arguments after ``root``
+PORT_QDISC = ("pfifo", "limit", str(PORT_QUEUE_PACKETS))
 #: How long any one ip/tc/iptables call may take before it is an error.
 CMD_TIMEOUT_S = 20.0
 
@@ -722,7 +724,7 @@ class Testbed:
                    f"neigh replace {addrs[n]} lladdr {self._mac(n)} dev {port} nud permanent"]
         _run([ip, "-n", ours[SWITCH], "-batch", "-"], input="\n".join(sw) + "\n")
         _run([_tool("tc"), "-n", ours[SWITCH], "-batch", "-"], input="".join(
-            f"qdisc replace dev {self.port_of(n)} root {self._port_queue()}\n"
+            f"qdisc replace dev {self.port_of(n)} root {' '.join(PORT_QDISC)}\n"
             for n in self.nodes))
         for n in self.nodes:
             cmds = ["link set lo up",
@@ -923,16 +925,11 @@ class Testbed:
                 current = self.qdisc_stats()
                 if current is not None and current.kind == "tbf":
                     _run([tc, "-n", self.switch_namespace, "qdisc", "replace", "dev", dev,
-                          "root", *self._port_queue().split()])
+                          "root", *PORT_QDISC])
             else:
                 _run([tc, "-n", self.switch_namespace, "qdisc", "replace", "dev", dev,
                       "root", *bottleneck.tc_args()])
             self._bottleneck = bottleneck
-
-    @staticmethod
-    def _port_queue() -> str:
-        """A switch port's qdisc where no bottleneck is set."""
-        return f"pfifo limit {PORT_QUEUE_PACKETS}"
 
     def qdisc_stats(self) -> QdiscStats | None:
         """sent/dropped/overlimits/backlog of the root qdisc toward the server (counters
@@ -970,8 +967,8 @@ class Testbed:
         if protocol not in ("udp", "all"):
             raise ValueError(f"protocol must be 'udp' or 'all', got {protocol!r}")
         with self._lock:
-            name, exists = self._loss_chain(node)
-            chain, ns = loss_chain(name), self.switch_namespace
+            name, chain, exists = self._loss_chain(node)
+            ns = self.switch_namespace
             if p == 0:
                 if exists:
                     self._ipt(ns, _tool("iptables-restore"), "-w", "--noflush", input=(
@@ -987,13 +984,13 @@ class Testbed:
         """A :class:`LossRuleWriter` on ``node``: its loss rule changed in about a
         millisecond, for microbursts (``down()`` ends it)."""
         with self._lock:
-            name, exists = self._loss_chain(node)
-            self._chains.add(loss_chain(name))
+            name, chain, exists = self._loss_chain(node)
+            self._chains.add(chain)
         return LossRuleWriter(self, name, protocol, jump=not exists)
 
-    def _loss_chain(self, node: str | int) -> tuple[str, bool]:
-        """The receiving ``node`` whose loss rule is to change, and whether its chain
-        exists (with the lock held)."""
+    def _loss_chain(self, node: str | int) -> tuple[str, str, bool]:
+        """The receiving ``node`` whose loss rule is to change, its chain, and whether
+        the chain exists (with the lock held)."""
         name = self.node(node)
         if name == SWITCH:
             raise TestbedError("loss goes on a receiving node (server or a worker), "
@@ -1001,7 +998,7 @@ class Testbed:
         if not self._active:
             raise TestbedError("the testbed is not up")
         chain = loss_chain(name)
-        return name, chain in self._chains or self._has_chain(chain)
+        return name, chain, chain in self._chains or self._has_chain(chain)
 
     def loss_stats(self, node: str | int = SERVER) -> LossStats:
         """The loss rule toward ``node`` as the kernel holds it, with its counters."""

@@ -590,8 +590,6 @@ class RankProcess(Protocol):
     @property
     def exitcode(self) -> int | None: ...
 
-    def is_alive(self) -> bool: ...
-
     def terminate(self) -> None: ...
 
     def join(self) -> None: ...
@@ -677,9 +675,6 @@ class _NamespaceRank:
         self.proc = proc
         self.log = log
         self.sentinel = os.pidfd_open(proc.pid)
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
 
     @property
     def exitcode(self) -> int | None:
