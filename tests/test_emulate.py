@@ -1,8 +1,9 @@
 """The real-kernel testbed (boundedloss.emulate).
 
-The kernel tests need root (CAP_NET_ADMIN + CAP_SYS_ADMIN), a working ``ip netns`` and
-iptables; without them they are skipped with the reason. The parsing/validation tests
-and the "no root -> one clear line" tests run everywhere.
+The kernel tests need root (CAP_NET_ADMIN + CAP_SYS_ADMIN), network namespaces and
+nf_tables - the kernel alone: no ``ip``, ``tc``, ``iptables`` or ``nft`` binary is used
+(CI runs them with none on PATH); without them they are skipped with the reason. The
+parsing/validation tests and the "no root -> one clear line" tests run everywhere.
 
 Every testbed here is torn down in a ``finally`` (fixtures) or by its context manager,
 so a failing assertion leaves nothing behind; each traffic tool is bounded in datagrams
@@ -26,7 +27,6 @@ import pytest
 from click.testing import CliRunner
 
 from boundedloss.emulate import (
-    LOSS_CHAIN,
     NEED_ROOT,
     Bottleneck,
     LossSchedule,
@@ -36,17 +36,19 @@ from boundedloss.emulate import (
     available,
     leftovers,
     list_namespaces,
+    netns,
+    nft,
     parse_rate,
     parse_size,
-    parse_tc_stats,
 )
 from boundedloss.emulate import testbed as testbed_mod
 from boundedloss.emulate.cli import testbed as cli_group
+from boundedloss.emulate.topology import with_rtnl
 
 KERNEL_OK, KERNEL_WHY = available()
 needs_kernel = pytest.mark.skipif(
     not KERNEL_OK,
-    reason=f"kernel testbed needs root, a working `ip netns` and iptables: {KERNEL_WHY}",
+    reason=f"kernel testbed needs root, network namespaces and nf_tables: {KERNEL_WHY}",
 )
 
 
@@ -56,18 +58,27 @@ def _prefix() -> str:
 
 
 def _root_links() -> str:
-    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        return " ".join(link.get_attr("IFLA_IFNAME") for link in ipr.get_links())
 
 
 def _assert_gone(tb: Testbed) -> None:
+    """No namespace of ours (and with them their links, qdiscs and drop rules), no
+    link named like ours here, no namespace file left."""
     ours = set(tb.namespaces().values())
     assert not ours & set(list_namespaces())
     assert tb.name not in _root_links()
     assert leftovers(tb.config.prefix) == []
-    for ns in ours:  # the namespace, and with it its qdisc and BL_LOSS chain, is gone
-        p = subprocess.run(["ip", "netns", "exec", ns, "iptables", "-S", LOSS_CHAIN],
-                           capture_output=True, text=True)
-        assert p.returncode != 0
+    assert not any(os.path.exists(netns.path(ns)) for ns in ours)
+
+
+def _link_stats(bed, node: str) -> dict:
+    """The switch's port toward ``node``: its 64-bit counters (rtnetlink)."""
+    port = bed.port_of(node)
+    return with_rtnl(bed.switch_namespace,
+                     lambda ipr: dict(ipr.get_links(ifname=port)[0].get_attr("IFLA_STATS64")))
 
 
 # ------------------------------------------------------------------ everywhere (no root)
@@ -109,14 +120,42 @@ def test_config_validation():
         TestbedConfig(bottleneck=Bottleneck("5mbit")).to_dict()).bottleneck == Bottleneck("5mbit")
 
 
-def test_parse_tc_text():
-    text = ("qdisc tbf 8001: root refcnt 3 rate 20Mbit burst 32Kb lat 13.1ms \n"
-            " Sent 3846528 bytes 3098 pkt (dropped 2942, overlimits 12075 requeues 0) \n"
-            " backlog 0b 0p requeues 0\n")
-    q = parse_tc_stats(text)
-    assert (q.kind, q.sent_bytes, q.sent_packets, q.dropped, q.overlimits) == (
-        "tbf", 3846528, 3098, 2942, 12075)
-    assert q.rate_bps == 20_000_000 and q.burst_bytes == 32 * 1024
+def _decoded(messages) -> list:
+    """The rule messages as the kernel would list them: encoded, then decoded."""
+    from pyroute2.netlink.nfnetlink.nftsocket import nft_rule_msg
+
+    sock = nft.NftSocket.__new__(nft.NftSocket)  # (encode needs no socket)
+    sock._seq = iter(range(1, 1000))  # noqa: SLF001
+    out = []
+    for m in messages:
+        data, _ = sock.encode([m])
+        inner = data[20:]  # after the batch's begin message
+        r = nft_rule_msg(inner)
+        r.decode()
+        out.append(r)
+    return out
+
+
+def test_a_loss_chain_reads_back_as_it_was_written():
+    """The rules set_loss writes, read back as a dump shows them: the probability (to
+    1e-9), the protocol, and which forward rule counts what goes to the node."""
+    from boundedloss.emulate import loss_rules as lr
+
+    for p, proto in ((0.05, "udp"), (0.123456789, "all"), (0.0, "udp"), (1.0, "all")):
+        chain = lr.loss_chain("w3")
+        msgs = [nft.rule_msg(lr.TABLE, lr.FORWARD, [*nft.oifname_is("to-w3"), nft.counter(),
+                                                    nft.verdict(nft.JUMP, chain)])]
+        if proto == "udp":
+            msgs.append(nft.rule_msg(lr.TABLE, chain, [*nft.l4proto_is_not(17),
+                                                       nft.verdict(nft.RETURN)]))
+        msgs += [nft.rule_msg(lr.TABLE, chain, lr._gate(p)),  # noqa: SLF001
+                 nft.rule_msg(lr.TABLE, chain, [nft.counter(), nft.verdict(nft.DROP)])]
+        rules = _decoded(msgs)
+        rules[-2]["attrs"].append(["NFTA_RULE_HANDLE", 42])
+        view = lr._ChainView.of(rules, "w3")  # noqa: SLF001
+        assert (view.gate, view.probability, view.protocol) == (42, p, proto)
+        other = lr._ChainView.of(rules, "w2")  # noqa: SLF001
+        assert other.gate is None and other.protocol is None
 
 
 def test_schedule_change_points():
@@ -229,7 +268,8 @@ def test_random_loss_matches_configured_rate(bed):
     assert abs(measured - p) < 0.02, f"measured loss {measured:.4f}, configured {p}"
     assert bed.loss_stats().dropped_packets == n - unique  # the kernel counted the same
     bed.set_loss(0)
-    assert bed.loss_stats().protocol is None  # rule, jump and chain removed
+    after = bed.loss_stats()  # a rule set afresh: counting from zero, dropping nothing
+    assert (after.probability, after.dropped_packets, after.seen_packets) == (0.0, 0, 0)
 
 
 _TCP_BULK = ("import socket,sys\n"
@@ -354,9 +394,7 @@ _UDP_BLAST = ("import socket,sys\n"
 
 
 def _link_tx_dropped(bed, node: str) -> int:
-    out = subprocess.run(["ip", "-n", bed.switch_namespace, "-s", "-j", "link", "show", "dev",
-                          bed.port_of(node)], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)[0]["stats64"]["tx"]["dropped"]
+    return _link_stats(bed, node)["tx_dropped"]
 
 
 @needs_kernel
@@ -379,12 +417,8 @@ def test_a_switch_port_queues_and_counts_every_packet_it_drops(bed):
 
 def _link_tx(bed, node: str) -> tuple[int, int]:
     """(packets, bytes) the switch's port toward ``node`` has sent: what left the tbf."""
-    out = subprocess.run(["ip", "-n", bed.switch_namespace, "-s", "-j", "link", "show", "dev",
-                          bed.port_of(node)], capture_output=True, text=True, check=True,
-                         env={**os.environ,
-                              "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"})
-    tx = json.loads(out.stdout)[0]["stats64"]["tx"]
-    return tx["packets"], tx["bytes"]
+    st = _link_stats(bed, node)
+    return st["tx_packets"], st["tx_bytes"]
 
 
 @needs_kernel
@@ -450,7 +484,7 @@ def test_microbursts_schedule_and_cross_traffic(bed):
     assert abs(sched.applied[1][0] - 0.3) < 0.1 and abs(sched.applied[2][0] - 0.6) < 0.1
     lost = sent["sent"] - got["flows"][str(bed.nodes.index("w0"))]["unique"]
     assert 0.2 * sent["sent"] < lost < 0.4 * sent["sent"], (lost, sent["sent"])
-    assert bed.loss_stats().protocol is None  # back to base 0: no rule
+    assert bed.loss_stats().probability == 0.0  # back to base 0
     # (b) real cross-traffic through the bottleneck: 30 Mbit/s into 10 Mbit/s
     bed.set_bottleneck(rate="10mbit", burst="16kb", limit="32kb")
     t0 = time.monotonic()
@@ -463,7 +497,7 @@ def test_microbursts_schedule_and_cross_traffic(bed):
 @needs_kernel
 def test_a_loss_writer_changes_the_rule_in_place(bed):
     """The writer's transactions replace the node's rule (TCP and UDP alike, or UDP
-    only), 0 leaves the chain empty, and a refused transaction is a clear error."""
+    only), 0 leaves a rule that drops nothing, and bad input is a clear error."""
     from boundedloss.emulate import LossRuleWriter
 
     w = bed.loss_writer("w1")
@@ -536,7 +570,7 @@ def test_status_reports_kernel_state(bed):
     assert st.addresses == bed.addresses
     assert st.qdisc.kind == "tbf" and st.qdisc.rate_bps == 30_000_000
     assert (st.loss["w3"].probability, st.loss["w3"].protocol) == (0.25, "all")
-    assert st.loss["server"].protocol is None
+    assert st.loss["server"].probability == 0.0
 
 
 @needs_kernel
@@ -546,15 +580,15 @@ def test_teardown_leaves_nothing():
     with Testbed(workers=2, prefix=prefix, mtu=4000, bottleneck=Bottleneck("10mbit"),
                  loss=0.1) as t:
         assert signal.getsignal(signal.SIGTERM) != prev  # guarded while up
-        assert " mtu 4000 " in t.call("w1", ["ip", "-o", "link", "show", "eth0"]).stdout
+        assert with_rtnl(t.namespace("w1"), lambda ipr: ipr.get_links(
+            ifname="eth0")[0].get_attr("IFLA_MTU")) == 4000
         assert t.loss_stats().probability == 0.1 and t.qdisc_stats().kind == "tbf"
         sleeper = t.run("w0", ["sleep", "30"])
         # runtime removal of qdisc and rule
         t.set_bottleneck(None)
         assert t.qdisc_stats().kind != "tbf"
         t.set_loss(0)
-        chains = t.call("sw", ["iptables", "-S"], check=True).stdout
-        assert LOSS_CHAIN not in chains and "FORWARD -o" not in chains
+        assert t.loss_stats().probability == 0.0
         t.set_loss(0.1)
     assert sleeper.poll() is not None  # ended, not orphaned in a deleted namespace
     assert signal.getsignal(signal.SIGTERM) == prev
@@ -575,6 +609,13 @@ def test_teardown_leaves_nothing():
     _assert_gone(t3)
 
 
+#: exit 7 when this node reaches argv[1] from the address argv[2] (its own)
+_EXIT_7_IF_SOURCE_IS = ("import socket,sys\n"
+                        "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                        "s.connect((sys.argv[1],9))\n"
+                        "sys.exit(7 if s.getsockname()[0]==sys.argv[2] else 1)\n")
+
+
 @needs_kernel
 def test_cli_up_status_run_down(tmp_path):
     prefix = _prefix()
@@ -589,8 +630,8 @@ def test_cli_up_status_run_down(tmp_path):
         assert r.exit_code == 1 and "already up" in r.output
         r = runner.invoke(cli_group, ["status", *common])
         assert r.exit_code == 0 and "loss 0.05 (udp)" in r.output and "tbf rate 20mbit" in r.output
-        r = runner.invoke(cli_group, ["run", "--node", "w1", *common, "--", "sh", "-c",
-                                        "ip -o addr show eth0 | grep -q 10.201.9.3 && exit 7"])
+        r = runner.invoke(cli_group, ["run", "--node", "w1", *common, "--", sys.executable,
+                                        "-c", _EXIT_7_IF_SOURCE_IS, "10.201.9.1", "10.201.9.3"])
         assert r.exit_code == 7
         r = runner.invoke(cli_group, ["set", "--loss", "0", *common])
         assert r.exit_code == 0, r.output
@@ -746,9 +787,10 @@ def test_the_testbed_cli_without_root():
             # (`--` after the command's options: run takes CMD last)
             r = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "testbed",
                                 "run", "--state-dir", f"{work}/state", "--node", "w0", "--",
-                                "ip", "-o", "-4", "addr", "show", "eth0"],
+                                sys.executable, "-c", _EXIT_7_IF_SOURCE_IS, "10.201.0.1",
+                                "10.201.0.2"],
                                capture_output=True, text=True, timeout=60, cwd="/")
-            assert r.returncode == 0 and "10.201.0.2/24" in r.stdout, r.stdout + r.stderr
+            assert r.returncode == 7, r.stdout + r.stderr
             s = tb("set", "--loss", "0.2", "--node", "w1")
             assert s.returncode == 0 and "loss 0.2 on w1" in s.stdout, s.stderr
             down = tb("down")

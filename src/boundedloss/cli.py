@@ -153,6 +153,22 @@ def demo(out_dir: str, json_path: str | None) -> None:
                  title="boundedloss demo")
 
 
+@cli.command()
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """What the demo rests on, one line each: the compiled data path, authentication
+    (OpenSSL), the kernel network (root, rootless, or why not and the command that fixes
+    it) and a GPU. Exit status 1 when something the demo needs is broken."""
+    from . import doctor as checkup
+
+    checkup.own_user_namespace()  # without root: probe where the demo would build it
+    findings = checkup.run_checks()
+    for finding in findings:
+        console.print(checkup.markup(finding), soft_wrap=True)
+    if any(f.broken for f in findings):
+        ctx.exit(1)
+
+
 @cli.group()
 def bench() -> None:
     """Benchmarks: print a table and write JSON."""
@@ -756,7 +772,7 @@ cli.add_command(testbed)
 def main(argv: list[str] | None = None) -> int:
     """Entry point: usage errors become one line on stderr, exit code 2."""
     try:
-        cli.main(args=argv, prog_name="boundedloss", standalone_mode=False)
+        rc = cli.main(args=argv, prog_name="boundedloss", standalone_mode=False)
     except click.exceptions.Abort:
         err_console.print("boundedloss: aborted")
         return 130
@@ -773,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, RuntimeError, TimeoutError, ValueError) as e:
         sys.stderr.write(f"boundedloss: error: {e}\n")
         return 1
-    return 0
+    return rc if isinstance(rc, int) else 0  # (a command's ctx.exit(code))
 
 
 if __name__ == "__main__":

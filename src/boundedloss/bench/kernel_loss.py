@@ -2,7 +2,7 @@
 
 A kernel testbed (network namespaces: root, or a user namespace of its own) with 4
 ranks: rank 0 in the server namespace, ranks 1-3 in worker namespaces. The switch drops
-packets toward every namespace at random with ``iptables -m statistic``, one wire packet
+packets toward every namespace at random (nf_tables ``numgen random``), one wire packet
 at a time (TCP and UDP alike, so Gloo's TCP sees the same loss as our UDP). Each rank
 exchanges a gradient-sized float32 vector for ``rounds`` rounds - Gloo allreduce (TCP),
 a parameter server over TCP (``tcp-ps``: gloo's point-to-point send and receive through

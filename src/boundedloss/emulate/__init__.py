@@ -1,6 +1,8 @@
 """The real-kernel testbed: network namespaces, a routing switch, a tbf bottleneck toward
-the server, iptables random loss on the way to a receiver, and microbursts (loss steps or real
-cross-traffic). Needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN), iproute2 and iptables.
+the server, nf_tables random loss on the way to a receiver, and microbursts (loss steps
+or real cross-traffic). Built over netlink (pyroute2) and libc: it needs the Linux
+kernel and root (CAP_NET_ADMIN + CAP_SYS_ADMIN), or a user namespace of its own - no
+``ip``, ``tc``, ``iptables`` or ``nft`` binary.
 
     from boundedloss.emulate import Bottleneck, Testbed
 
@@ -13,13 +15,10 @@ See docs/emulator.md.
 """
 
 from .bursts import BurstRunner, LossSchedule, TimedBursts
+from .loss_rules import LossRuleWriter, LossStats, loss_chain
+from .qdisc import Bottleneck, QdiscStats
 from .testbed import (
-    LOSS_CHAIN,
     NEED_ROOT,
-    Bottleneck,
-    LossRuleWriter,
-    LossStats,
-    QdiscStats,
     Testbed,
     TestbedConfig,
     TestbedError,
@@ -29,13 +28,11 @@ from .testbed import (
     have_privileges,
     leftovers,
     list_namespaces,
-    parse_tc_stats,
     sweep,
 )
 from .units import parse_rate, parse_size
 
 __all__ = [
-    "LOSS_CHAIN",
     "NEED_ROOT",
     "Bottleneck",
     "BurstRunner",
@@ -53,8 +50,8 @@ __all__ = [
     "have_privileges",
     "leftovers",
     "list_namespaces",
+    "loss_chain",
     "parse_rate",
     "parse_size",
-    "parse_tc_stats",
     "sweep",
 ]

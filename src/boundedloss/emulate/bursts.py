@@ -1,4 +1,4 @@
-"""Microbursts as loss-probability steps on a testbed's iptables loss rule, applied by
+"""Microbursts as loss-probability steps on a testbed's nf_tables loss rule, applied by
 one background thread: a schedule of given windows (:class:`LossSchedule`), or bursts
 that recur in time for as long as they run (:class:`TimedBursts`). (The other kind of
 microburst, real cross-traffic through the bottleneck, is ``Testbed.cross_traffic``.)"""

@@ -135,7 +135,7 @@ def _bottleneck(rate: str | None, burst: str | None, limit: str | None) -> Bottl
 @click.group(name="testbed")
 def testbed() -> None:
     """Real-kernel testbed: network namespaces, a tbf bottleneck toward the server,
-    iptables random loss (root, or a user namespace of its own)."""
+    nf_tables random loss, over netlink (root, or a user namespace of its own)."""
 
 
 @testbed.command("up")

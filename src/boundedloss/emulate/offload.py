@@ -2,7 +2,7 @@
 offloads off and its GRO on.
 
 A veth, like a NIC with TSO, passes a 64 KB TCP (or UDP_SEGMENT) super-packet to its
-peer in one piece: a qdisc and an iptables rule downstream then see one "packet" where a
+peer in one piece: a qdisc and a drop rule downstream then see one "packet" where a
 wire would carry 45, and a random drop takes all 45 at once. With the device's
 ``tx-tcp-segmentation``, ``tx-tcp6-segmentation`` and ``tx-udp-segmentation`` features
 off, the kernel's software GSO cuts every super-packet into MTU-sized packets just
@@ -13,10 +13,8 @@ asked to), as a NIC's driver would, so a receiver pays per super-packet too: TCP
 UDP for sockets that set UDP_GRO.
 
 The features are set with the ethtool ioctl (``SIOCETHTOOL``: the feature names, then
-ETHTOOL_SFEATURES), so no ethtool binary is needed. Run inside the node's namespace::
-
-    python -m boundedloss.emulate.offload --gro eth0    # a node: coalesce on arrival
-    python -m boundedloss.emulate.offload to-w0 to-w1   # the switch: wire-size only
+ETHTOOL_SFEATURES), so no ethtool binary is needed. The ioctl acts on the namespace its
+socket was made in: call these in the device's namespace (``netns.call_in``).
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import array
 import fcntl
 import socket
 import struct
-import sys
 
 SIOCETHTOOL = 0x8946
 ETHTOOL_GSTRINGS = 0x1B
@@ -99,26 +96,3 @@ def as_on_a_wire(ifname: str, *, gro: bool) -> dict[str, bool]:
     on or off. A veth coalesces on its peer's receive only when the sending side has
     TSO off too, so both ends of a link need this."""
     return set_features(ifname, {**dict.fromkeys(SEGMENTATION_FEATURES, False), GRO: gro})
-
-
-def main(argv: list[str]) -> int:
-    """``python -m boundedloss.emulate.offload [--gro] IFACE...``"""
-    gro = "--gro" in argv
-    for ifname in (a for a in argv if a != "--gro"):
-        now = as_on_a_wire(ifname, gro=gro)
-        left = [f for f in SEGMENTATION_FEATURES if now.get(f)]
-        if left:
-            print(f"{ifname}: could not turn off {', '.join(left)}", file=sys.stderr)
-            return 1
-        if gro and not now.get(GRO):
-            # (a kernel whose veths cannot coalesce: the receivers get the packets one
-            # by one, as before veth GRO existed - fewer offloads, not wrong packets)
-            print(f"{ifname}: {GRO} stays off here", file=sys.stderr)
-        elif not gro and now.get(GRO):
-            print(f"{ifname}: could not turn {GRO} off", file=sys.stderr)
-            return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Bounded UDP traffic tools, run *inside* a testbed namespace as a plain script:
 
-    ip netns exec NS python traffic.py send --dst 10.201.0.1 --port 9000 --count 20000 ...
-    ip netns exec NS python traffic.py sink --port 9000 --idle 0.5 --max-time 10
+    python traffic.py send --dst 10.201.0.1 --port 9000 --count 20000 ...
+    python traffic.py sink --port 9000 --idle 0.5 --max-time 10
 
 Standard library only (it starts in a fresh interpreter in each namespace, so it stays
 quick to start and needs nothing from the package). Every loop is bounded twice: by a

@@ -130,7 +130,7 @@ class NonceSequence:
 
 def _libcrypto() -> ctypes.CDLL:
     """OpenSSL's libcrypto - the one Python's hashlib loaded, where it can be found."""
-    global _LIB
+    global _LIB, _LIB_PATH
     if _LIB is not None:
         return _LIB
     path = None
@@ -147,6 +147,7 @@ def _libcrypto() -> ctypes.CDLL:
         raise AuthenticationError("authenticated datagrams need OpenSSL's libcrypto (the "
                                   "library Python's hashlib uses); it was not found")
     lib = ctypes.CDLL(path)
+    _LIB_PATH = path
     vp, cp, ip = ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)
     lib.EVP_CIPHER_CTX_new.restype = vp
     lib.EVP_CIPHER_CTX_new.argtypes = []
@@ -162,6 +163,22 @@ def _libcrypto() -> ctypes.CDLL:
 
 
 _LIB: ctypes.CDLL | None = None
+_LIB_PATH = ""  # the file _LIB was loaded from
+
+
+def backend() -> str:
+    """One line: the libcrypto that seals and opens datagrams here - its version and its
+    file (``AuthenticationError`` where there is none)."""
+    lib = _libcrypto()
+    version = None
+    for name in ("OpenSSL_version", "SSLeay_version"):  # (OpenSSL >= 1.1, and before)
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = ctypes.c_char_p, [ctypes.c_int]
+            version = fn(0)  # OPENSSL_VERSION: "OpenSSL 3.0.11 19 Sep 2023"
+            break
+    text = version.decode(errors="replace") if version else "an unknown libcrypto"
+    return f"{text} ({_LIB_PATH})"
 
 
 class Gmac:
