@@ -648,6 +648,34 @@ def test_cli_up_status_run_down(tmp_path):
     assert leftovers(prefix) == []
 
 
+@needs_kernel
+def test_the_testbed_needs_no_network_tool_on_path(tmp_path):
+    """up, status, run, set and down with nothing on PATH but the interpreter's folder:
+    the testbed is the kernel's and pip's alone (no ip, tc, iptables or nft)."""
+    prefix = _prefix()
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+
+    def tb(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "boundedloss.cli", "testbed", args[0],
+                               "--prefix", prefix, "--state-dir", str(tmp_path), *args[1:]],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    try:
+        up = tb("up", "--workers", "2", "--rate", "20mbit", "--loss", "0.05")
+        assert up.returncode == 0, up.stdout + up.stderr
+        st = tb("status")
+        assert "loss 0.05 (udp)" in st.stdout and "tbf rate 20mbit" in st.stdout, st
+        r = tb("run", "--node", "w1", "--", sys.executable, "-c", _EXIT_7_IF_SOURCE_IS,
+               "10.201.0.1", "10.201.0.3")
+        assert r.returncode == 7, r.stdout + r.stderr
+        assert tb("set", "--loss", "0.2", "--node", "w0").returncode == 0
+        down = tb("down")
+        assert down.returncode == 0 and "removed 4" in down.stdout, down
+        assert leftovers(prefix) == []
+    finally:
+        testbed_mod.sweep(prefix)
+
+
 # ----------------------------------------------------------- rootless (user namespace)
 def _unprivileged() -> list[str]:
     """The command prefix that runs as the unprivileged user (BOUNDEDLOSS_TEST_UID, which
@@ -655,8 +683,9 @@ def _unprivileged() -> list[str]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run a command as an unprivileged user")
     uid = os.environ.get("BOUNDEDLOSS_TEST_UID", "65534")
+    # (our PATH: in CI it holds no ip, tc, iptables or nft - nor must the user's)
     prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env",
-              f"PATH={os.path.dirname(sys.executable)}:/usr/bin:/bin"]
+              f"PATH={os.path.dirname(sys.executable)}:{os.environ.get('PATH', '/usr/bin:/bin')}"]
     probe = subprocess.run([*prefix, sys.executable, "-c", "import boundedloss.cli"],
                            capture_output=True, text=True, timeout=60, cwd="/")
     if probe.returncode != 0:
