@@ -243,6 +243,9 @@ def test_network_choice(monkeypatch):
     import boundedloss.emulate as emulate
 
     incast, micro, sweep = (SCENARIOS[n] for n in ("incast", "microburst", "random-loss"))
+    from boundedloss.emulate import rootless
+
+    monkeypatch.setattr(rootless, "needed", lambda: False)  # (root: no user namespace)
     monkeypatch.setattr(emulate, "available", lambda: (True, ""))
     k = choose_network(incast, "auto")
     assert (k.network, k.loss) == ("kernel", "none") and "kernel testbed" in k.description
@@ -263,6 +266,13 @@ def test_network_choice(monkeypatch):
     assert fell.network_note == "no kernel network here: needs root"
     with pytest.raises(ValueError, match="cannot run here: needs root"):
         choose_network(incast, "kernel")
+    # where the cause is known, the note says the one command that fixes it
+    monkeypatch.setattr(emulate, "available",
+                        lambda: (False, "iptables: Failed to initialize nft: Protocol not "
+                                        "supported"))
+    note = choose_network(incast, "auto").network_note
+    assert note.startswith("no kernel network here: iptables: Failed to initialize nft")
+    assert note.endswith("; fix: sudo modprobe nf_tables") and "\n" not in note
 
 
 def _epochs_run(metric_name, values, walls):
@@ -282,12 +292,17 @@ def test_time_to_target_is_the_first_epoch_that_reached_it():
 
 
 def test_ratios_against_gloo():
+    """On the kernel network every system - gloo's TCP too - crosses the same loss:
+    the figures against gloo are like for like."""
     rows = [dict(_row("gloo", 16.0, 350.0, 0.9577), time_to_target_s=10.0,
                  normal_round_ms_p50=10.0),
             dict(_row("dblp", 4.0, 25.0, 0.9532), time_to_target_s=2.0,
                  normal_round_ms_p50=12.5),
             dict(_row("mlt", 5.0, None, 0.90), time_to_target_s=None, normal_round_ms_p50=None)]
+    for r in rows:
+        r.update(network="kernel", loss="none")
     by = {r["policy"]: r for r in add_ratios(rows)}
+    assert all(r["gloo_crossed_same_network"] for r in rows)
     assert by["dblp"]["tta_speedup_vs_gloo"] == pytest.approx(5.0)
     assert by["dblp"]["wall_speedup_vs_gloo"] == pytest.approx(4.0)
     assert by["dblp"]["metric_change_vs_gloo"] == pytest.approx(-0.0045)
@@ -326,6 +341,7 @@ def test_printed_tables_fit_100_columns_with_nothing_cut():
         for _, header, _ in columns:
             t.add_column(header)
         t.add_row(*table_cells(row, columns))
+        t.add_row(*table_cells({**row, "policy": "gloo", "ran_lossless": True}, columns))
         console.print(t)
         text = out.getvalue()
         assert "\u2026" not in text, text  # rich's ellipsis: something was cut
@@ -334,21 +350,31 @@ def test_printed_tables_fit_100_columns_with_nothing_cut():
 
 def test_demo_falls_back_to_in_process_saying_so_in_its_first_line(tmp_path, monkeypatch, capsys):
     """Where no kernel network can be had, the comparison runs in-process and its first
-    line says so and why; the rows say which network ran."""
+    line says so, why, and the one command that fixes it; the rows say which network
+    ran; gloo, which ran lossless, says so, and no figure stands against it."""
     import boundedloss.emulate as emulate
     from boundedloss.emulate import rootless
 
-    monkeypatch.setattr(emulate, "available", lambda: (False, "no ip netns on this host"))
+    why = "no ip netns on this host [nf_tables: Protocol not supported]"  # (markup-like)
+    monkeypatch.setattr(emulate, "available", lambda: (False, why))
     monkeypatch.setattr(rootless, "needed", lambda: False)
-    rc = main(["compare", "--scenario", "microburst", "--policies", "dblp", "--workers", "2",
-               "--epochs", "1", "--steps-per-epoch", "2", "--json", str(tmp_path / "r.json"),
-               "--out", str(tmp_path / "out")])
+    rc = main(["compare", "--scenario", "microburst", "--policies", "gloo,dblp", "--workers",
+               "2", "--epochs", "1", "--steps-per-epoch", "2", "--json",
+               str(tmp_path / "r.json"), "--out", str(tmp_path / "out")])
     assert rc == 0, capsys.readouterr().err
-    first = capsys.readouterr().out.splitlines()[0]
-    assert "IN-PROCESS" in first and "no ip netns on this host" in first, first
-    (row,) = json.loads((tmp_path / "r.json").read_text())
-    assert row["network"] == "in-process"
-    assert "no ip netns on this host" in (tmp_path / "out" / "report.md").read_text()
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert "IN-PROCESS" in first and why in first, first
+    assert "fix: sudo modprobe nf_tables" in first, first
+    assert "gloo (lossless)" in out
+    gloo, dblp = json.loads((tmp_path / "r.json").read_text())
+    assert (gloo["policy"], gloo["ran_lossless"], dblp["ran_lossless"]) == ("gloo", True, False)
+    for row in (gloo, dblp):
+        assert row["network"] == "in-process" and row["gloo_crossed_same_network"] is False
+        assert {k: v for k, v in row.items() if k.endswith("_vs_gloo") and v is not None} == {}
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert why in report and "| gloo (lossless) |" in report
+    assert "No figure is given against gloo" in report
 
 
 @pytest.mark.skipif(not KERNEL_OK, reason=f"kernel testbed needs root: {KERNEL_WHY}")
@@ -620,3 +646,103 @@ def test_compare_runs_every_policy_without_the_loss_guard():
     for arm in sc.arms():
         cfg = make_config(sc, arm, out="x", epochs=1, workers=3, seed=0)
         assert cfg.guard_rounds == 0 and cfg.guard() is not None and not cfg.guard().enabled
+
+
+def _trained(sc, policies, tmp_path):
+    """Arms of ``sc`` and runs as if each had trained once: six rounds, bursts on rounds 1
+    and 4, the target reached at the second epoch (gloo slowest to it)."""
+    from boundedloss.experiments.compare import RunResult
+
+    arms = sc.arms(policies)
+    shape = {"gloo": (20.0, [10, 40, 10, 10, 40, 10]),
+             "baseline": (8.0, [12, 300, 12, 12, 300, 12]),
+             "dblp": (4.0, [12, 30, 12, 12, 30, 12])}
+    runs = {}
+    for arm in arms:
+        wall, lat = shape[arm.label]
+        rounds = [{"round": i, "epoch": i // 3, "round_ms": v,
+                   **({} if arm.label == "gloo" else {"round_comm_ms": v / 2, "bound": 0.1})}
+                  for i, v in enumerate(lat)]
+        epochs = [{"accuracy": 0.9, "wall_s": wall / 2}, {"accuracy": 0.96, "wall_s": wall}]
+        runs[arm.label] = [RunResult(arm.label, 0, str(tmp_path), rounds, epochs,
+                                     {"wall_s": wall, "final_metric": 0.96,
+                                      "metric_name": "accuracy"}, burst={1, 4}, arm=arm)]
+    return arms, runs
+
+
+def _report_cells(report: str) -> list[dict[str, str]]:
+    """The Markdown table of a report as one {header: cell} per row."""
+    lines = [ln for ln in report.splitlines() if ln.startswith("| ")]
+    split = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    return [dict(zip(split[0], cells)) for cells in split[1:]]
+
+
+def test_no_ratio_stands_against_a_gloo_that_ran_lossless(tmp_path):
+    """In-process loss (the demo's fallback) cannot reach gloo's TCP: gloo's row says it
+    ran lossless, every figure against it is None in the rows and empty in the printed
+    tables and the report, and the burst figures against the baseline - our transports,
+    which met the same in-process loss - still stand."""
+    from boundedloss.experiments.compare import compare_rows
+    from boundedloss.experiments.report import printed_tables, table_cells, write_report
+
+    sc = SCENARIOS["microburst"]
+    assert sc.network == "in-process"
+    arms, runs = _trained(sc, ("gloo", "baseline", "dblp"), tmp_path)
+    rows = compare_rows(sc, arms, runs)
+    by = {r["policy"]: r for r in rows}
+    assert [r["ran_lossless"] for r in rows] == [True, False, False]
+    for r in rows:
+        assert r["gloo_crossed_same_network"] is False
+        vs_gloo = [k for k in r if k.endswith("_vs_gloo")]
+        assert len(vs_gloo) >= 3 and all(r[k] is None for k in vs_gloo), r
+    assert by["dblp"]["speedup_burst_round_vs_baseline"] == pytest.approx(10.0)
+    assert by["dblp"]["time_reduction_vs_baseline"] == pytest.approx(0.5)
+    assert json.loads(json.dumps(rows))[1]["tta_speedup_vs_gloo"] is None  # JSON null
+
+    (_, decide), (_, burst) = printed_tables(sc)
+    printed = {r["policy"]: dict(zip((h for _, h, _ in decide), table_cells(r, decide)))
+               for r in rows}
+    assert printed["gloo"]["system"] == "gloo (lossless)"
+    assert printed["dblp"]["system"] == "dblp"
+    for cells in printed.values():
+        assert [v for h, v in cells.items() if "vs gloo" in h] == ["-", "-", "-"]
+        assert cells["to target s"] != "-"
+    assert dict(zip((h for _, h, _ in burst), table_cells(by["dblp"], burst)))[
+        "vs base"] == "10.00x"
+
+    report = write_report(rows, runs, sc, str(tmp_path / "rep"), "cmd", "tiny").read_text()
+    table = _report_cells(report)
+    assert [t["policy"] for t in table] == ["gloo (lossless)", "baseline", "dblp"]
+    assert all(t["time to target vs gloo"] == "-" for t in table)
+    assert table[2]["burst speedup vs baseline"] == "10.00"
+    assert "No figure is given against gloo" in report
+    assert "its ratio is gloo's time" not in report
+
+
+def test_ratios_against_gloo_where_it_crossed_the_same_network(tmp_path):
+    """On the kernel network gloo crosses the same loss as the others: its row is plain
+    and every figure against it stands. With in-process loss on top for our transports
+    alone, it did not: none stands, though gloo did not run lossless."""
+    from boundedloss.experiments.compare import compare_rows, with_loss
+    from boundedloss.experiments.report import DECISION_COLUMNS, table_cells, write_report
+
+    sc = SCENARIOS["microburst"].on_kernel()
+    arms, runs = _trained(sc, ("gloo", "baseline", "dblp"), tmp_path)
+    by = {r["policy"]: r for r in compare_rows(sc, arms, runs)}
+    assert all(r["gloo_crossed_same_network"] and not r["ran_lossless"] for r in by.values())
+    assert by["dblp"]["tta_speedup_vs_gloo"] == pytest.approx(5.0)  # 20 s / 4 s
+    assert by["dblp"]["wall_speedup_vs_gloo"] == pytest.approx(5.0)
+    assert by["dblp"]["metric_change_vs_gloo"] == 0.0
+    assert table_cells(by["gloo"], DECISION_COLUMNS)[:4] == ["gloo", "20.0", "20.0", "1.00x"]
+    report = write_report(list(by.values()), runs, sc, str(tmp_path / "rep"), "cmd",
+                          "tiny").read_text()
+    assert [t["time to target vs gloo"] for t in _report_cells(report)] == [
+        "1.00", "2.50", "5.00"]
+    assert "its ratio is gloo's time" in report and "No figure is given" not in report
+
+    on_top = with_loss(sc, "bernoulli:0.01")
+    arms, runs = _trained(on_top, ("gloo", "dblp"), tmp_path)
+    rows = compare_rows(on_top, arms, runs)
+    assert [(r["ran_lossless"], r["gloo_crossed_same_network"]) for r in rows] == [
+        (False, False), (False, False)]
+    assert rows[1]["tta_speedup_vs_gloo"] is None and rows[1]["metric_change_vs_gloo"] is None

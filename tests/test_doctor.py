@@ -36,9 +36,16 @@ def _root(tmp_path, seccomp: int = 0, **sysctls: str):
     ("iptables: Failed to initialize nft: Protocol not supported", True, 0, {}, "nf_tables"),
     ("nf_tables: [Errno 93] Protocol not supported", False, 2,
      {"kernel__unprivileged_userns_clone": "0"}, "nf_tables"),
-    # the tools the testbed starts
-    ("tc not found: install iproute2", True, 0, {}, "iproute2"),
-    ("iptables-restore not found: install iptables", True, 0, {}, "iptables"),
+    ("nf_tables is not available: Protocol not supported", True, 0, {}, "nf_tables"),
+    # what the testbed's Python, or the user namespace, needs
+    ("pyroute2 is not installed (No module named 'pyroute2.netlink.nfnetlink'); pip "
+     "install pyroute2", True, 0, {}, "pyroute2"),
+    ("the kernel testbed needs root or unprivileged user namespaces: unshare is not "
+     "installed (util-linux)", False, 0, {"kernel__unprivileged_userns_clone": "1"},
+     "unshare"),
+    ("the kernel testbed needs root or unprivileged user namespaces: unshare is not "
+     "installed (util-linux)", False, 0, {"kernel__unprivileged_userns_clone": "0"},
+     "userns_clone"),  # (installing it would not help)
     # no root: what keeps a user namespace from being made
     (DENIED, False, 0, {"user__max_user_namespaces": "0",
                         "kernel__unprivileged_userns_clone": "0"}, "max_user_namespaces"),
@@ -50,16 +57,14 @@ def _root(tmp_path, seccomp: int = 0, **sysctls: str):
     (DENIED, False, 2, {"kernel__apparmor_restrict_unprivileged_userns": "1"}, "seccomp"),
     (DENIED, False, 2, {}, "seccomp"),
     # a seccomp filter, but nothing was denied: not the cause
-    ("the kernel testbed needs root or unprivileged user namespaces: unshare is not "
-     "installed (util-linux)", False, 2, {}, "no_root"),
+    ("the kernel testbed needs root or unprivileged user namespaces: unshare failed: "
+     "[Errno 2] No such file or directory", False, 2, {}, "no_root"),
     (DENIED, False, 0, {"kernel__unprivileged_userns_clone": "1",
                         "kernel__apparmor_restrict_unprivileged_userns": "0"}, "no_root"),
     (DENIED, False, 0, {}, "no_root"),
     # root: the namespaces themselves are denied by a container's seccomp
-    ("ip netns add bl-1-probe: mount --make-shared /run/netns failed: Operation not "
-     "permitted", True, 2, {}, "seccomp"),
-    ("ip netns add bl-1-probe: mount --make-shared /run/netns failed: Operation not "
-     "permitted", True, 0, {}, None),
+    ("cannot create a network namespace: Operation not permitted", True, 2, {}, "seccomp"),
+    ("cannot create a network namespace: Operation not permitted", True, 0, {}, None),
     ("something no one has seen", True, 0, {"kernel__unprivileged_userns_clone": "0"}, None),
 ])
 def test_the_cause_of_no_kernel_network(tmp_path, reason, privileged, seccomp, sysctls, cause):
@@ -93,10 +98,11 @@ def test_the_fallback_note_says_why_and_how_to_fix_it():
     note = doctor.no_kernel_network("iptables: Failed to initialize nft", privileged=True)
     assert note == ("no kernel network here: iptables: Failed to initialize nft - the kernel "
                     "has no nf_tables (the testbed's drop rules); fix: sudo modprobe nf_tables")
-    # a reason that names its missing tool is not said twice
-    assert doctor.no_kernel_network("tc not found: install iproute2", privileged=True) == (
-        "no kernel network here: tc not found: install iproute2; fix: sudo apt-get install "
-        "-y iproute2")
+    # a reason that names what is missing is not said twice
+    assert doctor.no_kernel_network("pyroute2 is not installed (x); pip install pyroute2",
+                                    privileged=True) == (
+        "no kernel network here: pyroute2 is not installed (x); pip install pyroute2; fix: "
+        "pip install pyroute2")
     assert doctor.no_kernel_network("needs root", privileged=True) == (
         "no kernel network here: needs root")
 
@@ -125,9 +131,10 @@ def test_kernel_network_as_root(kernel):
     f = kernel(available=(True, ""))
     assert (f.item, f.state, f.fix) == ("kernel network", OK, "")
     assert f.text.startswith("root: the testbed runs here")
-    f = kernel(available=(False, "ip not found: install iproute2"))
-    assert f.state == FAIL and f.broken and f.fix == "sudo apt-get install -y iproute2"
-    assert f.text.startswith("root, but ip not found") and "gloo runs lossless" in f.text
+    f = kernel(available=(False, "nf_tables is not available: Protocol not supported"))
+    assert f.state == FAIL and f.broken and f.fix == "sudo modprobe nf_tables"
+    assert f.text.startswith("root, but nf_tables is not available")
+    assert "gloo runs lossless" in f.text
 
 
 def test_kernel_network_rootless(kernel, monkeypatch):

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from . import checks, native
@@ -630,8 +631,11 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     if loss_spec is not None and sc.network == "kernel":
         sc = with_loss(sc, loss_spec)  # in-process loss on top of the kernel's
     if sc.network_note and userns_why:
-        sc = replace(sc, network_note="no kernel network here: it needs root or "
-                                      f"unprivileged user namespaces ({userns_why})")
+        from .doctor import no_kernel_network
+        from .emulate import rootless
+
+        sc = replace(sc, network_note=no_kernel_network(rootless.unavailable(userns_why),
+                                                        privileged=False))
     arms = sc.arms() if sc.is_sweep else sc.arms(policies)
 
     def done(res) -> None:
@@ -656,7 +660,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     if sc.network == "kernel" and sc.kernel is not None:
         where = f"on the kernel network ({sc.kernel.summary()})"
     elif sc.kernel is not None and sc.network_note:
-        where = f"with IN-PROCESS loss, gloo lossless ({sc.network_note})"
+        where = f"with IN-PROCESS loss, gloo lossless ({escape(sc.network_note)})"
     else:
         where = "with in-process loss"
     console.print(f"[bold]{title}[/]: {sc.name} {where}; "

@@ -78,13 +78,14 @@ CAUSES: dict[str, Cause] = {
         "sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (or run with sudo)"),
     "no_root": Cause("no root, and no user namespace of its own could be made",
                      "sudo boundedloss demo"),
-    # the tools the testbed starts today (its reason names the one missing)
-    "iproute2": Cause("", "sudo apt-get install -y iproute2"),
-    "iptables": Cause("", "sudo apt-get install -y iptables"),
+    # what the testbed's Python or the user namespace needs (the reason says which)
+    "pyroute2": Cause("", "pip install pyroute2"),
+    "unshare": Cause("", "sudo apt-get install -y util-linux"),
 }
 
 _NF_TABLES = re.compile(r"nf_tables|nftables|nfnetlink|initialize nft", re.IGNORECASE)
-_MISSING_TOOL = re.compile(r"\b(ip|tc|iptables|iptables-restore) not found\b")
+_NO_PYROUTE2 = re.compile(r"pyroute2 is not installed|No module named '?pyroute2")
+_NO_UNSHARE = re.compile(r"unshare is not installed")
 _DENIED = re.compile(r"not permitted|permission denied|\bEPERM\b|\[Errno 1\]", re.IGNORECASE)
 
 
@@ -111,11 +112,10 @@ def kernel_network_cause(reason: str, *, privileged: bool,
     ``privileged``: whether this process holds root's capabilities (or is root of a
     user namespace of boundedloss's). None where nothing known explains it."""
     proc = Path(root) / "proc"
+    if _NO_PYROUTE2.search(reason):  # (before nf_tables: its modules' names say nfnetlink)
+        return CAUSES["pyroute2"]
     if _NF_TABLES.search(reason):
         return CAUSES["nf_tables"]
-    tool = _MISSING_TOOL.search(reason)
-    if tool:
-        return CAUSES["iproute2" if tool.group(1) in ("ip", "tc") else "iptables"]
     denied = bool(_DENIED.search(reason))
     seccomp = denied and _seccomp_filtered(_read(proc / "self" / "status"))
     if privileged:
@@ -124,6 +124,8 @@ def kernel_network_cause(reason: str, *, privileged: bool,
         return CAUSES["max_user_namespaces"]
     if _read(proc / "sys" / "kernel" / "unprivileged_userns_clone") == "0":
         return CAUSES["userns_clone"]
+    if _NO_UNSHARE.search(reason):  # (no use installing it where the kernel says no)
+        return CAUSES["unshare"]
     # (a container's seccomp denies unshare before the host's AppArmor gets a say)
     if seccomp:
         return CAUSES["seccomp"]
@@ -217,7 +219,7 @@ def check_kernel_network() -> Finding:
     ok, why = available()
     if ok:
         return Finding(item, OK, f"{mode}: the testbed runs here (probed: a network "
-                                 "namespace and its loss rules); the demo's every system "
+                                 "namespace and its loss rules); every system of the demo "
                                  "crosses it")
     return _no_kernel_network(item, f"{mode}, but {why}",
                               kernel_network_cause(why, privileged=True))

@@ -24,7 +24,10 @@ dropped).
 
 Every row also has the time each arm took to reach the scenario's target metric
 (``time_to_target_s``: the training time until the first epoch whose test metric
-reached it) and its ratio against gloo's (``tta_speedup_vs_gloo``).
+reached it) and its ratio against gloo's (``tta_speedup_vs_gloo``) - only where gloo
+crossed the same lossy network as every other arm (the kernel network:
+``gloo_crossed_same_network``). In-process loss cannot reach gloo's TCP: there gloo runs
+lossless (``ran_lossless``), and every ratio against it is None.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ ROW_FIELDS = (
     "burst_round_ms_mean", "final_metric", "metric_name", "delivered_fraction_mean",
     "retransmit_rounds_mean", "speedup_burst_round_vs_baseline", "time_reduction_vs_baseline",
     "metric_change_vs_reliable", "repeats", "network", "time_to_target_s",
-    "tta_speedup_vs_gloo",
+    "tta_speedup_vs_gloo", "gloo_crossed_same_network", "ran_lossless",
 )
 
 
@@ -497,19 +500,31 @@ def add_ratios(rows: list[dict], baseline: str = "baseline",
     both for the rounds' communication time alone: ``speedup_burst_comm_...``),
     ``time_reduction_vs_baseline`` (1 - wall / baseline wall),
     ``burst_over_normal_round`` (this arm's mean burst round over its median other
-    round), ``tta_speedup_vs_gloo`` and ``wall_speedup_vs_gloo`` (the gloo arm's time to
-    the target metric, and wall time, over this arm's), and ``metric_change_vs_reliable``
-    (final metric minus the reference arm's; also relative); None where a reference is
-    missing."""
+    round), ``tta_speedup_vs_gloo``, ``wall_speedup_vs_gloo`` and
+    ``metric_change_vs_gloo`` (the gloo arm's time to the target metric and wall time
+    over this arm's; this arm's final metric minus gloo's), and
+    ``metric_change_vs_reliable`` (final metric minus the reference arm's; also
+    relative); None where a reference is missing.
+
+    The figures against gloo are given only where gloo crossed the same lossy network
+    as every other arm (``gloo_crossed_same_network``, in every row): the kernel network
+    (each row's ``network``), with no loss injected in-process for some arms alone
+    (each row's ``loss``). Elsewhere gloo's TCP ran lossless, and a ratio against it
+    would compare a lossless run with lossy ones: they are None."""
     by = {r["policy"]: r for r in rows}
     base = by.get(baseline)
     ref = by.get(reference)
     tcp = by.get(gloo)
+    crossed = tcp is not None and tcp.get("network") == "kernel" and all(
+        r.get("loss") == tcp.get("loss") for r in rows)
+    if not crossed:
+        tcp = None  # (every *_vs_gloo figure below: None)
 
     def ratio(num, den):
         return num / den if num is not None and den else None
 
     for r in rows:
+        r["gloo_crossed_same_network"] = crossed
         r["burst_over_normal_round"] = ratio(r.get("burst_round_ms_mean"),
                                              r.get("normal_round_ms_p50"))
         r["burst_over_normal_round_outside_clr"] = ratio(
@@ -552,6 +567,13 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     with _network(scenario, workers) as network:
         runs = _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed,
                          steps_per_epoch, probe_copies_max, progress, starting, network)
+    return compare_rows(scenario, arms, runs, probe_copies_max), runs
+
+
+def compare_rows(scenario: Scenario, arms: list[Arm], runs: dict[str, list[RunResult]],
+                 probe_copies_max: int | None = None) -> list[dict]:
+    """The rows of a comparison's runs (one per arm, medians over repeats), with every
+    ratio (:func:`add_ratios`)."""
     # DBLP's critical regimes, from its first arm (the rounds left out of the
     # outside-CLR figures of every arm)
     dblp = next((runs[a.label] for a in arms if a.policy.name == "dblp"), None)
@@ -563,12 +585,16 @@ def run_compare(scenario: Scenario, arms: list[Arm], out_dir: str, *,
     base = runs.get(scenario.baseline)
     for arm, row in zip(arms, rows):
         row["network"] = scenario.network
+        # in-process loss cannot reach a TCP arm (gloo, tcp-ps): it ran lossless while
+        # the others met the loss
+        row["ran_lossless"] = (scenario.network != "kernel" and not scenario.is_sweep
+                               and arm.loss == "none" and scenario.loss != "none")
         row["probe_copies_max"] = probe_copies_max
         row["recovery"] = recovery or f"copies<={probe_copies_max}"
         row["speedup_burst_comm_outside_clr_max_vs_baseline"] = _median(
             max_burst_comm_speedup(b, r, clr[r.repeat] if clr else None)
             for b, r in zip(base or [], runs[arm.label]))
-    return add_ratios(rows, scenario.baseline, scenario.reference), runs
+    return add_ratios(rows, scenario.baseline, scenario.reference)
 
 
 def max_burst_comm_speedup(baseline: RunResult, run: RunResult,
@@ -684,7 +710,9 @@ def choose_network(scenario: Scenario, network: str = DEFAULT_NETWORK) -> Scenar
         return kernel
     if network == "kernel":
         raise ValueError(f"the kernel testbed cannot run here: {why}")
-    return replace(scenario, network_note=f"no kernel network here: {why}")
+    from ..doctor import no_kernel_network
+
+    return replace(scenario, network_note=no_kernel_network(why))
 
 
 def with_burst_every(scenario: Scenario, every: int) -> Scenario:

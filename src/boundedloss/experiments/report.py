@@ -255,7 +255,11 @@ def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
 
 
 def table_cells(row: dict, columns: Columns = TABLE_COLUMNS) -> list[str]:
-    return [_fmt(row.get(k), spec) for k, _, spec in columns]
+    """A row's cells; an arm that ran lossless while the others met the loss (a TCP
+    arm under in-process loss) says so beside its name."""
+    return [_fmt(row.get(k), spec) + (" (lossless)" if k == "policy"
+                                       and row.get("ran_lossless") else "")
+            for k, _, spec in columns]
 
 
 def markdown_table(rows: list[dict], columns: Columns) -> list[str]:
@@ -316,11 +320,19 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
         where = ("Network: loss injected in-process at our endpoints (gloo's TCP cannot "
                  "take it and runs lossless)"
                  + (f"; {scenario.network_note}" if scenario.network_note else "") + "  ")
+    # (add_ratios gives figures against gloo only where it crossed the same network)
+    gloo_ran = any(r.get("transport_policy") == "gloo" or r["policy"] == "gloo" for r in rows)
+    against_gloo = bool(rows) and bool(rows[0].get("gloo_crossed_same_network"))
+    if gloo_ran and not against_gloo:
+        where += ("No figure is given against gloo (its columns are empty): it did not "
+                  "cross the same lossy network as the others.  ")
     target = ""
     if scenario.target_metric is not None:
         target = (f"Time to target: training time until the end of the first epoch whose "
                   f"test {metric} reached {scenario.target_metric:g} (an accuracy every "
-                  "system reaches); its ratio is gloo's time over the system's.  ")
+                  "system reaches)"
+                  + ("; its ratio is gloo's time over the system's.  " if against_gloo
+                     else ".  "))
     lines = [
         f"# boundedloss compare: {scenario.name}",
         "",
