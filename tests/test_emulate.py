@@ -676,6 +676,32 @@ def test_the_testbed_needs_no_network_tool_on_path(tmp_path):
         testbed_mod.sweep(prefix)
 
 
+_LOOPBACK_ECHO = ("import socket,sys\n"
+                  "from boundedloss.emulate import rootless\n"
+                  "if sys.argv[1] == 'up': rootless.loopback_up()\n"
+                  "s=socket.create_server(('127.0.0.1',0))\n"
+                  "try: socket.create_connection(s.getsockname(),timeout=5)\n"
+                  "except OSError as e: sys.exit(f'{e.strerror}')\n")
+
+
+@needs_kernel
+def test_a_command_inside_a_fresh_namespace_has_loopback():
+    """What a command re-run in a user namespace of its own meets: a network namespace
+    whose lo is down (a rendezvous on 127.0.0.1 fails), until loopback_up, which the
+    CLI calls first thing in there, brings it up."""
+    ns = f"{_prefix()}{secrets.token_hex(3)}-probe"
+    netns.create(ns)
+    try:
+        down = subprocess.run(netns.enter_argv(ns, [sys.executable, "-c", _LOOPBACK_ECHO,
+                                                   "as-is"]), capture_output=True, text=True)
+        assert down.returncode != 0 and "unreachable" in down.stderr.lower(), down.stderr
+        up = subprocess.run(netns.enter_argv(ns, [sys.executable, "-c", _LOOPBACK_ECHO, "up"]),
+                            capture_output=True, text=True)
+        assert up.returncode == 0, up.stderr
+    finally:
+        netns.delete(ns)
+
+
 # ----------------------------------------------------------- rootless (user namespace)
 def _unprivileged() -> list[str]:
     """The command prefix that runs as the unprivileged user (BOUNDEDLOSS_TEST_UID, which

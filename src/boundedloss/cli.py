@@ -293,7 +293,7 @@ def _beside(path: str, what: str) -> str:
               help="Write the rows here (a JSON list).")
 @click.option("--losses", default=_joined(kernel_loss_bench.DEFAULT_LOSSES),
               show_default=True,
-              help="Kernel drop rates (iptables, every namespace, TCP and UDP).")
+              help="Kernel drop rates (nf_tables, every namespace, TCP and UDP).")
 @click.option("--systems", type=PolicyParam(many=True),
               default=",".join(kernel_loss_bench.DEFAULT_SYSTEMS), show_default=True,
               help="Comma-separated. " + POLICY_HELP)
@@ -775,6 +775,10 @@ cli.add_command(testbed)
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: usage errors become one line on stderr, exit code 2."""
+    from .emulate import rootless
+
+    if rootless.inside():
+        rootless.loopback_up()  # (whatever the command does in there needs loopback)
     try:
         rc = cli.main(args=argv, prog_name="boundedloss", standalone_mode=False)
     except click.exceptions.Abort:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,19 @@ class Cause:
     fix: str
 
 
+def _sudo_demo() -> str:
+    """``sudo boundedloss demo`` as it works here: sudo's own PATH (secure_path) does not
+    hold a virtual environment's ``bin``, so outside the system's folders it names the
+    command by its full path."""
+    found = shutil.which("boundedloss")
+    if found is None or os.path.dirname(found) in _SUDO_PATH:
+        return "sudo boundedloss demo"
+    return f"sudo {shlex.quote(found)} demo"
+
+
+_SUDO_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+SUDO_DEMO = _sudo_demo()
+
 #: the causes :func:`kernel_network_cause` tells apart, each with its fix
 CAUSES: dict[str, Cause] = {
     "nf_tables": Cause("the kernel has no nf_tables (the testbed's drop rules)",
@@ -68,7 +83,7 @@ CAUSES: dict[str, Cause] = {
     "userns_clone": Cause(
         "no root, and unprivileged user namespaces are forbidden "
         "(kernel.unprivileged_userns_clone = 0)",
-        "sudo boundedloss demo, or sudo sysctl -w kernel.unprivileged_userns_clone=1"),
+        f"{SUDO_DEMO}, or sudo sysctl -w kernel.unprivileged_userns_clone=1"),
     "seccomp": Cause(
         "the container's seccomp profile denies unshare and setns",
         "run the container with --privileged (or --cap-add NET_ADMIN --cap-add SYS_ADMIN)"),
@@ -77,7 +92,7 @@ CAUSES: dict[str, Cause] = {
         "(kernel.apparmor_restrict_unprivileged_userns = 1)",
         "sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0 (or run with sudo)"),
     "no_root": Cause("no root, and no user namespace of its own could be made",
-                     "sudo boundedloss demo"),
+                     SUDO_DEMO),
     # what the testbed's Python or the user namespace needs (the reason says which)
     "pyroute2": Cause("", "pip install pyroute2"),
     "unshare": Cause("", "sudo apt-get install -y util-linux"),

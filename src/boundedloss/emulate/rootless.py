@@ -57,6 +57,23 @@ def possible() -> tuple[bool, str]:
     return True, ""
 
 
+def inside() -> bool:
+    """This process runs as root of a user namespace of boundedloss's."""
+    return bool(os.environ.get(INSIDE))
+
+
+def loopback_up() -> None:
+    """Bring up ``lo`` of this network namespace. A user namespace's new network
+    namespace starts with it down; a command that falls back to in-process loss in
+    there (no nf_tables for the testbed) needs it for its ranks' rendezvous."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname="lo")
+        if found:
+            ipr.link("set", index=found[0], state="up")
+
+
 def needed() -> bool:
     """Without privileges, and not yet inside: the testbed needs the user namespace."""
     return not have_privileges() and not os.environ.get(INSIDE)
