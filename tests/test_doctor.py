@@ -84,7 +84,7 @@ def test_the_cause_without_a_proc_to_read(tmp_path):
 def test_every_cause_has_one_command_that_fixes_it():
     for name, cause in CAUSES.items():
         assert cause.fix and "\n" not in cause.fix + cause.cause, name
-    assert CAUSES["userns_clone"].fix == ("sudo boundedloss demo, or sudo sysctl -w "
+    assert CAUSES["userns_clone"].fix == (f"{doctor.SUDO_DEMO}, or sudo sysctl -w "
                                           "kernel.unprivileged_userns_clone=1")
     assert CAUSES["apparmor"].fix.startswith(
         "sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0")
@@ -92,6 +92,17 @@ def test_every_cause_has_one_command_that_fixes_it():
     assert "--privileged" in CAUSES["seccomp"].fix and "--cap-add NET_ADMIN" in \
         CAUSES["seccomp"].fix
     assert CAUSES["nf_tables"].fix == "sudo modprobe nf_tables"
+
+
+def test_sudo_demo_names_the_command_sudo_would_not_find(monkeypatch):
+    """sudo's secure_path holds the system's folders only: a boundedloss there is named
+    as is, one in a virtual environment by its full path (quoted for the shell)."""
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: "/usr/local/bin/boundedloss")
+    assert doctor._sudo_demo() == "sudo boundedloss demo"  # noqa: SLF001
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: "/home/a b/.venv/bin/boundedloss")
+    assert doctor._sudo_demo() == "sudo '/home/a b/.venv/bin/boundedloss' demo"  # noqa: SLF001
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: None)
+    assert doctor._sudo_demo() == "sudo boundedloss demo"  # noqa: SLF001
 
 
 def test_the_fallback_note_says_why_and_how_to_fix_it():
@@ -229,7 +240,7 @@ def test_doctor_exits_0_on_a_warning_and_1_when_the_demo_cannot_run(monkeypatch,
     assert result.exit_code == 1
     line = result.output.splitlines()[2]
     assert line.startswith("FAIL kernel network") and line.endswith(
-        "fix: sudo boundedloss demo, or sudo sysctl -w kernel.unprivileged_userns_clone=1")
+        f"fix: {doctor.SUDO_DEMO}, or sudo sysctl -w kernel.unprivileged_userns_clone=1")
     # the installed command's exit status too
     assert main(["doctor"]) == 1
     out = capsys.readouterr()
