@@ -34,6 +34,7 @@ from boundedloss.emulate import (
     TestbedConfig,
     TestbedError,
     available,
+    host,
     leftovers,
     list_namespaces,
     netns,
@@ -173,7 +174,7 @@ def test_without_privileges_one_clear_line(monkeypatch, tmp_path):
     fails in one line that says so and why (the library's Testbed in one line too)."""
     from boundedloss.emulate import rootless
 
-    monkeypatch.setattr(testbed_mod, "_effective_caps", lambda: 0)
+    monkeypatch.setattr(host, "_effective_caps", lambda: 0)
     monkeypatch.delenv(rootless.INSIDE, raising=False)
     monkeypatch.setattr(rootless, "possible", lambda: (False, "no user namespaces here"))
     with pytest.raises(TestbedError) as e:

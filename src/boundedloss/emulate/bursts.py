@@ -11,10 +11,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .testbed import SERVER, TestbedError, check_probability
+from .errors import TestbedError
+from .loss_rules import check_probability
+from .topology import SERVER
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .testbed import LossRuleWriter, Testbed
+    from .loss_rules import LossRuleWriter
+    from .testbed import Testbed
 
 #: A schedule may not run longer than this (every loop in the testbed is bounded).
 MAX_SCHEDULE_S = 3600.0

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 
-from .testbed import have_privileges
+from .host import have_privileges
 
 #: set inside the user namespace: a command there must not re-run itself again
 INSIDE = "BOUNDEDLOSS_USERNS"

@@ -14,10 +14,11 @@ interfaces, routes and firewall are never touched)::
     ...                         |                      (egress toward        (GRO)
     eth0 10.201.0.N+1 - to-wN-1-+                       the server)
 
-This class is the facade; each concern lives in its own module: the shape and how it is
-built (``topology``), a port's queue (``qdisc``), the drop rules (``loss_rules`` over
-``nft``), the processes run in nodes (``processes``), and namespaces themselves
-(``netns``).
+This class is the facade; each concern lives in its own module: what is asked
+(``config``), the shape and how it is built (``topology``), a port's queue (``qdisc``),
+the drop rules (``loss_rules`` over ``nft``), the processes run in nodes
+(``processes``), namespaces themselves (``netns``), and the host's side - privileges,
+leftovers, the probe (``host``).
 
 Names carry ``prefix`` + a 6-hex-digit id, so several testbeds can coexist and
 ``sweep(prefix)`` can find leftovers of a crashed run without any state file.
@@ -26,7 +27,6 @@ Names carry ``prefix`` + a 6-hex-digit id, so several testbeds can coexist and
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import re
 import secrets
@@ -34,12 +34,23 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from . import netns, processes, qdisc
+from .config import TestbedConfig
 from .errors import TestbedError
+from .host import (
+    NEED_ROOT,
+    available,
+    have_privileges,
+    kernel_step,
+    leftovers,
+    list_namespaces,
+    require_privileges,
+    sweep,
+)
+from .host import delete_namespace as _delete_namespace
 from .loss_rules import (
     LossRules,
     LossRuleWriter,
@@ -63,198 +74,7 @@ __all__ = [
     "port_name", "require_privileges", "sweep",
 ]
 
-_PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,15}$")
-
-NEED_ROOT = ("the kernel testbed needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); without "
-             "root, the boundedloss commands (testbed, demo, compare, bench kernel-loss) "
-             "run it in a user namespace of their own where the kernel allows that")
-_CAP_NET_ADMIN = 12
-_CAP_SYS_ADMIN = 21  # naming a namespace bind-mounts it
-
-
-# ----------------------------------------------------------------------------- system
-
-
-def _effective_caps() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return int(line.split()[1], 16)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def have_privileges() -> bool:
-    """True when this process may create network namespaces and configure them."""
-    caps = _effective_caps()
-    if caps is None:
-        return os.geteuid() == 0
-    need = (1 << _CAP_NET_ADMIN) | (1 << _CAP_SYS_ADMIN)
-    return caps & need == need
-
-
-def require_privileges() -> None:
-    if not have_privileges():
-        raise TestbedError(NEED_ROOT)
-
-
-@contextlib.contextmanager
-def kernel_step(what: str) -> Iterator[None]:
-    """The kernel's refusal of ``what`` (an OSError, or pyroute2's NetlinkError) as one
-    TestbedError line."""
-    from pyroute2.netlink.exceptions import NetlinkError
-
-    try:
-        yield
-    except NetlinkError as e:
-        raise TestbedError(f"{what}: {os.strerror(e.code) if e.code else e}") from None
-    except OSError as e:
-        raise TestbedError(f"{what}: {e.strerror or e}") from None
-
-
-def list_namespaces() -> list[str]:
-    """Names of the named network namespaces (as ``ip netns list`` shows them)."""
-    return netns.names()
-
-
-def _leftover_re(prefix: str) -> re.Pattern:
-    return re.compile(rf"^{re.escape(prefix)}[0-9a-f]{{6}}-(sw|server|w\d+|probe)$")
-
-
-def _root_veths(prefix: str) -> list[str]:
-    """veth links in this namespace named like ours (this design creates none; the
-    sweep looks anyway, and only ever at veths with our exact name pattern)."""
-    from pyroute2 import IPRoute
-
-    pat = re.compile(rf"^{re.escape(prefix)}[0-9a-f]{{6}}-\S+$")
-    try:
-        with IPRoute() as ipr:
-            names = [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()]
-    except OSError:
-        return []
-    return [n for n in names if n and pat.match(n)]
-
-
-def leftovers(prefix: str = "bl-") -> list[str]:
-    """Namespaces (and root-namespace veths) whose names match ``prefix`` + id: what
-    ``sweep`` would remove."""
-    _check_prefix(prefix)
-    pat = _leftover_re(prefix)
-    names = [ns for ns in list_namespaces() if pat.match(ns)]
-    return names + [f"link:{name}" for name in _root_veths(prefix)]
-
-
-def _delete_namespace(ns: str) -> None:
-    processes.end_pids(netns.pids_in(ns))
-    netns.delete(ns)
-
-
-def sweep(prefix: str = "bl-") -> list[str]:
-    """Remove every testbed leftover named ``prefix`` + id, with or without a state file:
-    processes still inside those namespaces are ended, the namespaces deleted (which
-    deletes their veths, routes, qdiscs and drop rules with them). Returns what was
-    removed."""
-    require_privileges()
-    found = leftovers(prefix)
-    for name in found:
-        if name.startswith("link:"):
-            from pyroute2 import IPRoute
-
-            with IPRoute() as ipr, contextlib.suppress(Exception):
-                ipr.link("del", index=ipr.link_lookup(ifname=name[5:])[0])
-        else:
-            _delete_namespace(name)
-    still = leftovers(prefix)
-    if still:
-        raise TestbedError(f"could not remove {', '.join(still)}")
-    return found
-
-
-def _check_prefix(prefix: str) -> None:
-    if not _PREFIX_RE.match(prefix or ""):
-        raise ValueError(f"bad prefix {prefix!r}: 1-16 characters, a letter first, then "
-                         "letters, digits, '_', '.', '-' (it names everything we create)")
-
-
-def available(prefix: str = "bl-") -> tuple[bool, str]:
-    """Can a testbed with random loss run here? ``(True, "")`` or ``(False, reason)``.
-    Creates and deletes one probe namespace, with an nf_tables table in it, to be sure."""
-    if not have_privileges():
-        return False, NEED_ROOT
-    try:
-        from . import nft
-    except ImportError as e:
-        return False, f"pyroute2 is not installed ({e}); pip install pyroute2"
-    ns = f"{prefix}{secrets.token_hex(3)}-probe"
-    try:
-        try:
-            netns.create(ns)
-        except OSError as e:
-            return False, f"cannot create a network namespace: {e.strerror or e}"
-        try:
-            with nft.NftSocket(ns) as s:
-                s.apply([nft.table_msg("probe")])
-        except OSError as e:
-            return False, f"nf_tables is not available: {e.strerror or e}"
-    finally:
-        with contextlib.suppress(OSError):
-            netns.delete(ns)
-    return True, ""
-
-
-# ----------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class TestbedConfig:
-    """What to build. ``loss`` is the random-drop probability applied to UDP arriving at
-    the server (``set_loss`` changes it, or sets it on another node, at run time)."""
-
-    __test__ = False
-
-    workers: int = 4
-    subnet: str = "10.201.0.0/24"
-    mtu: int = 1500
-    prefix: str = "bl-"
-    bottleneck: Bottleneck | None = None
-    loss: float = 0.0
-
-    def __post_init__(self):
-        if not isinstance(self.workers, int) or not 1 <= self.workers <= MAX_WORKERS:
-            raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {self.workers!r}")
-        try:
-            net = ipaddress.ip_network(self.subnet, strict=False)
-        except ValueError as e:
-            raise ValueError(f"bad subnet {self.subnet!r}: {e}") from None
-        if (net.version != 4 or not net.is_private or net.is_loopback or net.is_link_local
-                or net.is_unspecified or net.is_multicast):
-            raise ValueError(f"subnet {self.subnet} must be a private IPv4 range "
-                             "(e.g. 10.201.0.0/24), not loopback or link-local; it is used "
-                             "only inside our namespaces")
-        if net.num_addresses - 2 < self.workers + 1:
-            raise ValueError(f"subnet {self.subnet} has too few addresses for "
-                             f"{self.workers} workers + 1 server")
-        if not isinstance(self.mtu, int) or not 576 <= self.mtu <= 65535:
-            raise ValueError(f"mtu must be 576..65535, got {self.mtu!r}")
-        _check_prefix(self.prefix)
-        if self.bottleneck is not None:
-            if not isinstance(self.bottleneck, Bottleneck):
-                raise ValueError("bottleneck must be a Bottleneck or None")
-            self.bottleneck.check_mtu(self.mtu)
-        check_probability(self.loss)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TestbedConfig:
-        d = dict(d)
-        if d.get("bottleneck") is not None:
-            d["bottleneck"] = Bottleneck(**d["bottleneck"])
-        return cls(**d)
+# ----------------------------------------------------------------------------- testbed
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..emulate.bursts import TimedBursts
-from ..emulate.testbed import Bottleneck
+from ..emulate.qdisc import Bottleneck
 from ..policy import PolicySpec, parse_policy
 from ..protocol import RECOVERY_MODES, probe_copies_for
 from .train import TrainConfig, run_training
