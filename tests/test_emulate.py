@@ -137,6 +137,22 @@ def _decoded(messages) -> list:
     return out
 
 
+def test_the_netlink_constants_are_the_kernels():
+    """nft.py keeps its own copy of the netlink flags and nf_tables message types (so that
+    a command's start does not import pyroute2): each equals pyroute2's."""
+    from pyroute2.netlink import nfnetlink
+    from pyroute2.netlink import nlsocket as netlink
+    from pyroute2.netlink.nfnetlink import nftsocket
+
+    for name in ("NLM_F_REQUEST", "NLM_F_ACK", "NLM_F_REPLACE", "NLM_F_CREATE",
+                 "NLM_F_APPEND", "NLM_F_DUMP"):
+        assert getattr(nft, name) == getattr(netlink, name), name
+    assert nft.NFNL_SUBSYS_NFTABLES == nfnetlink.NFNL_SUBSYS_NFTABLES
+    for name in ("NFT_MSG_NEWTABLE", "NFT_MSG_NEWCHAIN", "NFT_MSG_NEWRULE", "NFT_MSG_GETRULE",
+                 "NFT_MSG_DELRULE"):
+        assert getattr(nft, name) == getattr(nftsocket, name), name
+
+
 def test_a_loss_chain_reads_back_as_it_was_written():
     """The rules set_loss writes, read back as a dump shows them: the probability (to
     1e-9), the protocol, and which forward rule counts what goes to the node."""

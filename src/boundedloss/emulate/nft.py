@@ -17,30 +17,18 @@ import struct
 import threading
 from typing import Any
 
-from pyroute2.netlink import (
-    NLM_F_ACK,
-    NLM_F_APPEND,
-    NLM_F_CREATE,
-    NLM_F_DUMP,
-    NLM_F_REPLACE,
-    NLM_F_REQUEST,
-)
-from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_NFTABLES, nfgen_msg
-from pyroute2.netlink.nfnetlink.nftsocket import (
-    NFT_MSG_DELRULE,
-    NFT_MSG_GETRULE,
-    NFT_MSG_NEWCHAIN,
-    NFT_MSG_NEWRULE,
-    NFT_MSG_NEWTABLE,
-    nft_chain_msg,
-    nft_rule_msg,
-    nft_table_msg,
-)
-
 from . import netns
 
 NETLINK_NETFILTER = 12
 NFPROTO_IPV4 = 2
+#: netlink flags and nf_tables message types (linux/netlink.h, linux/netfilter/nf_tables.h;
+#: kept here so that importing this module does not import pyroute2, ~80 ms of a
+#: command's start: its message classes are imported where a message is made)
+NLM_F_REQUEST, NLM_F_ACK, NLM_F_REPLACE, NLM_F_CREATE, NLM_F_APPEND = 0x1, 0x4, 0x100, 0x400, 0x800
+NLM_F_DUMP = 0x300
+NFNL_SUBSYS_NFTABLES = 10
+NFT_MSG_NEWTABLE, NFT_MSG_NEWCHAIN = 0, 3
+NFT_MSG_NEWRULE, NFT_MSG_GETRULE, NFT_MSG_DELRULE = 6, 7, 8
 _BATCH_BEGIN, _BATCH_END = 0x10, 0x11
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _HDR = struct.Struct("=IHHII")
@@ -114,14 +102,21 @@ def verdict(code: int, chain: str | None = None) -> Expr:
 # --------------------------------------------------------------------- messages
 
 
+def _msgs() -> Any:
+    """pyroute2's nf_tables messages (``nfgen_msg``, ``nft_rule_msg``, ...)."""
+    from pyroute2.netlink.nfnetlink import nftsocket
+
+    return nftsocket
+
+
 def table_msg(table: str) -> tuple[Any, int, int]:
-    m = nft_table_msg()
+    m = _msgs().nft_table_msg()
     m["attrs"] = [["NFTA_TABLE_NAME", table]]
     return m, NFT_MSG_NEWTABLE, NLM_F_CREATE
 
 
 def chain_msg(table: str, chain: str, *, forward_hook: bool = False) -> tuple[Any, int, int]:
-    m = nft_chain_msg()
+    m = _msgs().nft_chain_msg()
     m["attrs"] = [["NFTA_CHAIN_TABLE", table], ["NFTA_CHAIN_NAME", chain]]
     if forward_hook:
         m["attrs"] += [["NFTA_CHAIN_HOOK", {"attrs": [["NFTA_HOOK_HOOKNUM", _HOOK_FORWARD],
@@ -133,7 +128,7 @@ def chain_msg(table: str, chain: str, *, forward_hook: bool = False) -> tuple[An
 def rule_msg(table: str, chain: str, exprs: list[Expr], *,
              replace: int | None = None) -> tuple[Any, int, int]:
     """A rule appended to ``chain``, or replacing the rule whose handle is ``replace``."""
-    m = nft_rule_msg()
+    m = _msgs().nft_rule_msg()
     m["attrs"] = [["NFTA_RULE_TABLE", table], ["NFTA_RULE_CHAIN", chain]]
     if replace is not None:
         m["attrs"].append(["NFTA_RULE_HANDLE", replace])
@@ -145,13 +140,13 @@ def rule_msg(table: str, chain: str, exprs: list[Expr], *,
 
 def flush_msg(table: str, chain: str) -> tuple[Any, int, int]:
     """Delete every rule of ``chain``."""
-    m = nft_rule_msg()
+    m = _msgs().nft_rule_msg()
     m["attrs"] = [["NFTA_RULE_TABLE", table], ["NFTA_RULE_CHAIN", chain]]
     return m, NFT_MSG_DELRULE, 0
 
 
 def delete_rule_msg(table: str, chain: str, handle: int) -> tuple[Any, int, int]:
-    m = nft_rule_msg()
+    m = _msgs().nft_rule_msg()
     m["attrs"] = [["NFTA_RULE_TABLE", table], ["NFTA_RULE_CHAIN", chain],
                   ["NFTA_RULE_HANDLE", handle]]
     return m, NFT_MSG_DELRULE, 0
@@ -186,7 +181,7 @@ class NftSocket:
 
     @staticmethod
     def _batch_edge(kind: int, seq: int) -> bytes:
-        m = nfgen_msg()
+        m = _msgs().nfgen_msg()
         m["res_id"] = NFNL_SUBSYS_NFTABLES
         m["header"]["type"] = kind
         m["header"]["flags"] = NLM_F_REQUEST
@@ -237,7 +232,7 @@ class NftSocket:
 
     def rules(self, table: str) -> list[Any]:
         """Every rule of ``table`` (decoded ``nft_rule_msg``s), in chain order."""
-        m = nft_rule_msg()
+        m = _msgs().nft_rule_msg()
         m["attrs"] = [["NFTA_RULE_TABLE", table]]
         m["header"]["type"] = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETRULE
         m["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
@@ -261,7 +256,7 @@ class NftSocket:
                             raise NftError(-code, f"listing nf_tables rules: "
                                                   f"{os.strerror(-code)}")
                         continue
-                    r = nft_rule_msg(body)
+                    r = _msgs().nft_rule_msg(body)
                     r.decode()
                     if r.get_attr("NFTA_RULE_TABLE") == table:
                         out.append(r)
