@@ -6,8 +6,8 @@ Times, interleaved in one run (every other repeat in reverse order):
   SRC`` - for another checkout's ``src`` folder (e.g. a ``git worktree`` of an older
   commit), each with the ``--loss`` given where the baseline can take it;
 - in one process: a loss-rule change through a ``LossRuleWriter`` (a timed microburst's
-  change: burst rate and base in turn) and through ``Testbed.set_loss`` (a rule set
-  afresh), ``--changes`` of each.
+  change: burst rate and base in turn, prepared first as a burst runner prepares them)
+  and through ``Testbed.set_loss`` (a rule set afresh), ``--changes`` of each.
 
 Prints a table and writes JSON (``--json``). Root, or a user namespace of its own.
 
@@ -56,6 +56,7 @@ def _rule_changes(workers: int, changes: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"writer": [], "set_loss": []}
     with Testbed(workers=workers, prefix="bltime-") as tb:
         w = tb.loss_writer("server")
+        w.prepare(0.8, 0.01)  # (as a burst runner does before its first burst)
         for i in range(changes):
             t0 = time.perf_counter()
             w.set(0.8 if i % 2 else 0.01)

@@ -200,6 +200,7 @@ class BurstRunner:
         self._writer = writer
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        writer.prepare(bursts.rate, self.base)
         writer.set(self.base)
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="bl-bursts", daemon=True)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import secrets
+import socket
 from collections.abc import Iterator
 
 from . import netns, processes
@@ -73,17 +74,14 @@ def _leftover_re(prefix: str) -> re.Pattern:
 
 
 def _root_veths(prefix: str) -> list[str]:
-    """veth links in this namespace named like ours (this design creates none; the
-    sweep looks anyway, and only ever at veths with our exact name pattern)."""
-    from pyroute2 import IPRoute
-
+    """Links in this namespace named like ours (this design creates none; the sweep
+    looks anyway, and only ever at links with our exact name pattern)."""
     pat = re.compile(rf"^{re.escape(prefix)}[0-9a-f]{{6}}-\S+$")
     try:
-        with IPRoute() as ipr:
-            names = [link.get_attr("IFLA_IFNAME") for link in ipr.get_links()]
+        names = [name for _, name in socket.if_nameindex()]
     except OSError:
         return []
-    return [n for n in names if n and pat.match(n)]
+    return [n for n in names if pat.match(n)]
 
 
 def leftovers(prefix: str = "bl-") -> list[str]:

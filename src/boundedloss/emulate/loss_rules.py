@@ -113,6 +113,17 @@ class LossRules:
                             raise
             self._build(node, p, protocol, self._read(node))
 
+    def prepare(self, node: str, protocol: str, ps: list[float]) -> None:
+        """The node's chain made for ``protocol`` if it is not, and the gate changes to
+        each of ``ps`` encoded (see :class:`LossRuleWriter`)."""
+        with self._lock:
+            have = self._chains.get(node) or self._read(node)
+            if have is None or have.protocol != protocol:
+                self._build(node, 0.0, protocol, have)
+                have = self._chains[node]
+            for p in ps:
+                self._gate_change(node, have.gate, p)
+
     def _gate_change(self, node: str, gate: int, p: float) -> tuple[bytes, list[int]]:
         """The transaction that replaces ``node``'s gate by one for ``p``, encoded once
         per value (bursts switch between two)."""
@@ -247,6 +258,12 @@ class LossRuleWriter:
         self.node = node
         self.protocol = check_protocol(protocol)
         self._rules = rules
+
+    def prepare(self, *ps: float) -> None:
+        """Have the changes to each of ``ps`` ready (the node's rule made if it is not
+        there yet, each transaction encoded), so that none of them waits on Python's
+        message encoding when its time comes."""
+        self._rules.prepare(self.node, self.protocol, [check_probability(p) for p in ps])
 
     def set(self, p: float) -> None:
         """Drop ``p`` of what arrives at the node from now on (the counters run on)."""
