@@ -10,10 +10,12 @@ Layout (table ``ip boundedloss``)::
 
 :meth:`LossRules.set` writes the node's rules afresh, both counters from zero, in one
 transaction: ``seen`` counts every packet forwarded toward X and ``dropped`` every one
-dropped there since. A :class:`LossRuleWriter` (a timed microburst's) replaces the gate
-alone, encoded once per value, so a change is one ``sendto`` and its acknowledgement (a
-few tens of microseconds) and the counters run on across changes. ``p = 0`` keeps a
-gate that passes everything.
+dropped there since; ``set(node, 0)`` removes them all (a packet then meets no rule of
+ours: the gate's random draw costs every packet a little, measurably). A
+:class:`LossRuleWriter` (a timed microburst's) replaces the gate alone, encoded once per
+value, so a change is one ``sendto`` and its acknowledgement (a few tens of
+microseconds) and the counters run on across changes; its ``p = 0`` is a gate that
+returns without a draw.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class _Chain:
 
 
 def _gate(p: float) -> list[nft.Expr]:
+    """The rule that passes ``1 - p`` of the packets on (``return``): at ``p = 0`` a bare
+    ``return``, which draws no random number for every packet."""
+    if p == 0:
+        return [nft.verdict(nft.RETURN)]
     return [*nft.random_at_least(MODULUS, round(p * MODULUS)), nft.verdict(nft.RETURN)]
 
 
@@ -98,7 +104,8 @@ class LossRules:
     def set(self, node: str, p: float, protocol: str = "udp", *, restart: bool = True) -> None:
         """Drop ``p`` of the ``protocol`` packets forwarded toward ``node`` from now on;
         the counters start from zero (``restart``), or run on where the protocol is
-        unchanged (a writer's fast change)."""
+        unchanged (a writer's fast change). A restart at ``p = 0`` removes the node's
+        rules altogether: a packet toward it then meets no rule of ours at all."""
         p = check_probability(p)
         check_protocol(protocol)
         with self._lock:
@@ -111,7 +118,20 @@ class LossRules:
                     except nft.NftError as e:  # another process rewrote the chain
                         if e.errno != errno.ENOENT:
                             raise
-            self._build(node, p, protocol, self._read(node))
+            have = self._read(node)
+            if restart and p == 0:
+                self._remove(node, have)
+            else:
+                self._build(node, p, protocol, have)
+
+    def _remove(self, node: str, have: _Chain | None) -> None:
+        """The node's forward rule and chain deleted, in one transaction."""
+        if have is None:
+            return
+        chain = loss_chain(node)
+        msgs = [] if have.jump is None else [nft.delete_rule_msg(TABLE, FORWARD, have.jump)]
+        self._nft.apply([*msgs, nft.flush_msg(TABLE, chain), nft.delete_chain_msg(TABLE, chain)])
+        self._chains.pop(node, None)
 
     def prepare(self, node: str, protocol: str, ps: list[float]) -> None:
         """The node's chain made for ``protocol`` if it is not, and the gate changes to
@@ -207,13 +227,14 @@ class _ChainView:
                 v.jump = rule.get_attr("NFTA_RULE_HANDLE")
             elif where != chain:
                 continue
-            elif "numgen" in names:
-                v.gate = rule.get_attr("NFTA_RULE_HANDLE")
-                v.probability = round(_threshold(exprs) / MODULUS, 9)
             elif "meta" in names:
                 v.protocol = "udp"
             elif "counter" in names:
                 v.dropped, v.dropped_bytes = _counter(exprs)
+            else:  # the gate: a draw, or a bare return at p = 0
+                v.gate = rule.get_attr("NFTA_RULE_HANDLE")
+                v.probability = round(_threshold(exprs) / MODULUS, 9) if "numgen" in names \
+                    else 0.0
         if v.gate is not None and v.protocol is None:
             v.protocol = "all"
         return v

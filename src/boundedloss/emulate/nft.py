@@ -27,7 +27,7 @@ NFPROTO_IPV4 = 2
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_REPLACE, NLM_F_CREATE, NLM_F_APPEND = 0x1, 0x4, 0x100, 0x400, 0x800
 NLM_F_DUMP = 0x300
 NFNL_SUBSYS_NFTABLES = 10
-NFT_MSG_NEWTABLE, NFT_MSG_NEWCHAIN = 0, 3
+NFT_MSG_NEWTABLE, NFT_MSG_NEWCHAIN, NFT_MSG_DELCHAIN = 0, 3, 5
 NFT_MSG_NEWRULE, NFT_MSG_GETRULE, NFT_MSG_DELRULE = 6, 7, 8
 _BATCH_BEGIN, _BATCH_END = 0x10, 0x11
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
@@ -123,6 +123,13 @@ def chain_msg(table: str, chain: str, *, forward_hook: bool = False) -> tuple[An
                                                       ["NFTA_HOOK_PRIORITY", 0]]}],
                        ["NFTA_CHAIN_TYPE", "filter"], ["NFTA_CHAIN_POLICY", ACCEPT]]
     return m, NFT_MSG_NEWCHAIN, NLM_F_CREATE
+
+
+def delete_chain_msg(table: str, chain: str) -> tuple[Any, int, int]:
+    """Delete ``chain`` (empty, and jumped to by no rule, in the same transaction)."""
+    m = _msgs().nft_chain_msg()
+    m["attrs"] = [["NFTA_CHAIN_TABLE", table], ["NFTA_CHAIN_NAME", chain]]
+    return m, NFT_MSG_DELCHAIN, 0
 
 
 def rule_msg(table: str, chain: str, exprs: list[Expr], *,

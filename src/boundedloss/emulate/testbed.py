@@ -404,8 +404,9 @@ class Testbed:
         probability ``p``: UDP only (``protocol="udp"``, the default: control traffic on
         TCP is spared) or everything (``"all"``). The rule lives in the node's chain
         (``loss_chain(node)``), jumped to from the switch's forward hook for packets
-        leaving through the node's port; a change of ``p`` replaces one rule in one
-        transaction, and ``p=0`` leaves a rule that drops nothing."""
+        leaving through the node's port; each call writes the node's rules afresh in one
+        transaction (counters from zero), and ``p=0`` removes them (and their jump)
+        altogether. (A microburst's fast changes: :meth:`loss_writer`.)"""
         p = check_probability(p)
         check_protocol(protocol)
         with self._lock:
