@@ -10,7 +10,6 @@ datagram (the FakeNetwork's loss models are kind-blind).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -109,12 +108,15 @@ def run_behind_a_narrow_path(script: str, mtu: int = 1500) -> subprocess.Complet
     """Run the Python ``script`` in a user and network namespace of its own whose
     loopback has the given MTU (so a path to 127.0.0.1 is that narrow); a pytest skip,
     saying why, where the kernel gives no unprivileged namespaces."""
-    cmd = ["unshare", "--user", "--map-root-user", "--net", "sh", "-c",
-           f"ip link set lo mtu {mtu} up && {sys.executable} -c \"$0\"", script]
-    path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
+    # (loopback's MTU set over rtnetlink, as the testbed sets links: no ip binary)
+    narrow = ("from pyroute2 import IPRoute\n"
+              "with IPRoute() as _ipr:\n"
+              f"    _ipr.link('set', index=_ipr.link_lookup(ifname='lo')[0], mtu={mtu},"
+              " state='up')\n")
+    cmd = ["unshare", "--user", "--map-root-user", "--net", sys.executable, "-c",
+           narrow + script]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PATH": path})
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
         pytest.skip("unshare is not installed")
     if proc.returncode != 0 and "unshare" in proc.stderr:

@@ -129,8 +129,7 @@ def _decoded(messages) -> list:
     sock._seq = iter(range(1, 1000))  # noqa: SLF001
     out = []
     for m in messages:
-        data, _ = sock.encode([m])
-        inner = data[20:]  # after the batch's begin message
+        inner = sock.encode([m]).data[20:]  # after the batch's begin message
         r = nft_rule_msg(inner)
         r.decode()
         out.append(r)
@@ -536,6 +535,59 @@ def test_a_loss_writer_changes_the_rule_in_place(bed):
         bed.loss_writer("sw")
 
 
+@needs_kernel
+def test_a_writer_keeps_counting_across_changes_and_another_process_rewrite(bed):
+    """A writer's changes leave the counters running; where another process rewrote
+    the node's rules (a new gate handle), the writer finds the new gate and goes on."""
+    from boundedloss.emulate.loss_rules import LossRules
+
+    w = bed.loss_writer("w2", protocol="all")
+    w.set(1.0)
+    assert bed.call("w0", [sys.executable, "-c", _UDP_BLAST_SMALL, bed.addresses["w2"]],
+                    check=True).returncode == 0
+    first = bed.loss_stats("w2")
+    assert first.dropped_packets == first.seen_packets >= 100
+    other = LossRules(bed.switch_namespace)  # another process's view of the same switch
+    try:
+        other.set("w2", 1.0, "all")  # written afresh: a new gate, counters from zero
+    finally:
+        other.close()
+    w.set(0.0)
+    w.set(1.0)  # the stale gate handle: found again, changed in place
+    assert bed.call("w0", [sys.executable, "-c", _UDP_BLAST_SMALL, bed.addresses["w2"]],
+                    check=True).returncode == 0
+    after = bed.loss_stats("w2")
+    assert after.probability == 1.0 and after.dropped_packets == after.seen_packets >= 100
+
+
+_UDP_BLAST_SMALL = ("import socket,sys\n"
+                    "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+                    "for _ in range(100): s.sendto(bytes(64),(sys.argv[1],9))\n")
+
+
+@needs_kernel
+def test_a_batch_the_kernel_refuses_whole_is_an_error_not_a_wait():
+    """The kernel refuses a batch it cannot take at all (here: its begin names no
+    subsystem, as where nf_tables is missing) on the batch's own sequence number: that
+    is an NftError with the kernel's errno, not a wait for answers that never come."""
+    import dataclasses
+    import struct
+
+    ns = f"{_prefix()}{secrets.token_hex(3)}-probe"
+    netns.create(ns)
+    try:
+        with nft.NftSocket(ns, timeout=60) as s:
+            txn = s.encode([nft.table_msg("probe")])
+            bad = bytearray(txn.data)
+            struct.pack_into(">H", bad, 18, 99)  # the begin's nfgenmsg res_id
+            with pytest.raises(nft.NftError) as e:
+                s.send(dataclasses.replace(txn, data=bytes(bad)))
+            assert "the transaction" in str(e.value) and e.value.errno > 0
+            s.send(txn)  # the socket is still good: the real one goes through
+    finally:
+        netns.delete(ns)
+
+
 def test_rounds_overlapping_a_burst():
     from boundedloss.emulate.bursts import rounds_overlapping
 
@@ -671,6 +723,8 @@ def test_the_testbed_needs_no_network_tool_on_path(tmp_path):
     the testbed is the kernel's and pip's alone (no ip, tc, iptables or nft)."""
     prefix = _prefix()
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    for tool in ("ip", "tc", "iptables", "nft"):
+        assert shutil.which(tool, path=env["PATH"]) is None, tool
 
     def tb(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "boundedloss.cli", "testbed", args[0],

@@ -777,9 +777,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: usage errors become one line on stderr, exit code 2."""
     from .emulate import rootless
 
-    if rootless.inside():
-        rootless.loopback_up()  # (whatever the command does in there needs loopback)
     try:
+        if rootless.inside():
+            rootless.loopback_up()  # (whatever the command does in there needs loopback)
         rc = cli.main(args=argv, prog_name="boundedloss", standalone_mode=False)
     except click.exceptions.Abort:
         err_console.print("boundedloss: aborted")

@@ -1,6 +1,7 @@
 """``python -I -S _enter.py NSFILE CMD [ARG...]``: exec CMD inside the network namespace
-bind-mounted at NSFILE (what ``ip netns exec`` does, without iproute2). Standard library
-only, run without site or environment, so it starts in a few milliseconds."""
+bind-mounted at NSFILE (as ``ip netns exec`` does, without iproute2 - and without its
+remount of ``/sys``, which CMD then sees as the host's). Standard library only, run
+without site or environment, so it starts in a few milliseconds."""
 
 import ctypes
 import os
@@ -14,10 +15,13 @@ def main(argv: list[str]) -> int:
         print("usage: _enter.py NSFILE CMD [ARG...]", file=sys.stderr)
         return 2
     libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(argv[1], os.O_RDONLY)
+    try:
+        fd = os.open(argv[1], os.O_RDONLY)
+    except OSError as e:
+        print(f"cannot enter {argv[1]}: {e.strerror}", file=sys.stderr)
+        return 126
     if libc.setns(fd, CLONE_NEWNET) != 0:
-        e = ctypes.get_errno()
-        print(f"cannot enter {argv[1]}: {os.strerror(e)}", file=sys.stderr)
+        print(f"cannot enter {argv[1]}: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
         return 126
     os.close(fd)
     try:

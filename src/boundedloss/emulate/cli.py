@@ -252,8 +252,9 @@ def status_cmd(as_json: bool, prefix: str, state_dir: str | None) -> None:
     for node, addr in st.addresses.items():
         ok = "" if st.namespaces.get(node) else "  (namespace missing)"
         ls = st.loss.get(node)
+        # (seen counts every packet toward the node, TCP too where the rule is UDP's)
         loss = (f"  loss {ls.probability:g} ({ls.protocol}) dropped {ls.dropped_packets}"
-                f"/{ls.seen_packets}" if ls and ls.protocol else "")
+                f" of {ls.seen_packets} forwarded" if ls and ls.protocol else "")
         click.echo(f"  {node:>7}  {addr:<15}{loss}{ok}")
     q = st.qdisc
     if q is not None:

@@ -131,8 +131,10 @@ def available(prefix: str = "bl-") -> tuple[bool, str]:
     Creates and deletes one probe namespace, with an nf_tables table in it, to be sure."""
     if not have_privileges():
         return False, NEED_ROOT
+    from . import nft
+
     try:
-        from . import nft
+        import pyroute2  # noqa: F401 - (the testbed's netlink messages)
     except ImportError as e:
         return False, f"pyroute2 is not installed ({e}); pip install pyroute2"
     ns = f"{prefix}{secrets.token_hex(3)}-probe"

@@ -64,7 +64,7 @@ class LossStats:
     packet the switch forwarded toward the node."""
 
     probability: float
-    protocol: str | None  # "udp", "all", or None when no rule was ever set
+    protocol: str | None  # "udp", "all", or None when the node has no rule (never set, or 0)
     dropped_packets: int
     dropped_bytes: int
     seen_packets: int
@@ -91,11 +91,14 @@ class LossRules:
     def __init__(self, switch_namespace: str):
         self._nft = nft.NftSocket(switch_namespace)
         self._chains: dict[str, _Chain] = {}  # what this process knows is in the kernel
-        self._encoded: dict[tuple[str, int, int], tuple[bytes, list[int]]] = {}
+        self._encoded: dict[tuple[str, int, int], nft.Transaction] = {}
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self._nft.close()
+        """Close the socket (after any change in flight: a burst's thread may be in
+        one)."""
+        with self._lock:
+            self._nft.close()
 
     def install(self) -> None:
         """The table and its forward chain (at ``up``)."""
@@ -111,13 +114,16 @@ class LossRules:
         with self._lock:
             if not restart:
                 have = self._chains.get(node) or self._read(node)
-                if have is not None and have.protocol == protocol:
+                for _ in range(2):  # (once more where another process rewrote the chain)
+                    if have is None or have.protocol != protocol:
+                        break
                     try:
-                        self._nft.send(*self._gate_change(node, have.gate, p))
+                        self._nft.send(self._gate_change(node, have.gate, p))
                         return
-                    except nft.NftError as e:  # another process rewrote the chain
+                    except nft.NftError as e:
                         if e.errno != errno.ENOENT:
                             raise
+                    have = self._read(node)
             have = self._read(node)
             if restart and p == 0:
                 self._remove(node, have)
@@ -144,7 +150,7 @@ class LossRules:
             for p in ps:
                 self._gate_change(node, have.gate, p)
 
-    def _gate_change(self, node: str, gate: int, p: float) -> tuple[bytes, list[int]]:
+    def _gate_change(self, node: str, gate: int, p: float) -> nft.Transaction:
         """The transaction that replaces ``node``'s gate by one for ``p``, encoded once
         per value (bursts switch between two)."""
         key = (node, gate, round(p * MODULUS))

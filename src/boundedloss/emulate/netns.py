@@ -14,6 +14,7 @@ made there serves the namespace from any thread afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -44,10 +45,10 @@ def _c() -> ctypes.CDLL:
     return _libc
 
 
-def _check(rc: int, what: str, name: str) -> None:
+def _check(rc: int, what: str) -> None:
     if rc != 0:
         e = ctypes.get_errno()
-        raise OSError(e, f"{what} for namespace {name}: {os.strerror(e)}")
+        raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
 def path(name: str) -> str:
@@ -70,8 +71,8 @@ def _share_run_dir() -> None:
     if libc.mount(b"none", d, None, _MS_SHARED | _MS_REC, None) == 0:
         return
     # not a mount point yet: bind it onto itself, then share it
-    _check(libc.mount(d, d, b"none", _MS_BIND | _MS_REC, None), "bind-mounting " + RUN_DIR, "")
-    _check(libc.mount(b"none", d, None, _MS_SHARED | _MS_REC, None), "sharing " + RUN_DIR, "")
+    _check(libc.mount(d, d, b"none", _MS_BIND | _MS_REC, None), f"bind-mounting {RUN_DIR}")
+    _check(libc.mount(b"none", d, None, _MS_SHARED | _MS_REC, None), f"sharing {RUN_DIR}")
 
 
 def create(name: str) -> None:
@@ -83,14 +84,15 @@ def create(name: str) -> None:
 
     def make() -> None:
         libc = _c()
-        _check(libc.unshare(CLONE_NEWNET), "unshare", name)
+        _check(libc.unshare(CLONE_NEWNET), f"unshare for namespace {name}")
         _check(libc.mount(b"/proc/thread-self/ns/net", target.encode(), b"none", _MS_BIND,
-                          None), "bind-mounting", name)
+                          None), f"bind-mounting namespace {name}")
 
     try:
         _in_thread(make)  # the thread, alone in the new namespace, ends with the call
     except BaseException:
-        os.unlink(target)
+        with contextlib.suppress(OSError):
+            delete(name)
         raise
 
 
@@ -110,7 +112,7 @@ def enter(name: str) -> None:
     process about to exec a command inside)."""
     fd = os.open(path(name), os.O_RDONLY | os.O_CLOEXEC)
     try:
-        _check(_c().setns(fd, CLONE_NEWNET), "setns", name)
+        _check(_c().setns(fd, CLONE_NEWNET), f"entering namespace {name}")
     finally:
         os.close(fd)
 
@@ -126,7 +128,14 @@ def _in_thread(fn: Callable[[], T]) -> T:
 
     t = threading.Thread(target=run, name="bl-netns", daemon=True)
     t.start()
-    t.join()
+    try:
+        t.join()
+    finally:
+        # an interrupt (SIGINT, the testbed's SIGTERM handler) raises out of join: let
+        # the call, a few milliseconds, finish first, so what follows sees its effect
+        while t.is_alive():
+            with contextlib.suppress(BaseException):
+                t.join()
     if "error" in box:
         raise box["error"]  # type: ignore[misc]
     return box.get("value")  # type: ignore[return-value]

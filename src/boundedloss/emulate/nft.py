@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from . import netns
@@ -162,6 +164,17 @@ def delete_rule_msg(table: str, chain: str, handle: int) -> tuple[Any, int, int]
 # --------------------------------------------------------------------- the socket
 
 
+@dataclass(frozen=True)
+class Transaction:
+    """An encoded nf_tables batch: its bytes and the sequence numbers of its begin, its
+    changes and its end (what the kernel's answers name)."""
+
+    data: bytes
+    begin: int
+    changes: tuple[int, ...]
+    end: int
+
+
 class NftSocket:
     """A ``NETLINK_NETFILTER`` socket in one namespace (made there, usable from any
     thread): :meth:`apply` commits a list of messages as one transaction, :meth:`rules`
@@ -196,10 +209,11 @@ class NftSocket:
         m.encode()
         return bytes(m.data)
 
-    def encode(self, messages: list[tuple[Any, int, int]]) -> tuple[bytes, list[int]]:
-        """The transaction's bytes and the sequence numbers to be acknowledged."""
-        seqs = []
-        parts = [self._batch_edge(_BATCH_BEGIN, next(self._seq))]
+    def encode(self, messages: list[tuple[Any, int, int]]) -> Transaction:
+        """``messages`` as one transaction, ready to send (and to send again)."""
+        begin = next(self._seq)
+        parts = [self._batch_edge(_BATCH_BEGIN, begin)]
+        changes = []
         for msg, kind, flags in messages:
             seq = next(self._seq)
             msg["header"]["type"] = (NFNL_SUBSYS_NFTABLES << 8) | kind
@@ -208,34 +222,48 @@ class NftSocket:
             msg["nfgen_family"] = NFPROTO_IPV4
             msg.encode()
             parts.append(bytes(msg.data))
-            seqs.append(seq)
-        parts.append(self._batch_edge(_BATCH_END, next(self._seq)))
-        return b"".join(parts), seqs
+            changes.append(seq)
+        end = next(self._seq)
+        parts.append(self._batch_edge(_BATCH_END, end))
+        return Transaction(b"".join(parts), begin, tuple(changes), end)
 
     def apply(self, messages: list[tuple[Any, int, int]]) -> None:
         """Commit ``messages`` as one transaction (all or nothing); NftError with the
-        kernel's errno if it refused one."""
-        self.send(*self.encode(messages))
+        kernel's errno if it refused it."""
+        self.send(self.encode(messages))
 
-    def send(self, data: bytes, seqs: list[int]) -> None:
+    def send(self, txn: Transaction) -> None:
         """Commit a transaction :meth:`encode` made (it can be sent again: encoding
-        takes a few hundred microseconds of Python, sending it a few tens)."""
+        takes a few hundred microseconds of Python, sending it a few tens). The kernel
+        answers each change, or refuses the whole batch on its begin or end (no
+        nf_tables, no privilege, no memory)."""
         with self._lock:
-            self._sock.sendto(data, (0, 0))
-            pending = set(seqs)
-            error: tuple[int, int] | None = None
-            while pending:
+            self._drain()  # (a late answer to an earlier send of the same bytes)
+            self._sock.sendto(txn.data, (0, 0))
+            pending = set(txn.changes)
+            error: tuple[int, str] | None = None
+            while pending and error is None:
                 buf = self._sock.recv(65536)
                 for kind, seq, body in _split(buf):
-                    if kind == _NLMSG_ERROR and seq in pending:
+                    if kind != _NLMSG_ERROR:
+                        continue
+                    code = -struct.unpack_from("=i", body)[0]
+                    if seq in pending:
                         pending.discard(seq)
-                        code = struct.unpack_from("=i", body)[0]
-                        if code < 0 and error is None:
-                            error = (-code, seqs.index(seq))
+                        if code > 0 and error is None:
+                            k = txn.changes.index(seq)
+                            error = (code, f"change {k + 1} of {len(txn.changes)}")
+                    elif seq in (txn.begin, txn.end) and code > 0:
+                        error = (code, "the transaction")
         if error is not None:
-            err, k = error
-            raise NftError(err, f"nf_tables refused change {k + 1} of {len(seqs)}: "
-                                f"{os.strerror(err)}")
+            code, what = error
+            raise NftError(code, f"nf_tables refused {what}: {os.strerror(code)}")
+
+    def _drain(self) -> None:
+        """Read whatever is waiting on the socket, without waiting. (A socket with a
+        timeout waits out EAGAIN even under MSG_DONTWAIT: poll first.)"""
+        while select.select([self._sock], [], [], 0)[0]:
+            self._sock.recv(65536)
 
     def rules(self, table: str) -> list[Any]:
         """Every rule of ``table`` (decoded ``nft_rule_msg``s), in chain order."""

@@ -15,6 +15,10 @@ ETH_HEADER = 14
 #: what overflows its 256-packet ring, uncounted by any qdisc; with one, a full ring
 #: holds the packets back in the queue, and only what overflows the queue is dropped.
 PORT_QUEUE_PACKETS = 1000
+_U32 = 2**32 - 1
+#: the kernel's packet-scheduler ticks per microsecond at most (15.625 here, from
+#: /proc/net/psched; 64 bounds it on the kernels we know)
+_TICKS_PER_US = 64
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,17 @@ class Bottleneck:
         parse_rate(self.rate)
         parse_size(self.burst)
         parse_size(self.limit)
+        # tbf's netlink fields are 32-bit: bytes/s, bytes, and the bucket as scheduler
+        # ticks at the rate (pyroute2 writes no 64-bit rate)
+        if self.rate_bps // 8 > _U32:
+            raise ValueError(f"tbf rate {self.rate} is above {format_rate(_U32 * 8)}, the "
+                             "most this testbed sets")
+        if self.limit_bytes > _U32:
+            raise ValueError(f"tbf limit {self.limit} is above {_U32} B")
+        if self.burst_bytes * 8 / self.rate_bps * 1e6 * _TICKS_PER_US > _U32:
+            raise ValueError(f"tbf burst {self.burst} at {self.rate} is longer than the "
+                             "kernel can hold (a 32-bit count of scheduler ticks); "
+                             "use a smaller burst or a higher rate")
 
     @property
     def rate_bps(self) -> int:

@@ -7,8 +7,9 @@ Where the kernel allows unprivileged user namespaces, a command that needs the t
         sh -c 'mount a tmpfs on /run/netns; exec "$@"' sh  python -m boundedloss.cli ...
 
 Inside, the command holds CAP_NET_ADMIN over every network namespace it creates (they
-all belong to that user namespace), ``ip netns add`` works on the private tmpfs, and
-nothing touches the host's namespaces, interfaces or firewall. Teardown cannot leak:
+all belong to that user namespace), naming a namespace works on the private tmpfs, the
+command brings up its own namespace's loopback first (:func:`loopback_up`), and nothing
+touches the host's namespaces, interfaces or firewall. Teardown cannot leak:
 the command is the new PID namespace's first process, so when it ends - or when the
 ``unshare`` that stands in for the original process is killed, even with SIGKILL
 (``--kill-child``) - the kernel kills every process inside, and the namespaces go with

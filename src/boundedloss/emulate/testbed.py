@@ -385,10 +385,12 @@ class Testbed:
     # -- random loss ------------------------------------------------------------------
 
     def _loss_rules(self) -> LossRules:
-        if self._rules is None:
-            with kernel_step("opening nf_tables in the switch"):
-                self._rules = LossRules(self.switch_namespace)
-        return self._rules
+        """The switch's rules, opened once (with the lock held: ``down()`` closes them)."""
+        with self._lock:
+            if self._rules is None:
+                with kernel_step("opening nf_tables in the switch"):
+                    self._rules = LossRules(self.switch_namespace)
+            return self._rules
 
     def _receiver(self, node: str | int) -> str:
         name = self.node(node)
@@ -423,9 +425,10 @@ class Testbed:
 
     def loss_stats(self, node: str | int = SERVER) -> LossStats:
         """The loss rule toward ``node`` as the kernel holds it, with its counters."""
-        name = self._receiver(node)
-        with kernel_step(f"reading the loss rule toward {name}"):
-            return self._loss_rules().stats(name)
+        with self._lock:
+            name = self._receiver(node)
+            with kernel_step(f"reading the loss rule toward {name}"):
+                return self._loss_rules().stats(name)
 
     # -- bursts -----------------------------------------------------------------------
 
