@@ -1,0 +1,834 @@
+/*
+ * Dispatcher: the per-datagram data path under the Python protocol core.
+ *
+ * It moves bytes and decides nothing. What it does:
+ *   - takes DATA datagrams for receives the Python core registered: finds the receive,
+ *     copies the payload into its destination, marks the chunk delivered, counts, and
+ *     builds the ACK the receiver owes every ack_every datagrams;
+ *   - receives batches from a UDP socket (recvmmsg, each message possibly a GRO run)
+ *     with the GIL released (Dispatcher.recv), and sends runs (UDP_SEGMENT);
+ *   - with a job's key (Dispatcher.authenticate), verifies the tag every datagram ends in
+ *     before anything else reads it, and seals what it sends (the DATA of send_run, its
+ *     ACKs) through its Sealer (seal.c).
+ * A datagram it cannot take without a decision - the first one of a receive, one that
+ * would meet the receive's plan, a control datagram, one for an unknown message - is
+ * handed back to Python untouched, in order, and Python's core handles it as always.
+ * The counters a receive shares with Python live in a Receive object that both read.
+ */
+#include "native.h"
+#include "seal.h"
+
+#define BUCKETS 4096
+#define RECV_SLOTS 64
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t session;
+    ReceiveObject *table[BUCKETS];
+    long long taken;                 /* datagrams the data path took */
+    long long drops[N_REASONS];      /* malformed / foreign datagrams it counted and dropped */
+    /* the batch: a buffer of RECV_SLOTS slots, each one message (a datagram or a GRO run) */
+    unsigned char *buf;
+    uint32_t lens[RECV_SLOTS], segs[RECV_SLOTS], ips[RECV_SLOTS];
+    uint16_t ports[RECV_SLOTS];
+    int batch, slot;                 /* messages in the batch; the one being read */
+    uint32_t offset;                 /* where in that message the next datagram starts */
+    Py_ssize_t seq;                  /* datagrams of the batch read so far */
+    unsigned char *stage;            /* a segmented send, gathered (GSO_MAX_BYTES) */
+    unsigned char *lose;             /* per datagram of the batch: a loss model drops it */
+    Py_ssize_t lose_len, lose_cap;
+    /* the tags of one message of the batch (slot ``verified_slot``; -1: none), checked
+     * without the GIL just before step takes its datagrams: VERIFIED or a drop reason */
+    unsigned char *verdicts;
+    Py_ssize_t verdicts_cap, slot_seq0;  /* (slot_seq0: the batch index of its first) */
+    int verified_slot;
+    Sealer sealer;                   /* on: every datagram carries a tag (authenticate) */
+} DispatcherObject;
+
+static inline uint32_t bucket_of(uint32_t ip, uint16_t port, uint32_t rnd, uint32_t msg) {
+    uint64_t k = ((uint64_t)ip << 16 | port) * 0x9E3779B97F4A7C15ull;
+    k ^= ((uint64_t)rnd << 32 | msg) * 0xC2B2AE3D27D4EB4Full;
+    return (uint32_t)(k >> 52) & (BUCKETS - 1);
+}
+
+static int dispatcher_init(DispatcherObject *d, PyObject *args, PyObject *kw) {
+    unsigned long long session;
+    if (!PyArg_ParseTuple(args, "K", &session)) return -1;
+    d->session = session;
+    return 0;
+}
+
+static void dispatcher_dealloc(DispatcherObject *d) {
+    for (int b = 0; b < BUCKETS; b++) {
+        ReceiveObject *r = d->table[b];
+        while (r) {
+            ReceiveObject *next = r->next;
+            r->registered = 0;
+            r->next = NULL;
+            Py_DECREF(r);
+            r = next;
+        }
+    }
+    PyMem_Free(d->buf);
+    PyMem_Free(d->lose);
+    PyMem_RawFree(d->verdicts);
+    PyMem_Free(d->stage);
+    sealer_release(&d->sealer);
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+#ifdef BL_OPENSSL
+/* authenticate(key, ip, port, seed): from now on every datagram taken must carry a
+ * valid tag, and every one built here is sealed; (ip, port) is this endpoint's own
+ * address; seed (12 random bytes) starts this sealer's nonces. */
+static PyObject *dispatcher_authenticate(DispatcherObject *d, PyObject *args) {
+    Py_buffer key, seed;
+    unsigned int ip, port;
+    if (!PyArg_ParseTuple(args, "y*IIy*", &key, &ip, &port, &seed)) return NULL;
+    PyObject *result = NULL;
+    if (key.len != KEY_BYTES || seed.len != NONCE_BYTES || port > 0xFFFF || d->sealer.on)
+        PyErr_SetString(PyExc_ValueError, "authenticate: a 32-byte key, a 12-byte seed, once");
+    else if (sealer_start(&d->sealer, key.buf, ip, (uint16_t)port, seed.buf) < 0)
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL has no AES-256 here, or its GCM could "
+                                            "not start");
+    else
+        result = Py_NewRef(Py_None);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&seed);
+    return result;
+}
+
+/* tag(data, nonce, src_ip, src_port, dst_ip, dst_port) -> bytes: the tag protocol/auth.py
+ * would put on ``data`` under ``nonce`` (tests hold the two to the same bytes). */
+static PyObject *dispatcher_tag(DispatcherObject *d, PyObject *args) {
+    Py_buffer b, nonce;
+    unsigned int sip, sport, dip, dport;
+    if (!PyArg_ParseTuple(args, "y*y*IIII", &b, &nonce, &sip, &sport, &dip, &dport))
+        return NULL;
+    unsigned char src[IDENT_BYTES], dst[IDENT_BYTES], tag[TAG_BYTES];
+    put_ident(src, sip, (uint16_t)sport);
+    put_ident(dst, dip, (uint16_t)dport);
+    int r = d->sealer.on && nonce.len == NONCE_BYTES
+        ? sealer_tag(&d->sealer, src, dst, b.buf, (size_t)b.len, NULL, 0, nonce.buf, tag)
+        : -1;
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&nonce);
+    if (r < 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "tag: not authenticating, a nonce not 12 bytes, or OpenSSL failed");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)tag, TAG_BYTES);
+}
+
+/* seal(datagram, dst_ip, dst_port) -> bytes: the trailer (this sealer's next nonce, the
+ * tag) of a datagram from us to that peer - a control datagram the Python core built.
+ * Holds the GIL: a tag is a fraction of a microsecond. */
+static PyObject *dispatcher_seal(DispatcherObject *d, PyObject *args) {
+    Py_buffer b;
+    unsigned int ip, port;
+    if (!PyArg_ParseTuple(args, "y*II", &b, &ip, &port)) return NULL;
+    unsigned char dst[IDENT_BYTES], trailer[TRAILER_BYTES];
+    put_ident(dst, ip, (uint16_t)port);
+    int r = d->sealer.on
+        ? sealer_seal(&d->sealer, dst, b.buf, (size_t)b.len, NULL, 0, trailer) : -1;
+    PyBuffer_Release(&b);
+    if (r < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "seal: not authenticating, or OpenSSL failed");
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)trailer, TRAILER_BYTES);
+}
+#endif
+
+static PyObject *dispatcher_register(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ReceiveType)) {
+        PyErr_SetString(PyExc_TypeError, "register takes a Receive");
+        return NULL;
+    }
+    ReceiveObject *r = (ReceiveObject *)arg;
+    if (!r->geometry || r->registered) {
+        PyErr_SetString(PyExc_ValueError, "a Receive must be bound and not registered");
+        return NULL;
+    }
+    uint32_t b = bucket_of(r->ip, r->port, r->round_id, r->message_id);
+    Py_INCREF(r);
+    r->next = d->table[b];
+    d->table[b] = r;
+    r->registered = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dispatcher_unregister(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ReceiveType)) {
+        PyErr_SetString(PyExc_TypeError, "unregister takes a Receive");
+        return NULL;
+    }
+    ReceiveObject *r = (ReceiveObject *)arg;
+    if (!r->registered) Py_RETURN_NONE;
+    ReceiveObject **p = &d->table[bucket_of(r->ip, r->port, r->round_id, r->message_id)];
+    while (*p && *p != r) p = &(*p)->next;
+    if (*p) {
+        *p = r->next;
+        r->next = NULL;
+        r->registered = 0;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+static inline ReceiveObject *lookup(DispatcherObject *d, uint32_t ip, uint16_t port,
+                                    uint32_t rnd, uint32_t msg) {
+    ReceiveObject *r = d->table[bucket_of(ip, port, rnd, msg)];
+    while (r && !(r->ip == ip && r->port == port && r->round_id == rnd && r->message_id == msg))
+        r = r->next;
+    return r;
+}
+
+enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
+/* a datagram's tag: not checked yet, or what recv's check found (else a drop reason) */
+enum { UNCHECKED = 255, VERIFIED = 0 };
+
+/* Check a datagram's tag: VERIFIED, a drop reason, or FAILED (OpenSSL failed). Needs
+ * no GIL. */
+static int verify(DispatcherObject *d, const unsigned char *p, size_t n, uint32_t ip,
+                  uint16_t port) {
+    unsigned char src[IDENT_BYTES], tag[TAG_BYTES];
+    if (n < HEADER_BYTES + TRAILER_BYTES) return R_SHORT;
+    n -= TRAILER_BYTES;
+    put_ident(src, ip, port);
+    if (sealer_tag(&d->sealer, src, d->sealer.ident, p, n, NULL, 0, p + n, tag) < 0)
+        return FAILED;
+    if (!sealer_tags_equal(tag, p + n + NONCE_BYTES))
+        return ld64(p + OFF_SESSION) != d->session ? R_FOREIGN_SESSION : R_BAD_AUTH;
+    return VERIFIED;
+}
+
+/* Take one datagram if the data path may: TAKEN (counted, dropped or delivered), or
+ * HANDED_BACK (Python's core must handle it, untouched but for its tag: when
+ * authenticating, *np is cut to the datagram without it, verified). FAILED: a Python
+ * error (appending an ACK to ``out``, OpenSSL failing). Mirrors
+ * TransferMux.datagram_received followed by MessageReceiver.data_received for the
+ * datagrams it takes. */
+static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_t ip,
+                uint16_t port, PyObject *out, int verdict) {
+    Header h;
+    size_t n = *np;
+    if (d->sealer.on) {  /* (as TransferMux.datagram_received: the tag before anything else) */
+        if (verdict == UNCHECKED) verdict = verify(d, p, n, ip, port);
+        if (verdict == FAILED) {
+            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
+            return FAILED;
+        }
+        if (verdict != VERIFIED) {
+            d->drops[verdict]++;
+            d->taken++;
+            return TAKEN;
+        }
+        n -= TRAILER_BYTES;
+        *np = n;
+    }
+    int r = parse(p, n, &h);
+    if (r != OK) {
+        d->drops[r]++;
+        d->taken++;
+        return TAKEN;
+    }
+    if (h.session != d->session) {
+        d->drops[R_FOREIGN_SESSION]++;
+        d->taken++;
+        return TAKEN;
+    }
+    if (h.kind != KIND_DATA) return HANDED_BACK;
+    ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
+    if (rx == NULL || !rx->heard || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes)
+        return HANDED_BACK;
+    unsigned char *delivered = (unsigned char *)rx->delivered.buf;
+    int fresh = !delivered[h.index];
+    if (fresh) {
+        /* would this chunk meet the plan? then Python's core closes the receive */
+        long long now_delivered = rx->delivered_count + 1;
+        long long crit = rx->critical_missing
+            - (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index] ? 1 : 0);
+        if (now_delivered >= rx->need && crit == 0
+            && (now_delivered == (long long)rx->count || rx->early_stop || rx->need == 0))
+            return HANDED_BACK;
+    }
+    d->taken++;
+    rx->datagrams++;
+    rx->payload_bytes += h.plen;
+    if ((long long)h.tseq > rx->max_tseq) rx->max_tseq = h.tseq;
+    if (++rx->unacked >= (long long)rx->ack_every) {
+        rx->unacked = 0;
+        unsigned char *a = rx->ack;
+        st32(a + OFF_TSEQ, (uint32_t)rx->max_tseq);
+        st32(a + HEADER_BYTES, (uint32_t)rx->delivered_count);
+        Py_ssize_t alen = HEADER_BYTES + 4;
+        if (d->sealer.on) {  /* sealed here: the mux hands the data path's datagrams out as is */
+            unsigned char dst[IDENT_BYTES];
+            put_ident(dst, rx->ip, rx->port);
+            if (sealer_seal(&d->sealer, dst, a, HEADER_BYTES + 4, NULL, 0,
+                            a + HEADER_BYTES + 4) < 0) {
+                PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
+                return FAILED;
+            }
+            alen += TRAILER_BYTES;
+        }
+        Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
+        PyObject *ack = PyBytes_FromStringAndSize((const char *)a, alen);
+        /* (sealed: marked so, as TransferMux.outbox says, for the mux not to seal it) */
+        PyObject *item = ack == NULL ? NULL
+            : d->sealer.on ? Py_BuildValue("((N)OO)", ack, rx->peer, Py_True)
+                      : Py_BuildValue("((N)O)", ack, rx->peer);
+        int appended = item != NULL && PyList_Append(out, item) == 0;
+        Py_XDECREF(item);
+        Py_DECREF(rx);
+        if (!appended) return FAILED;
+    }
+    if (!fresh) {
+        rx->duplicates++;
+        return TAKEN;
+    }
+    uint64_t off = (uint64_t)h.index * rx->cbytes;
+    if (off + h.plen > (uint64_t)rx->dest.len) {  /* cannot happen: parse + bind checked */
+        PyErr_SetString(PyExc_SystemError, "boundedloss._native: copy out of bounds");
+        return FAILED;
+    }
+    memcpy((unsigned char *)rx->dest.buf + off, p + HEADER_BYTES, h.plen);
+    delivered[h.index] = 1;
+    rx->delivered_count++;
+    if (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index])
+        rx->critical_missing--;
+    return TAKEN;
+}
+
+/* take(datagram, ip, port, out) -> bool: the data path took it (False: Python's turn). */
+static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
+    Py_buffer b;
+    unsigned int ip, port;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "y*IIO!", &b, &ip, &port, &PyList_Type, &out)) return NULL;
+    size_t n = (size_t)b.len;
+    int r = take(d, (const unsigned char *)b.buf, &n, ip, (uint16_t)port, out, UNCHECKED);
+    PyBuffer_Release(&b);
+    if (r == FAILED) return NULL;
+    return PyBool_FromLong(r == TAKEN);
+}
+
+/* take_rows(rows, stride, lengths, ip, port, out, start) -> index: datagram i is
+ * rows[i*stride : i*stride + lengths[i]] (lengths: uint32 array); takes datagrams from
+ * ``start`` on and returns the index of the first one handed back (or their count). */
+static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
+    Py_buffer rows, lengths;
+    Py_ssize_t stride, start;
+    unsigned int ip, port;
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "y*ny*IIO!n", &rows, &stride, &lengths, &ip, &port,
+                          &PyList_Type, &out, &start))
+        return NULL;
+    Py_ssize_t count = lengths.len / 4, i = start;
+    PyObject *result = NULL;
+    if (stride <= 0 || start < 0 || lengths.len % 4 || (count && stride > rows.len / count)) {
+        PyErr_SetString(PyExc_ValueError, "rows, stride and lengths disagree");
+        goto done;
+    }
+    for (; i < count; i++) {
+        uint32_t len;
+        memcpy(&len, (const unsigned char *)lengths.buf + 4 * i, sizeof len);
+        if ((Py_ssize_t)len > stride) {
+            PyErr_SetString(PyExc_ValueError, "a length exceeds the stride");
+            goto done;
+        }
+        size_t n = len;
+        int r = take(d, (const unsigned char *)rows.buf + i * stride, &n, ip, (uint16_t)port,
+                     out, UNCHECKED);
+        if (r == FAILED) goto done;
+        if (r == HANDED_BACK) break;
+    }
+    result = PyLong_FromSsize_t(i);
+done:
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&lengths);
+    return result;
+}
+
+/* The tags of slot ``s``'s datagrams into d->verdicts, in order (the same walk as
+ * step's). 0, or -1 (out of memory; nothing recorded). Needs no GIL. One message at a
+ * time, just before step takes it, so that its bytes are still in the cache when they
+ * are copied: checking the whole batch (up to 4 MB) first was slower (BENCHMARKS.md,
+ * "Authenticated datagrams": 0.50 -> 0.60 of the unauthenticated goodput, one run). */
+static int verify_slot(DispatcherObject *d, int s) {
+    uint32_t len = d->lens[s], seg = d->segs[s] ? d->segs[s] : 1, off = 0;
+    Py_ssize_t total = len == 0 ? 1 : (len + seg - 1) / seg, i = 0;
+    if (total > d->verdicts_cap) {
+        unsigned char *v = PyMem_RawRealloc(d->verdicts, (size_t)total);
+        if (v == NULL) return -1;
+        d->verdicts = v;
+        d->verdicts_cap = total;
+    }
+    do {
+        uint32_t n = len - off;
+        if (n > seg) n = seg;
+        int v = verify(d, d->buf + (size_t)s * SLOT_BYTES + off, n, d->ips[s], d->ports[s]);
+        d->verdicts[i++] = v == FAILED ? UNCHECKED : (unsigned char)v;
+        off += n;
+    } while (off < len);
+    return 0;
+}
+
+#ifdef __linux__
+/* recv(fd) -> messages: one recvmmsg into the batch buffer, with the GIL released. Each
+ * message is a datagram or, on a UDP_GRO socket, a run of equal-sized ones. 0 when
+ * nothing is waiting. Raises OSError for errors other than EAGAIN. */
+static PyObject *dispatcher_recv(DispatcherObject *d, PyObject *arg) {
+    int fd = PyObject_AsFileDescriptor(arg);
+    if (fd < 0) return NULL;
+    if (d->buf == NULL) {
+        d->buf = PyMem_Malloc((size_t)RECV_SLOTS * SLOT_BYTES);
+        if (d->buf == NULL) return PyErr_NoMemory();
+    }
+    struct mmsghdr msgs[RECV_SLOTS];
+    struct iovec iov[RECV_SLOTS];
+    struct sockaddr_in addrs[RECV_SLOTS];
+    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(int))]; } ctrl[RECV_SLOTS];
+    memset(msgs, 0, sizeof msgs);
+    for (int i = 0; i < RECV_SLOTS; i++) {
+        iov[i].iov_base = d->buf + (size_t)i * SLOT_BYTES;
+        iov[i].iov_len = SLOT_BYTES;
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+        msgs[i].msg_hdr.msg_name = &addrs[i];
+        msgs[i].msg_hdr.msg_namelen = sizeof addrs[i];
+        msgs[i].msg_hdr.msg_control = ctrl[i].buf;
+        msgs[i].msg_hdr.msg_controllen = sizeof ctrl[i].buf;
+    }
+    int got, saved_errno = 0;
+    d->batch = d->slot = 0;
+    d->offset = 0;
+    d->seq = 0;
+    d->lose_len = 0;
+    d->verified_slot = -1;
+    Py_BEGIN_ALLOW_THREADS
+    got = recvmmsg(fd, msgs, RECV_SLOTS, MSG_DONTWAIT, NULL);
+    saved_errno = errno;
+    for (int i = 0; i < got; i++) {
+        uint32_t seg = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msgs[i].msg_hdr); c;
+             c = CMSG_NXTHDR(&msgs[i].msg_hdr, c)) {
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                int v;
+                memcpy(&v, CMSG_DATA(c), sizeof v);
+                seg = v > 0 ? (uint32_t)v : 0;
+            }
+        }
+        d->lens[i] = msgs[i].msg_len;
+        d->segs[i] = seg && seg < msgs[i].msg_len ? seg : msgs[i].msg_len;
+        d->ips[i] = ntohl(addrs[i].sin_addr.s_addr);
+        d->ports[i] = ntohs(addrs[i].sin_port);
+    }
+    Py_END_ALLOW_THREADS
+    if (got < 0) {
+        if (saved_errno == EAGAIN || saved_errno == EWOULDBLOCK) return PyLong_FromLong(0);
+        errno = saved_errno;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    d->batch = got;
+    return PyLong_FromLong(got);
+}
+#endif
+
+#ifdef __linux__
+/* Seal k datagrams laid out as (header, payload, trailer) iovecs: each one's trailer
+ * into tags[j]. 1 if a tag failed, else 0. */
+static int seal_pieces(DispatcherObject *d, const unsigned char *dst, const struct iovec *iov,
+                       Py_ssize_t k, unsigned char (*tags)[TRAILER_BYTES]) {
+    for (Py_ssize_t j = 0; j < k; j++)
+        if (sealer_seal(&d->sealer, dst, iov[3 * j].iov_base, HEADER_BYTES,
+                        iov[3 * j + 1].iov_base, iov[3 * j + 1].iov_len, tags[j]) < 0)
+            return 1;
+    return 0;
+}
+#endif
+
+/* send_run(sock, ip, port, headers, payload, indices, start, chunk_bytes, nbytes,
+ *          segment) -> (next, err, end, calls): the DATA datagrams of one message, chunk
+ * indices[start:] (indices: int64), each its header (48 bytes at i * 48 in headers)
+ * then its payload (at i * chunk_bytes in payload), gathered straight from those
+ * buffers. With ``segment`` runs of equal-sized datagrams go out as one UDP_SEGMENT
+ * send each (the last may be shorter), else up to 64 datagrams per sendmmsg. Stops at the first error: ``err`` is
+ * its errno (0: all sent), ``next`` the first unsent index into indices, ``end`` the end
+ * of the call that failed; ``calls``: system calls that sent. The GIL is released
+ * around each call. */
+#ifdef __linux__
+static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
+    PyObject *sock;
+    unsigned int ip, port, cb;
+    unsigned long long nbytes;
+    Py_ssize_t start;
+    int segment;
+    Py_buffer hb, pb, ib;
+    if (d->stage == NULL && (d->stage = PyMem_Malloc(GSO_MAX_BYTES)) == NULL)
+        return PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "OIIy*y*y*nIKp", &sock, &ip, &port, &hb, &pb, &ib, &start,
+                          &cb, &nbytes, &segment))
+        return NULL;
+    PyObject *result = NULL;
+    const int64_t *idx = ib.buf;
+    Py_ssize_t n = ib.len / 8;
+    int fd = PyObject_AsFileDescriptor(sock);
+    if (fd < 0) goto done;
+    uint64_t count = cb ? (nbytes + cb - 1) / cb : 0;
+    if (count == 0) count = 1;
+    if (cb == 0 || cb > MAX_CHUNK_BYTES || ib.len % 8 || start < 0 || start > n
+        || (uint64_t)hb.len < count * HEADER_BYTES || (uint64_t)pb.len != nbytes) {
+        PyErr_SetString(PyExc_ValueError, "send_run: buffers disagree with the geometry");
+        goto done;
+    }
+    for (Py_ssize_t i = start; i < n; i++) {
+        if (idx[i] < 0 || (uint64_t)idx[i] >= count) {
+            PyErr_SetString(PyExc_ValueError, "send_run: chunk index out of range");
+            goto done;
+        }
+    }
+    struct sockaddr_in to;
+    memset(&to, 0, sizeof to);
+    to.sin_family = AF_INET;
+    to.sin_addr.s_addr = htonl(ip);
+    to.sin_port = htons((uint16_t)port);
+    const unsigned char *H = hb.buf, *P = pb.buf;
+    uint64_t last_len = nbytes - (uint64_t)cb * (count - 1);
+#define CLEN(c) ((c) == count - 1 ? last_len : cb)
+    /* authenticating: every datagram ends in its trailer (a third piece, or in the stage) */
+    const uint32_t trailer = d->sealer.on ? TRAILER_BYTES : 0;
+    const int pieces = trailer ? 3 : 2;
+    unsigned char dst[IDENT_BYTES];
+    put_ident(dst, ip, (uint16_t)port);
+    struct iovec iov[3 * SEND_MAX];
+    unsigned char tags[SEND_MAX][TRAILER_BYTES];
+    struct mmsghdr msgs[SEND_MAX];
+    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } ctrl;
+    Py_ssize_t i = start, end = start;
+    long calls = 0;
+    int err = 0, mac_failed = 0;
+    while (i < n) {
+        Py_ssize_t k;  /* datagrams in this call */
+        uint32_t size0 = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i]) + trailer;
+        if (segment) {
+            Py_ssize_t most = GSO_MAX_BYTES / size0;
+            if (most > SEND_MAX) most = SEND_MAX;
+            if (most < 1) most = 1;
+            k = 1;
+            while (i + k < n && k < most) {
+                uint32_t sz = HEADER_BYTES + (uint32_t)CLEN((uint64_t)idx[i + k]) + trailer;
+                if (sz != size0) {
+                    if (sz < size0) k++;  /* a short last segment closes the run */
+                    break;
+                }
+                k++;
+            }
+        } else {
+            k = n - i < SEND_MAX ? n - i : SEND_MAX;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            uint64_t c = (uint64_t)idx[i + j];
+            iov[pieces * j].iov_base = (void *)(H + (size_t)c * HEADER_BYTES);
+            iov[pieces * j].iov_len = HEADER_BYTES;
+            iov[pieces * j + 1].iov_base = (void *)(P + (size_t)c * cb);
+            iov[pieces * j + 1].iov_len = (size_t)CLEN(c);
+            if (trailer) {
+                iov[pieces * j + 2].iov_base = tags[j];
+                iov[pieces * j + 2].iov_len = TRAILER_BYTES;
+            }
+        }
+        end = i + k;
+        int sent;
+        /* (the copies, tags and system call run without the GIL: the buffers are held) */
+        if (segment) {
+            struct msghdr m;
+            memset(&m, 0, sizeof m);
+            m.msg_name = &to;
+            m.msg_namelen = sizeof to;
+            m.msg_iov = iov;
+            m.msg_iovlen = (size_t)(pieces * k);
+            struct iovec whole;
+            int staged = k > 1 && d->stage != NULL;
+            if (staged) {
+                /* one contiguous buffer: the kernel segments it faster than 2k pieces */
+                whole.iov_base = d->stage;
+                whole.iov_len = 0;
+                m.msg_iov = &whole;
+                m.msg_iovlen = 1;
+            }
+            if (k > 1) {
+                memset(&ctrl, 0, sizeof ctrl);
+                m.msg_control = ctrl.buf;
+                m.msg_controllen = sizeof ctrl.buf;
+                struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+                c->cmsg_level = SOL_UDP;
+                c->cmsg_type = UDP_SEGMENT;
+                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+                uint16_t gso = (uint16_t)size0;
+                memcpy(CMSG_DATA(c), &gso, sizeof gso);
+            }
+            ssize_t r = -1;
+            Py_BEGIN_ALLOW_THREADS
+            if (staged) {
+                size_t at = 0;
+                for (Py_ssize_t j = 0; j < k && !mac_failed; j++) {
+                    size_t first = at;
+                    for (int q = 0; q < 2; q++) {
+                        memcpy(d->stage + at, iov[pieces * j + q].iov_base,
+                               iov[pieces * j + q].iov_len);
+                        at += iov[pieces * j + q].iov_len;
+                    }
+                    if (trailer) {
+                        mac_failed = sealer_seal(&d->sealer, dst, d->stage + first,
+                                                 at - first, NULL, 0, d->stage + at) < 0;
+                        at += TRAILER_BYTES;
+                    }
+                }
+                whole.iov_len = at;
+            } else if (trailer) {
+                mac_failed = seal_pieces(d, dst, iov, k, tags);
+            }
+            if (!mac_failed) r = sendmsg(fd, &m, 0);
+            Py_END_ALLOW_THREADS
+            sent = r < 0 ? -1 : (int)k;
+        } else {
+            memset(msgs, 0, sizeof(struct mmsghdr) * (size_t)k);
+            for (Py_ssize_t j = 0; j < k; j++) {
+                msgs[j].msg_hdr.msg_name = &to;
+                msgs[j].msg_hdr.msg_namelen = sizeof to;
+                msgs[j].msg_hdr.msg_iov = &iov[pieces * j];
+                msgs[j].msg_hdr.msg_iovlen = (size_t)pieces;
+            }
+            sent = -1;
+            Py_BEGIN_ALLOW_THREADS
+            if (trailer) mac_failed = seal_pieces(d, dst, iov, k, tags);
+            if (!mac_failed) sent = sendmmsg(fd, msgs, (unsigned int)k, 0);
+            Py_END_ALLOW_THREADS
+            if (sent < 0) end = i + 1;  /* the first datagram failed */
+        }
+        if (mac_failed) break;
+        if (sent < 0) {
+            err = errno;
+            break;
+        }
+        calls++;
+        i += sent;  /* (sendmmsg may stop short: the next call says why) */
+    }
+    if (mac_failed) {
+        PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
+        goto done;
+    }
+#undef CLEN
+    result = Py_BuildValue("(nini)", i, err, end, (int)calls);
+done:
+    PyBuffer_Release(&hb);
+    PyBuffer_Release(&pb);
+    PyBuffer_Release(&ib);
+    return result;
+}
+#endif
+
+/* step(out) -> None | (datagram, ip, port): takes the batch's datagrams until one is
+ * Python's; returns that one (a copy) or None when the batch is done. */
+static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
+    if (!PyList_Check(out)) {
+        PyErr_SetString(PyExc_TypeError, "step takes a list");
+        return NULL;
+    }
+    while (d->slot < d->batch) {
+        int s = d->slot;
+        if (d->sealer.on && d->offset == 0 && d->verified_slot != s) {
+            int ok;
+            Py_BEGIN_ALLOW_THREADS
+            ok = verify_slot(d, s) == 0;
+            Py_END_ALLOW_THREADS
+            d->verified_slot = ok ? s : -1;  /* (else take() checks each tag itself) */
+            d->slot_seq0 = d->seq;
+        }
+        uint32_t len = d->lens[s], seg = d->segs[s];
+        const unsigned char *p = d->buf + (size_t)s * SLOT_BYTES + d->offset;
+        uint32_t n = len - d->offset;  /* (an empty datagram is one datagram too) */
+        if (seg && n > seg) n = seg;
+        d->offset += n;
+        if (d->offset >= len) {
+            d->slot++;
+            d->offset = 0;
+        }
+        Py_ssize_t seq = d->seq++;
+        if (seq < d->lose_len && d->lose[seq]) {
+            d->drops[R_INJECTED_LOSS]++;  /* (as the Python path: not a datagram in) */
+            continue;
+        }
+        size_t len_in = n;
+        int verdict = d->verified_slot == s ? d->verdicts[seq - d->slot_seq0] : UNCHECKED;
+        int r = take(d, p, &len_in, d->ips[s], d->ports[s], out, verdict);
+        if (r == FAILED) return NULL;
+        if (r == HANDED_BACK)  /* (verified and without its tag, when authenticating) */
+            return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)len_in, d->ips[s],
+                                 (unsigned int)d->ports[s]);
+    }
+    Py_RETURN_NONE;
+}
+
+/* load(messages, ip, port) -> count: a batch from Python instead of a socket, for tests:
+ * each message a bytes-like datagram, or (bytes, segment) for a run of ``segment``-byte
+ * datagrams as UDP GRO hands them over (the last may be shorter). */
+static PyObject *dispatcher_load(DispatcherObject *d, PyObject *args) {
+    PyObject *messages;
+    unsigned int ip, port;
+    if (!PyArg_ParseTuple(args, "OII", &messages, &ip, &port)) return NULL;
+    PyObject *seq = PySequence_Fast(messages, "messages must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > RECV_SLOTS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "at most %d messages a batch", RECV_SLOTS);
+        return NULL;
+    }
+    if (d->buf == NULL && (d->buf = PyMem_Malloc((size_t)RECV_SLOTS * SLOT_BYTES)) == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    d->batch = d->slot = 0;
+    d->offset = 0;
+    d->seq = 0;
+    d->lose_len = 0;
+    d->verified_slot = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *data = item;
+        unsigned long segment = 0;
+        if (PyTuple_Check(item)) {
+            if (!PyArg_ParseTuple(item, "Ok", &data, &segment)) goto fail;
+        }
+        Py_buffer b;
+        if (PyObject_GetBuffer(data, &b, PyBUF_SIMPLE) < 0) goto fail;
+        if (b.len > SLOT_BYTES) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "a message over 64 KB");
+            goto fail;
+        }
+        memcpy(d->buf + (size_t)i * SLOT_BYTES, b.buf, (size_t)b.len);
+        d->lens[i] = (uint32_t)b.len;
+        d->segs[i] = segment && segment < (unsigned long)b.len ? (uint32_t)segment
+                                                               : (uint32_t)b.len;
+        d->ips[i] = ip;
+        d->ports[i] = (uint16_t)port;
+        PyBuffer_Release(&b);
+    }
+    Py_DECREF(seq);
+    d->batch = (int)n;
+    return PyLong_FromSsize_t(n);
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* batch_rounds() -> bytes: the round id of every datagram of the batch, in order, as
+ * little-endian int64 (-1 for one shorter than a header, as wire.peek_round): what a
+ * loss model decides on. */
+static PyObject *dispatcher_batch_rounds(DispatcherObject *d, PyObject *unused) {
+    (void)unused;
+    Py_ssize_t total = 0;
+    for (int s = 0; s < d->batch; s++) {
+        uint32_t seg = d->segs[s];
+        total += d->lens[s] == 0 ? 1 : (d->lens[s] + (seg ? seg : 1) - 1) / (seg ? seg : 1);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total * 8);
+    if (out == NULL) return NULL;
+    int64_t *r = (int64_t *)PyBytes_AS_STRING(out);
+    Py_ssize_t i = 0;
+    for (int s = 0; s < d->batch; s++) {
+        uint32_t len = d->lens[s], seg = d->segs[s], off = 0;
+        do {
+            uint32_t n = len - off;
+            if (seg && n > seg) n = seg;
+            const unsigned char *p = d->buf + (size_t)s * SLOT_BYTES + off;
+            r[i++] = n >= HEADER_BYTES ? (int64_t)ld32(p + OFF_ROUND) : -1;
+            off += n;
+        } while (off < len);
+    }
+    return out;
+}
+
+/* lose(mask): mask[i] true drops the batch's i-th datagram (counted as injected loss). */
+static PyObject *dispatcher_lose(DispatcherObject *d, PyObject *arg) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    if (b.len > d->lose_cap) {
+        unsigned char *p = PyMem_Realloc(d->lose, (size_t)b.len);
+        if (p == NULL) {
+            PyBuffer_Release(&b);
+            return PyErr_NoMemory();
+        }
+        d->lose = p;
+        d->lose_cap = b.len;
+    }
+    memcpy(d->lose, b.buf, (size_t)b.len);
+    d->lose_len = b.len;
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *dispatcher_counters(DispatcherObject *d, PyObject *unused) {
+    PyObject *c = PyDict_New();
+    if (c == NULL) return NULL;
+    for (int r = 1; r < N_REASONS; r++) {
+        if (!d->drops[r]) continue;
+        PyObject *v = PyLong_FromLongLong(d->drops[r]);
+        if (v == NULL || PyDict_SetItemString(c, REASONS[r], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(c);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    PyObject *v = PyLong_FromLongLong(d->taken);
+    if (v == NULL || PyDict_SetItemString(c, "taken", v) < 0) {
+        Py_XDECREF(v);
+        Py_DECREF(c);
+        return NULL;
+    }
+    Py_DECREF(v);
+    return c;
+}
+
+static PyMethodDef dispatcher_methods[] = {
+    {"register", (PyCFunction)dispatcher_register, METH_O, "Take DATA for this receive."},
+    {"unregister", (PyCFunction)dispatcher_unregister, METH_O, "Stop taking its DATA."},
+    {"take", (PyCFunction)dispatcher_take, METH_VARARGS, "Take one datagram if it may."},
+#ifdef BL_OPENSSL
+    {"authenticate", (PyCFunction)dispatcher_authenticate, METH_VARARGS,
+     "Verify and seal every datagram under this key from now on."},
+    {"tag", (PyCFunction)dispatcher_tag, METH_VARARGS, "The tag of a datagram (tests)."},
+    {"seal", (PyCFunction)dispatcher_seal, METH_VARARGS, "A datagram's trailer, to a peer."},
+#endif
+    {"take_rows", (PyCFunction)dispatcher_take_rows, METH_VARARGS, "Take rows of datagrams."},
+#ifdef __linux__
+    {"recv", (PyCFunction)dispatcher_recv, METH_O, "Receive a batch from a socket."},
+#endif
+    {"step", (PyCFunction)dispatcher_step, METH_O, "Take the batch until Python's turn."},
+#ifdef __linux__
+    {"send_run", (PyCFunction)dispatcher_send_run, METH_VARARGS, "Send a run of DATA."},
+#endif
+    {"batch_rounds", (PyCFunction)dispatcher_batch_rounds, METH_NOARGS,
+     "Round ids of the batch's datagrams."},
+    {"lose", (PyCFunction)dispatcher_lose, METH_O, "Drop datagrams of the batch."},
+    {"load", (PyCFunction)dispatcher_load, METH_VARARGS, "A batch from Python (tests)."},
+    {"counters", (PyCFunction)dispatcher_counters, METH_NOARGS, "Taken and dropped counts."},
+    {NULL},
+};
+
+PyTypeObject DispatcherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "boundedloss._native.Dispatcher",
+    .tp_basicsize = sizeof(DispatcherObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The DATA fast path of one endpoint.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)dispatcher_init,
+    .tp_dealloc = (destructor)dispatcher_dealloc,
+    .tp_methods = dispatcher_methods,
+};

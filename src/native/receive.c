@@ -1,0 +1,113 @@
+#include "native.h"
+
+/* -------------------------------------------------------------- Receive */
+static void receive_release(ReceiveObject *r) {
+    if (r->geometry) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        if (r->has_critical) PyBuffer_Release(&r->critical);
+        r->geometry = 0;
+        r->has_critical = 0;
+    }
+    Py_CLEAR(r->peer);
+}
+
+static int receive_init(ReceiveObject *r, PyObject *args, PyObject *kw) {
+    if (!PyArg_ParseTuple(args, "")) return -1;
+    r->max_tseq = -1;
+    return 0;
+}
+
+static void receive_dealloc(ReceiveObject *r) {
+    receive_release(r);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+/* bind(peer, ip, port, round, message, count, mbytes, cbytes, ack_every, dest,
+ *      delivered, critical_or_None, ack_header): the geometry, once it is known. */
+static PyObject *receive_bind(ReceiveObject *r, PyObject *args) {
+    PyObject *peer, *dest, *delivered, *critical;
+    unsigned int ip, port, round_id, message_id, count, cbytes, ack_every;
+    unsigned long long mbytes;
+    Py_buffer ack;
+    if (r->geometry || r->registered) {
+        PyErr_SetString(PyExc_RuntimeError, "receive already bound");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "OIIIIIKIIOOOy*", &peer, &ip, &port, &round_id, &message_id,
+                          &count, &mbytes, &cbytes, &ack_every, &dest, &delivered, &critical,
+                          &ack))
+        return NULL;
+    int ok = ack.len == HEADER_BYTES + 4 && port <= 0xFFFF && count > 0 && cbytes > 0
+        && ack_every > 0;
+    if (ok) memcpy(r->ack, ack.buf, HEADER_BYTES + 4);
+    PyBuffer_Release(&ack);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "bad receive geometry or ACK template");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dest, &r->dest, PyBUF_WRITABLE) < 0) return NULL;
+    if (PyObject_GetBuffer(delivered, &r->delivered, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&r->dest);
+        return NULL;
+    }
+    r->has_critical = critical != Py_None;
+    if (r->has_critical && PyObject_GetBuffer(critical, &r->critical, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        r->has_critical = 0;
+        return NULL;
+    }
+    /* every copy lands inside dest: a datagram taken for this receive has its mbytes and
+     * cbytes, so parse() has held its index and length to this geometry */
+    uint64_t chunks = ((uint64_t)mbytes + cbytes - 1) / cbytes;
+    if ((uint64_t)r->dest.len != mbytes || (uint64_t)r->delivered.len != count
+        || (r->has_critical && (uint64_t)r->critical.len != count)
+        || (uint64_t)count != (chunks ? chunks : 1) || cbytes > MAX_CHUNK_BYTES) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        if (r->has_critical) PyBuffer_Release(&r->critical);
+        r->has_critical = 0;
+        PyErr_SetString(PyExc_ValueError, "buffers disagree with the geometry");
+        return NULL;
+    }
+    Py_INCREF(peer);
+    r->peer = peer;
+    r->ip = ip; r->port = (uint16_t)port; r->round_id = round_id; r->message_id = message_id;
+    r->count = count; r->mbytes = mbytes; r->cbytes = cbytes; r->ack_every = ack_every;
+    r->geometry = 1;
+    Py_RETURN_NONE;
+}
+
+static PyMemberDef receive_members[] = {
+    {"datagrams", T_LONGLONG, offsetof(ReceiveObject, datagrams), 0, NULL},
+    {"payload_bytes", T_LONGLONG, offsetof(ReceiveObject, payload_bytes), 0, NULL},
+    {"duplicates", T_LONGLONG, offsetof(ReceiveObject, duplicates), 0, NULL},
+    {"delivered_count", T_LONGLONG, offsetof(ReceiveObject, delivered_count), 0, NULL},
+    {"max_tseq", T_LONGLONG, offsetof(ReceiveObject, max_tseq), 0, NULL},
+    {"unacked", T_LONGLONG, offsetof(ReceiveObject, unacked), 0, NULL},
+    {"critical_missing", T_LONGLONG, offsetof(ReceiveObject, critical_missing), 0, NULL},
+    {"need", T_LONGLONG, offsetof(ReceiveObject, need), 0, NULL},
+    {"early_stop", T_BOOL, offsetof(ReceiveObject, early_stop), 0, NULL},
+    {"heard", T_BOOL, offsetof(ReceiveObject, heard), 0, NULL},
+    {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
+    {NULL},
+};
+
+static PyMethodDef receive_methods[] = {
+    {"bind", (PyCFunction)receive_bind, METH_VARARGS, "Set the geometry and buffers."},
+    {NULL},
+};
+
+PyTypeObject ReceiveType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "boundedloss._native.Receive",
+    .tp_basicsize = sizeof(ReceiveObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The counters and buffers of one receive, shared by Python and the data path.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)receive_init,
+    .tp_dealloc = (destructor)receive_dealloc,
+    .tp_members = receive_members,
+    .tp_methods = receive_methods,
+};
