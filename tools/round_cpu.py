@@ -10,6 +10,17 @@ as shares, and time rounds with ``bench kernel-loss``, not with this.
 
     python tools/round_cpu.py --system reliable --topology allreduce --auth on
     python tools/round_cpu.py --system dblp --loss 0.05 --rounds 40
+    python tools/round_cpu.py --ranks 8 --json round-cpu.json
+
+``--json`` adds, per rank and round (mean of the ranks): ``python_ms`` (the I/O thread's
+Python and the collective's, the compiled path's and the kernel's steps taken out),
+``compiled_ms`` (the compiled path's own work on what it received: tags and copies,
+without the core's share), ``kernel_ms`` (the system calls: recvmmsg, the control
+datagrams' sendmsg, select, and the send runs - the compiled path's sealing of a run
+cannot be told apart from its sendmsg here, so it counts as the kernel's),
+``per_message_us`` (Python CPU per message posted, as a receive or a send) and
+``per_control_datagram_us`` (the Python core's CPU per datagram the compiled path handed
+it).
 
 (root, or a user namespace of its own, as ``boundedloss testbed``.)
 """
@@ -150,15 +161,21 @@ def main() -> None:
     ap.add_argument("--loss", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--elements", type=int, default=1 << 20)
+    ap.add_argument("--ranks", type=int, default=4, help="world size (2 to 16)")
+    ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
+    if not 2 <= a.ranks <= 16:
+        sys.exit("--ranks must be 2 to 16")
     from boundedloss.emulate import Testbed, TestbedConfig
 
-    nodes = ["server", "w0", "w1", "w2"]
-    with tempfile.TemporaryDirectory() as tmp, Testbed(TestbedConfig(workers=3)) as tb:
+    nodes = ["server", *(f"w{i}" for i in range(a.ranks - 1))]
+    with tempfile.TemporaryDirectory() as tmp, \
+            Testbed(TestbedConfig(workers=a.ranks - 1)) as tb:
         for node in nodes:
             tb.set_loss(a.loss, node, protocol="all")
         log = open(Path(tmp, "ranks.log"), "w")
-        procs = [tb.run(node, [sys.executable, __file__, "--rank", str(r), "--world", "4",
+        procs = [tb.run(node, [sys.executable, __file__, "--rank", str(r), "--world",
+                               str(a.ranks),
                                "--master", tb.addresses["server"], "--port", "29611",
                                "--system", a.system, "--topology", a.topology,
                                "--elements", str(a.elements), "--rounds", str(a.rounds),
@@ -171,9 +188,11 @@ def main() -> None:
                 tail = Path(tmp, "ranks.log").read_text().strip().splitlines()[-5:]
                 sys.exit(f"a rank failed (exit {p.returncode}):\n" + "\n".join(tail))
         log.close()
-        per_rank = [json.loads(Path(tmp, f"cpu{r}.json").read_text()) for r in range(4)]
+        per_rank = [json.loads(Path(tmp, f"cpu{r}.json").read_text())
+                    for r in range(a.ranks)]
+    n_ranks = len(per_rank)
     print(f"{a.system} ({a.topology}, auth {a.auth}) at {a.loss:.0%} loss: CPU ms per rank "
-          f"and round (mean of 4 ranks, {a.rounds} rounds), calls per round")
+          f"and round (mean of {n_ranks} ranks, {a.rounds} rounds), calls per round")
     for title, steps in (("I/O thread", ["I/O thread, all", *IO_STEPS]),
                          ("main thread", list(MAIN_STEPS))):
         print(title)
@@ -181,12 +200,50 @@ def main() -> None:
             ms = [rk["ms"].get(step, 0.0) for rk in per_rank]
             n = [rk["calls"].get(step, 0.0) for rk in per_rank]
             if any(ms):
-                print(f"  {step:32s} {sum(ms) / 4:7.2f} ms  {sum(n) / 4:7.1f} calls")
+                print(f"  {step:32s} {sum(ms) / n_ranks:7.2f} ms  "
+                      f"{sum(n) / n_ranks:7.1f} calls")
     print("datagrams handed to the Python core, per rank and round")
     for kind in [*KINDS.values(), "DATA first of its message", "DATA last", "DATA other"]:
         n = sum(rk["calls"].get(("kind " if " " not in kind else "") + kind, 0.0)
-                for rk in per_rank) / 4
+                for rk in per_rank) / n_ranks
         print(f"  {kind:26s} {n:7.1f}")
+    split = where_it_goes(per_rank)
+    print("per rank and round: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in split.items()))
+    if a.json:
+        a.json.write_text(json.dumps({
+            "system": a.system, "topology": a.topology, "auth": a.auth, "loss": a.loss,
+            "ranks": n_ranks, "rounds": a.rounds, "elements": a.elements, **split,
+            "steps_ms": {step: sum(rk["ms"].get(step, 0.0) for rk in per_rank) / n_ranks
+                         for step in ["I/O thread, all", *IO_STEPS, *MAIN_STEPS]},
+            "calls": {k: sum(rk["calls"].get(k, 0.0) for rk in per_rank) / n_ranks
+                      for k in sorted({k for rk in per_rank for k in rk["calls"]})},
+        }, indent=2) + "\n")
+
+
+def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
+    """Python, compiled-path and kernel CPU per rank and round (ms), and Python's per
+    message and per control datagram (us), from the ranks' step timings."""
+    def mean(table: str, key: str) -> float:
+        return sum(rk[table].get(key, 0.0) for rk in per_rank) / len(per_rank)
+
+    io_all = mean("ms", "I/O thread, all")
+    recv, take = mean("ms", "  recvmmsg"), mean("ms", "  take (tags, copies)")
+    core_back = (mean("ms", "    core: handed back")
+                 + mean("ms", "    core: handed back (plain)"))
+    sends = mean("ms", "send runs (tags, sendmsg)")
+    syscalls = recv + mean("ms", "sendmsg (control datagrams)") + mean("ms", "select")
+    compiled = take - core_back
+    kernel = syscalls + sends
+    main_all = mean("ms", "collective call") + mean("ms", "collective call (ps)")
+    python = (io_all - compiled - kernel) + main_all
+    messages = mean("calls", "  post receives") + mean("calls", "  post sends")
+    handed = sum(mean("calls", "kind " + k) for k in KINDS.values())
+    return {
+        "python_ms": python, "compiled_ms": compiled, "kernel_ms": kernel,
+        "per_message_us": 1e3 * python / messages if messages else float("nan"),
+        "per_control_datagram_us": 1e3 * core_back / handed if handed else float("nan"),
+    }
 
 
 if __name__ == "__main__":
