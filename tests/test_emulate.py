@@ -851,6 +851,27 @@ def test_kernel_loss_repeats_interleave_every_arm_alike():
     assert interleaved(arms, 1) == arms
 
 
+@needs_kernel
+def test_kernel_loss_runs_the_world_asked_for(tmp_path):
+    """bench kernel-loss --ranks N: N ranks (the server's namespace and N - 1 workers'),
+    every row saying so; a world beyond the bench's range is one line before anything
+    starts."""
+    out = tmp_path / "k.json"
+    p = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
+                        "--systems", "reliable,tcp-ps", "--losses", "0.01", "--rounds", "3",
+                        "--elements", "65536", "--topology", "allreduce", "--ranks", "6",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["system"], r["ranks"]) for r in rows] == [("reliable", 6), ("tcp-ps", 6)]
+    assert all(r["delivered_fraction"] == 1.0 for r in rows)
+    assert "6-rank exchange" in p.stdout
+    bad = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
+                          "--ranks", "17"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "--ranks" in bad.stderr
+
+
 def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
     """bench kernel-loss as an unprivileged user: the testbed runs as root of a user
     namespace of its own, and nothing is left behind in the host's namespaces."""

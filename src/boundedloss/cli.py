@@ -318,10 +318,14 @@ def _beside(path: str, what: str) -> str:
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 50),
               help="Runs of every system, interleaved (every other repeat in reverse "
                    "order); a row's figures pool the rounds of all of them.")
+@click.option("--ranks", default=kernel_loss_bench.DEFAULT_RANKS, show_default=True,
+              type=click.IntRange(2, kernel_loss_bench.MAX_RANKS),
+              help="The world: rank 0 in the server's namespace, one worker namespace "
+                   "per other rank.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
-                      auth, bare, repeats) -> None:
-    """Round latency of a 4-rank gradient exchange under real kernel loss (root, or a
-    user namespace of its own where the kernel allows one)."""
+                      auth, bare, repeats, ranks) -> None:
+    """Round latency of a gradient exchange among --ranks ranks under real kernel loss
+    (root, or a user namespace of its own where the kernel allows one)."""
     from .emulate import TestbedError, rootless
 
     losses_t = _parse_list(losses, float, "--losses")
@@ -342,10 +346,10 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
             rows = kernel_loss_bench.run_kernel_loss_bench(
                 losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
                 topologies=topologies_t, mtu=mtu, auths=auths, bare=bare, repeats=repeats,
-                progress=lambda m: status.update(m))
+                ranks=ranks, progress=lambda m: status.update(m))
     except TestbedError as e:
         raise click.ClickException(str(e)) from e
-    t = Table(title=f"4-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "
+    t = Table(title=f"{ranks}-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "
                     f"MTU {mtu:,}" + (f", {rounds} rounds x {repeats} interleaved repeats"
                                       if repeats > 1 else ""))
     for col in ("system", "topology", "auth", "loss", "p50 ms", "p99 ms", "max ms", "mean ms",

@@ -85,6 +85,8 @@ class KernelLossRow:
     #: runs of the arm, interleaved with the others'; the figures pool their rounds
     #: (``rounds`` each)
     repeats: int = 1
+    #: the world: rank 0 in the server's namespace, one worker namespace per other rank
+    ranks: int = 4
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -209,7 +211,14 @@ def round_latencies_ms(per_rank: list[dict]) -> list[float]:
 
 # ------------------------------------------------------------------- driver (root)
 Arm = tuple[str, str, bool]  # (system, topology, authenticated)
-NODES = ["server", "w0", "w1", "w2"]  # rank 0 (a parameter server's) first
+DEFAULT_RANKS = 4
+#: the most ranks this bench runs (each rank a process: 2 cores hold no more)
+MAX_RANKS = 16
+
+
+def nodes_for(ranks: int) -> list[str]:
+    """The testbed nodes of ``ranks`` ranks, rank 0 (a parameter server's) first."""
+    return ["server", *(f"w{i}" for i in range(ranks - 1))]
 
 
 def interleaved(arms: list[Arm], repeats: int) -> list[Arm]:
@@ -219,20 +228,21 @@ def interleaved(arms: list[Arm], repeats: int) -> list[Arm]:
 
 
 def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
-             master: str) -> list[dict]:
-    """One run of ``arm``: its 4 ranks in the testbed's namespaces; each rank's log."""
+             master: str, nodes: list[str]) -> list[dict]:
+    """One run of ``arm``: a rank in each of ``nodes``; each rank's log."""
     system, topology, auth = arm
+    world = len(nodes)
     with tempfile.TemporaryDirectory() as tmp:
-        logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(4)]
+        logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(world)]
         procs = [
             tb.run(node, [sys.executable, "-m", "boundedloss.bench.kernel_loss",
-                          "--rank", str(r), "--world", "4", "--master", master,
+                          "--rank", str(r), "--world", str(world), "--master", master,
                           "--port", str(port), "--system", system,
                           "--elements", str(elements), "--rounds", str(rounds),
                           *(["--topology", topology] if topology in TOPOLOGIES else []),
                           *([] if auth else ["--no-auth"]), "--out", tmp],
                    stdout=logs[r], stderr=subprocess.STDOUT)
-            for r, node in enumerate(NODES)
+            for r, node in enumerate(nodes)
         ]
         deadline = time.monotonic() + 600
         for p in procs:
@@ -250,7 +260,7 @@ def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
             tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
             raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
                                f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def run_kernel_loss_bench(
@@ -264,6 +274,7 @@ def run_kernel_loss_bench(
     auths: tuple[bool, ...] = DEFAULT_AUTHS,
     bare: bool = True,
     repeats: int = 1,
+    ranks: int = DEFAULT_RANKS,
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
     """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
@@ -271,7 +282,7 @@ def run_kernel_loss_bench(
     authentication (gloo: one row, its own allreduce, unauthenticated); with ``bare``,
     first at 0% loss the machine's own limit (:data:`BARE_UDP`). With ``repeats``, every
     arm runs that many times, interleaved (:func:`interleaved`), and its row's figures
-    pool the rounds of all of them."""
+    pool the rounds of all of them. ``ranks``: the world (2 to :data:`MAX_RANKS`)."""
     from ..emulate import Testbed, TestbedConfig
 
     specs = parse_policies(systems)
@@ -283,22 +294,26 @@ def run_kernel_loss_bench(
         raise ValueError("auths: on and/or off, each once")
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
+    if not 2 <= ranks <= MAX_RANKS:
+        raise ValueError(f"ranks must be 2 to {MAX_RANKS}, got {ranks}")
+    nodes = nodes_for(ranks)
     arms: list[Arm] = [(str(spec), topology, auth) for spec in specs
                        for topology in (topologies if spec.uses_transport
                                         else (TCP_TOPOLOGIES[spec.name],))
                        for auth in (auths if spec.uses_transport else (False,))]
     rows = []
-    with Testbed(TestbedConfig(workers=3, mtu=mtu)) as tb:
+    with Testbed(TestbedConfig(workers=ranks - 1, mtu=mtu)) as tb:
         master = tb.addresses["server"]
         port = 29500
         for loss in losses:
-            for node in NODES:
+            for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
             these = ([(BARE_UDP, "allreduce", False)] if bare and not loss else []) + arms
             runs: dict[Arm, list[list[dict]]] = {arm: [] for arm in these}  # per-rank logs
             for arm in interleaved(these, repeats):
                 port += 1
-                runs[arm].append(_run_arm(tb, arm, loss, port, elements, rounds, master))
+                runs[arm].append(_run_arm(tb, arm, loss, port, elements, rounds, master,
+                                          nodes))
                 if progress:
                     p50 = _percentile(round_latencies_ms(runs[arm][-1]), 0.5)
                     progress(f"{arm[0]} ({arm[1]}) at {loss:.0%} loss, run {len(runs[arm])} "
@@ -313,7 +328,7 @@ def run_kernel_loss_bench(
                     p50_ms=round(_percentile(lat, 0.5), 2), p99_ms=round(_percentile(lat, 0.99), 2),
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
-                    auth=logs[0][0]["auth"], repeats=repeats,
+                    auth=logs[0][0]["auth"], repeats=repeats, ranks=ranks,
                 ))
     return rows
 
