@@ -49,12 +49,11 @@ class NativeDataPath:
             return  # not an IPv4 peer: the Python core takes its DATA
         dest, delivered, critical = receiver.buffers()
         shared = self._native.Receive()
-        receiver.counts.copy_into(shared)
+        receiver.share_counts(shared)
         shared.bind(receiver.peer, address[0], address[1], receiver.round_id,
                     receiver.message_id, receiver.count, receiver.nbytes, receiver.chunk_bytes,
                     receiver.ack_every, dest, delivered, critical,
                     receiver.ack_template())
-        receiver.counts = shared
         self.dispatcher.register(shared)
 
     def receive_closed(self, receiver: MessageReceiver) -> None:

@@ -6,10 +6,17 @@ comparisons per datagram, whether the policy's plan is met. A PROBE is answered 
 the BITMAP segments that still hold missing chunks. When the plan is met (or its
 acceptance deadline, or the hard deadline, passes) the receiver closes and sends STOP;
 the owner remembers closed messages so that a late PROBE gets the STOP again.
+
+The receiver's state (``ReceiveState``, every transition in ``_TRANSITIONS``) says what
+may close it: before the sender has sent everything once a met bound waits for the rest
+of the first pass; once the sender says so (a FINAL PROBE), or the acceptance deadline
+passes, a met bound closes it. The per-datagram counters (``ReceiveCounts``) live apart,
+since the compiled data path shares them (:meth:`MessageReceiver.share_counts`).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Hashable
 
 import numpy as np
@@ -25,12 +32,44 @@ RUN_MAX = 250
 _MARKS = np.arange(2, 2 + RUN_MAX, dtype=np.uint8)
 
 
+class ReceiveState(enum.Enum):
+    SIZELESS = "sizeless"  # posted without a size: no plan until the first datagram
+    FIRST_PASS = "first_pass"  # the sender is still sending its first pass
+    SENDER_DONE = "sender_done"  # a FINAL PROBE: every chunk was sent once
+    ACCEPTING = "accepting"  # the acceptance deadline passed: what arrived is taken
+    CLOSED = "closed"  # the receive has its result
+
+
+class ReceiveEvent(enum.Enum):
+    SIZED = "sized"  # the message's size is known: its plan is set
+    SENDER_DONE = "sender_done"  # a PROBE flagged FINAL
+    ACCEPT_DEADLINE = "accept_deadline"
+    CLOSED = "closed"  # the plan met, the hard deadline, or a cancel
+
+
+_S, _E = ReceiveState, ReceiveEvent
+#: every state a receive can move to, from where, on what
+_TRANSITIONS: dict[tuple[ReceiveState, ReceiveEvent], ReceiveState] = {
+    (_S.SIZELESS, _E.SIZED): _S.FIRST_PASS,
+    (_S.FIRST_PASS, _E.SENDER_DONE): _S.SENDER_DONE,
+    (_S.SENDER_DONE, _E.SENDER_DONE): _S.SENDER_DONE,  # (later passes' PROBEs are FINAL)
+    (_S.ACCEPTING, _E.SENDER_DONE): _S.ACCEPTING,
+    (_S.FIRST_PASS, _E.ACCEPT_DEADLINE): _S.ACCEPTING,
+    (_S.SENDER_DONE, _E.ACCEPT_DEADLINE): _S.ACCEPTING,
+    **{(s, _E.CLOSED): _S.CLOSED
+       for s in (_S.SIZELESS, _S.FIRST_PASS, _S.SENDER_DONE, _S.ACCEPTING)},
+}
+#: the states in which a met bound may end the transfer before every chunk is in
+_EARLY_STOP = frozenset({_S.SENDER_DONE, _S.ACCEPTING})
+
+
 class ReceiveCounts:
     """What a receive counts per datagram, and the two facts its close check needs.
 
-    The compiled data path (``boundedloss._native.Receive``) has the same fields and
-    takes this object's place when it takes the receive's DATA: both sides then read
-    and write one set of counters."""
+    The compiled data path (``boundedloss._native.Receive``) has the same fields; a
+    receive whose DATA it takes shares its counters (:meth:`MessageReceiver.share_counts`),
+    and both sides then read and write one set. ``early_stop`` mirrors the receive's
+    state (``_EARLY_STOP``) for the compiled path, which reads no Python object."""
 
     __slots__ = ("critical_missing", "datagrams", "delivered_count", "duplicates",
                  "early_stop", "heard", "max_tseq", "need", "payload_bytes", "unacked")
@@ -97,6 +136,7 @@ class MessageReceiver:
         self.count = 0
         self.plan: ClosePlan | None = None
         self.result: ReceiveResult | None = None
+        self._state = ReceiveState.SIZELESS
         #: the per-datagram counters (shared with the compiled data path when it takes
         #: this receive's DATA)
         self.counts: ReceiveCounts = ReceiveCounts()
@@ -105,8 +145,6 @@ class MessageReceiver:
         self._answered_seq = -1
         #: DATA datagrams per ACK (TransportConfig.ack_every_for the message's chunks)
         self.ack_every = config.ack_every_for(0)  # (until the size is known)
-        self._accepting = False
-        self._sender_done = False  # a PROBE flagged FINAL: every chunk was sent once
         self.accept_deadline: float | None = None
         self.first_heard: float | None = None  # when the first DATA/PROBE arrived
         #: chunks in when the sender had sent every chunk once (see TransferStats)
@@ -114,6 +152,26 @@ class MessageReceiver:
         self.stop: bytes | None = None
         if nbytes is not None:
             self._open(nbytes)
+
+    # ------------------------------------------------------------------- state
+    @property
+    def state(self) -> ReceiveState:
+        return self._state
+
+    def _transition(self, event: ReceiveEvent) -> None:
+        try:
+            self._state = _TRANSITIONS[(self._state, event)]
+        except KeyError:
+            raise AssertionError(f"receive: no transition from {self._state} on {event}") \
+                from None
+        self.counts.early_stop = self._state in _EARLY_STOP
+
+    def share_counts(self, shared) -> None:
+        """Read and write the per-datagram counters in ``shared`` from now on (the
+        compiled data path's ``Receive``, which takes this receive's DATA): what was
+        counted so far is copied into it first."""
+        self.counts.copy_into(shared)
+        self.counts = shared
 
     # ---------------------------------------------------------------- geometry
     def _open(self, nbytes: int) -> None:
@@ -154,6 +212,8 @@ class MessageReceiver:
         self._header = wire.Header(
             Kind.BITMAP, self.session, self.round_id, self.message_id, 0, count, nbytes, cb
         )
+        self._transition(ReceiveEvent.SIZED)
+
 
     def geometry_matches(self, mbytes: int, cbytes: int, now: float, out: list) -> bool:
         """Check (or, for a receive posted without a size, adopt) a datagram's geometry."""
@@ -281,9 +341,9 @@ class MessageReceiver:
         if flags & Flag.FINAL:
             if self.first_pass_delivered is None:  # (later passes' PROBEs are FINAL too)
                 self.first_pass_delivered = self.counts.delivered_count
-            self._sender_done = self.counts.early_stop = True
+            self._transition(ReceiveEvent.SENDER_DONE)
             self.close_if_done(now, out)
-            if self.result is not None:
+            if self._state is ReceiveState.CLOSED:
                 return
         packed = np.packbits(np.frombuffer(self._delivered, dtype=np.uint8), bitorder="little")
         if self.count & 7:  # bits past the last chunk read as delivered
@@ -315,7 +375,7 @@ class MessageReceiver:
 
     # ------------------------------------------------------------------ timers
     def next_deadline(self) -> float | None:
-        if self.result is not None:
+        if self._state is ReceiveState.CLOSED:
             return None
         t = self.hard_deadline
         if self.accept_deadline is not None and self.accept_deadline < t:
@@ -323,19 +383,19 @@ class MessageReceiver:
         return t
 
     def timer_fired(self, now: float, out: list) -> None:
-        if self.result is not None:
+        if self._state is ReceiveState.CLOSED:
             return
         if now >= self.hard_deadline:
             self._close(CloseReason.DEADLINE, now, out)
         elif self.accept_deadline is not None and now >= self.accept_deadline:
             # Accept what has arrived - once every critical chunk is among it.
             self.accept_deadline = None
-            self._accepting = self.counts.early_stop = True
+            self._transition(ReceiveEvent.ACCEPT_DEADLINE)
             self.counts.need = 0
             self.close_if_done(now, out)
 
     def cancel(self, now: float, out: list) -> None:
-        if self.result is None:
+        if self._state is not ReceiveState.CLOSED:
             self._close(CloseReason.CANCELLED, now, out)
 
     # ------------------------------------------------------------------- close
@@ -346,7 +406,8 @@ class MessageReceiver:
     def _reason_when_met(self) -> CloseReason:
         if self.counts.delivered_count == self.count:
             return CloseReason.COMPLETE
-        return CloseReason.ACCEPT_DEADLINE if self._accepting else CloseReason.BOUND_MET
+        return (CloseReason.ACCEPT_DEADLINE if self._state is ReceiveState.ACCEPTING
+                else CloseReason.BOUND_MET)
 
     def _may_stop(self) -> bool:
         """A met bound stops the transfer only once nothing more is on its way: every
@@ -358,18 +419,18 @@ class MessageReceiver:
 
     def close_if_done(self, now: float, out: list) -> None:
         """Close (and say STOP) if the plan is met and nothing more is on its way."""
-        if self.nbytes is None:  # posted without a size: no plan until the first datagram
-            return
+        if self._state in (ReceiveState.SIZELESS, ReceiveState.CLOSED):
+            return  # (sizeless: no plan until the first datagram)
         n = self.counts
         if (
-            self.result is None
-            and n.delivered_count >= n.need
+            n.delivered_count >= n.need
             and not n.critical_missing
             and self._may_stop()
         ):
             self._close(self._reason_when_met(), now, out)
 
     def _close(self, reason: CloseReason, now: float, out: list) -> None:
+        self._transition(ReceiveEvent.CLOSED)
         count = self.count
         delivered = self.delivered_mask()
         n = self.counts
