@@ -47,7 +47,7 @@ PyObject *native_blast(PyObject *self, PyObject *args) {
     to.sin_family = AF_INET;
     to.sin_addr.s_addr = htonl(ip);
     to.sin_port = htons((uint16_t)port);
-    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } ctrl;
+    GsoControl ctrl;
     long long calls = 0;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -65,17 +65,7 @@ PyObject *native_blast(PyObject *self, PyObject *args) {
         m.msg_namelen = sizeof to;
         m.msg_iov = &iov;
         m.msg_iovlen = 1;
-        if (k > 1) {
-            memset(&ctrl, 0, sizeof ctrl);
-            m.msg_control = ctrl.buf;
-            m.msg_controllen = sizeof ctrl.buf;
-            struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-            c->cmsg_level = SOL_UDP;
-            c->cmsg_type = UDP_SEGMENT;
-            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-            uint16_t gso = (uint16_t)size;
-            memcpy(CMSG_DATA(c), &gso, sizeof gso);
-        }
+        if (k > 1) set_gso(&m, &ctrl, (uint16_t)size);
         if (sendmsg(fd, &m, 0) < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
                 struct pollfd p = {fd, POLLOUT, 0};

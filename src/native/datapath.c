@@ -506,7 +506,7 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     struct iovec iov[3 * SEND_MAX];
     unsigned char tags[SEND_MAX][TRAILER_BYTES];
     struct mmsghdr msgs[SEND_MAX];
-    union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } ctrl;
+    GsoControl ctrl;
     Py_ssize_t i = start, end = start;
     long calls = 0;
     int err = 0, mac_failed = 0;
@@ -559,17 +559,7 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
                 m.msg_iov = &whole;
                 m.msg_iovlen = 1;
             }
-            if (k > 1) {
-                memset(&ctrl, 0, sizeof ctrl);
-                m.msg_control = ctrl.buf;
-                m.msg_controllen = sizeof ctrl.buf;
-                struct cmsghdr *c = CMSG_FIRSTHDR(&m);
-                c->cmsg_level = SOL_UDP;
-                c->cmsg_type = UDP_SEGMENT;
-                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-                uint16_t gso = (uint16_t)size0;
-                memcpy(CMSG_DATA(c), &gso, sizeof gso);
-            }
+            if (k > 1) set_gso(&m, &ctrl, (uint16_t)size0);
             ssize_t r = -1;
             Py_BEGIN_ALLOW_THREADS
             if (staged) {

@@ -164,6 +164,23 @@ typedef struct ReceiveObject {
 #define SEND_MAX 64
 #define GSO_MAX_BYTES 65507
 
+#ifdef __linux__
+/* A UDP_SEGMENT send's control message, and setting it on ``m``: the kernel cuts the
+ * send into ``size``-byte datagrams (the data path's runs and the bare loop alike). */
+typedef union { struct cmsghdr align; char buf[CMSG_SPACE(sizeof(uint16_t))]; } GsoControl;
+
+static inline void set_gso(struct msghdr *m, GsoControl *ctrl, uint16_t size) {
+    memset(ctrl, 0, sizeof *ctrl);
+    m->msg_control = ctrl->buf;
+    m->msg_controllen = sizeof ctrl->buf;
+    struct cmsghdr *c = CMSG_FIRSTHDR(m);
+    c->cmsg_level = SOL_UDP;
+    c->cmsg_type = UDP_SEGMENT;
+    c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+    memcpy(CMSG_DATA(c), &size, sizeof size);
+}
+#endif
+
 extern PyTypeObject ReceiveType;
 extern PyTypeObject DispatcherType;
 
