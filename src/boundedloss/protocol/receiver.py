@@ -17,6 +17,7 @@ since the compiled data path shares them (:meth:`MessageReceiver.share_counts`).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Hashable
 
 import numpy as np
@@ -91,6 +92,15 @@ class ReceiveCounts:
     def copy_into(self, other) -> None:
         for name in self.__slots__:
             setattr(other, name, getattr(self, name))
+
+
+@functools.lru_cache(maxsize=16)
+def _chunk_dtypes(cb: int) -> tuple[np.dtype, np.dtype]:
+    """A chunk of ``cb`` bytes as one numpy item, and a datagram's payload as the field
+    ``p`` of an item a datagram long (its header skipped)."""
+    return np.dtype(f"V{cb}"), np.dtype({"names": ["p"], "formats": [f"V{cb}"],
+                                         "offsets": [HEADER_BYTES],
+                                         "itemsize": HEADER_BYTES + cb})
 
 
 class MessageReceiver:
@@ -187,9 +197,8 @@ class MessageReceiver:
         # numpy twins of the two, for runs of datagrams taken at once (data_run)
         self._delivered_np = np.frombuffer(self._delivered, dtype=np.uint8)
         # (as items of cb bytes: numpy copies a uint8 row byte by byte, an item at once)
-        self._full_chunks = np.frombuffer(self._dest, dtype=f"V{cb}", count=nbytes // cb)
-        self._payload_item = np.dtype({"names": ["p"], "formats": [f"V{cb}"],
-                                       "offsets": [HEADER_BYTES], "itemsize": HEADER_BYTES + cb})
+        chunk, self._payload_item = _chunk_dtypes(cb)
+        self._full_chunks = np.frombuffer(self._dest, dtype=chunk, count=nbytes // cb)
         crit = self._critical_arg
         if crit is not None:
             crit = np.asarray(crit, dtype=bool)

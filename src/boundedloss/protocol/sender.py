@@ -79,9 +79,9 @@ class SendQueue:
     def __init__(self, count: int, critical: np.ndarray | None):
         if critical is not None and critical.any():
             order = np.concatenate([np.flatnonzero(critical), np.flatnonzero(~critical)])
+            self.order: np.ndarray = order.astype(np.int64)
         else:
-            order = np.arange(count)
-        self.order: np.ndarray = order.astype(np.int64)
+            self.order = np.arange(count, dtype=np.int64)
         self.pos = 0
         self.queued = np.ones(count, dtype=bool)
         #: every chunk is still going out for the first time
