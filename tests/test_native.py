@@ -406,6 +406,31 @@ def test_native_takes_the_data_python_would_have() -> None:
 
 
 # ------------------------------------------------------------------------ fuzz
+def _fuzzed_send(rng: np.random.Generator, ip: int, port: int, count: int, nbytes: int,
+                 chunk_bytes: int, auth: bool = False):
+    """A send of the fuzzed message's geometry (round 3, message 7) registered for its
+    ACKs - checking the loss they imply or not - and a few ACKs for it, of every tseq and
+    delivered count (``auth``: sealed from PEER to LOCAL)."""
+    sent = native.module().Send()
+    sent.bind(ip, port, 3, 7, count, nbytes, chunk_bytes)
+    sent.next_tseq = int(rng.integers(0, 2 * count + 1))
+    sent.ack_every, sent.loss_target = int(rng.integers(1, 9)), 0.01
+    sent.check_loss = bool(rng.integers(2))
+    head = wire.Header(Kind.ACK, SESSION, 3, 7, 0, count, nbytes, chunk_bytes)
+    acks = [wire.control_datagram(head, Kind.ACK, 0,
+                                  wire.STOP_PAYLOAD.pack(int(rng.integers(1 << 32))),
+                                  tseq=int(rng.integers(1 << 32)))
+            for _ in range(4)]
+    if auth:
+        acks = [b"".join(DatagramAuth(KEY, PEER).seal((a,), LOCAL)) for a in acks]
+    return sent, acks
+
+
+def _check_fuzzed_send(sent) -> None:
+    assert 0 <= sent.acked <= max(sent.next_tseq, 0) and sent.blocked_since is None
+    assert sent.acks_heard >= 0 and sent.reported_delivered < 1 << 32
+
+
 def _fuzz_rows(rng: np.random.Generator, valid: list[bytes], n: int, stride: int):
     """``n`` datagrams as rows of ``stride`` bytes and their lengths: valid ones of the
     message, and mutated ones - bytes flipped, a header field set at random, cut short,
@@ -443,7 +468,7 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
     rng = np.random.default_rng(2026)
     disp = native.module().Dispatcher(SESSION)
     ip, port = native.ipv4_address(PEER)
-    total = 0
+    total = acks_taken = 0
     sub = 5_000
     while total < 1_000_000:
         chunk_bytes = int(rng.choice([1, 3, 64, 512, 1400]))
@@ -459,7 +484,9 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
                     big[GUARD : GUARD + nbytes], delivered,
                     bytearray(crit.astype(np.uint8).tobytes()), bytes(HEADER_BYTES + 4))
         disp.register(shared)
-        valid = _message(nbytes, chunk_bytes, int(rng.integers(1 << 30)))
+        sent, acks = _fuzzed_send(rng, ip, port, count, nbytes, chunk_bytes)
+        disp.register_send(sent)
+        valid = _message(nbytes, chunk_bytes, int(rng.integers(1 << 30))) + acks
         stride = HEADER_BYTES + chunk_bytes + 16
         rows, lengths = _fuzz_rows(rng, valid, 50_000, stride)
         out: list = []
@@ -473,10 +500,14 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
             assert shared.delivered_count <= count
             assert shared.critical_missing >= 0
         disp.unregister(shared)
+        disp.unregister_send(sent)
+        _check_fuzzed_send(sent)
+        acks_taken += sent.acks_heard
         assert (big[:GUARD] == SENTINEL).all() and (big[-GUARD:] == SENTINEL).all()
         total += len(lengths)
     counts = disp.counters()
     assert counts["taken"] > 500_000 and counts["bad_geometry"] > 0 and counts["short"] > 0
+    assert acks_taken > 1000  # (the ACKs of a registered send, taken here)
 
 
 @needs_openssl
@@ -488,7 +519,7 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
     disp = native.module().Dispatcher(SESSION)
     disp.authenticate(KEY, *native.ipv4_address(LOCAL), bytes(12))
     ip, port = native.ipv4_address(PEER)
-    total = delivered_total = 0
+    total = delivered_total = acks_taken = 0
     while total < 1_000_000:
         chunk_bytes = int(rng.choice([1, 64, 512, 1400]))
         nbytes = int(rng.integers(1, 40 * chunk_bytes + 1))
@@ -501,8 +532,10 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
         shared.bind(PEER, ip, port, 3, 7, count, nbytes, chunk_bytes, 4,
                     big[GUARD : GUARD + nbytes], delivered, None, bytes(HEADER_BYTES + 4))
         disp.register(shared)
+        sent, acks = _fuzzed_send(rng, ip, port, count, nbytes, chunk_bytes, auth=True)
+        disp.register_send(sent)
         seed = int(rng.integers(1 << 30))
-        valid = _message(nbytes, chunk_bytes, seed, auth=True)
+        valid = _message(nbytes, chunk_bytes, seed, auth=True) + acks
         stride = HEADER_BYTES + chunk_bytes + TRAILER_BYTES + 16
         rows, lengths = _fuzz_rows(rng, valid, 100_000, stride)
         out: list = []
@@ -510,6 +543,9 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
         while i < len(lengths):
             i = disp.take_rows(rows, stride, lengths, ip, port, out, i) + 1
         disp.unregister(shared)
+        disp.unregister_send(sent)
+        _check_fuzzed_send(sent)
+        acks_taken += sent.acks_heard
         # only datagrams that verify are written: every chunk holds the message's own
         # bytes or was never touched
         assert (big[:GUARD] == SENTINEL).all() and (big[-GUARD:] == SENTINEL).all()
@@ -524,7 +560,7 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
     # (of the mutated ones, those whose session field changed count as another job's)
     assert counts["bad_auth"] + counts["foreign_session"] > 400_000 and counts["short"] > 0
     assert "bad_geometry" not in counts and "bad_magic" not in counts  # (the tag goes first)
-    assert delivered_total > 0
+    assert delivered_total > 0 and acks_taken > 100
 
 
 # --------------------------------------------------------------------- Hadamard

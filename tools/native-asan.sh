@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the compiled data path with AddressSanitizer and UndefinedBehaviorSanitizer in a
 # scratch copy of the source, and run its tests - the 1M-datagram fuzz, the differential
-# test against the Python path, the parser check - against that build. Any
+# tests against the Python path (DATA and ACKs), the parser check - against that build. Any
 # out-of-bounds access or undefined behaviour aborts the run.
 #   bash tools/native-asan.sh            (from the repository, in its virtual environment)
 set -euo pipefail
@@ -17,4 +17,4 @@ export PYTHONPATH="$work/src"
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
 python -c "import boundedloss._native as n, sys; sys.exit(0 if n.__file__.startswith('$work') else 1)"
-python -m pytest -q -p no:cacheprovider tests/test_native.py
+python -m pytest -q -p no:cacheprovider tests/test_native.py tests/test_native_acks.py

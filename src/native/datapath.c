@@ -10,10 +10,14 @@
  *   - with a job's key (Dispatcher.authenticate), verifies the tag every datagram ends in
  *     before anything else reads it, and seals what it sends (the DATA of send_run, its
  *     ACKs) through its Sealer (seal.c).
+ *   - takes the ACKs for sends the Python core registered: the bookkeeping an ACK is
+ *     (the peer heard, what it reported, recovery's ACK counters, the flow-control
+ *     window) in the Send object the send shares with Python.
  * A datagram it cannot take without a decision - the first one of a receive, one that
- * would meet the receive's plan, a control datagram, one for an unknown message - is
- * handed back to Python untouched, in order, and Python's core handles it as always.
- * The counters a receive shares with Python live in a Receive object that both read.
+ * would meet the receive's plan, an ACK the send says needs the core, any other control
+ * datagram, one for an unknown message - is handed back to Python untouched, in order,
+ * and Python's core handles it as always. The counters a receive shares with Python live
+ * in a Receive object that both read; what a send's ACKs move, in a Send.
  */
 #include "native.h"
 #include "seal.h"
@@ -25,6 +29,8 @@ typedef struct {
     PyObject_HEAD
     uint64_t session;
     ReceiveObject *table[BUCKETS];
+    SendObject *sends[BUCKETS];
+    double now;                      /* the time of the take or step (an ACK: heard then) */
     long long taken;                 /* datagrams the data path took */
     long long drops[N_REASONS];      /* malformed / foreign datagrams it counted and dropped */
     /* the batch: a buffer of RECV_SLOTS slots, each one message (a datagram or a GRO run) */
@@ -67,6 +73,16 @@ static void dispatcher_dealloc(DispatcherObject *d) {
             r->next = NULL;
             Py_DECREF(r);
             r = next;
+        }
+    }
+    for (int b = 0; b < BUCKETS; b++) {
+        SendObject *s = d->sends[b];
+        while (s) {
+            SendObject *next = s->next;
+            s->registered = 0;
+            s->next = NULL;
+            Py_DECREF(s);
+            s = next;
         }
     }
     PyMem_Free(d->buf);
@@ -177,6 +193,99 @@ static PyObject *dispatcher_unregister(DispatcherObject *d, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
+
+static PyObject *dispatcher_register_send(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &SendType)) {
+        PyErr_SetString(PyExc_TypeError, "register_send takes a Send");
+        return NULL;
+    }
+    SendObject *s = (SendObject *)arg;
+    if (!s->geometry || s->registered) {
+        PyErr_SetString(PyExc_ValueError, "a Send must be bound and not registered");
+        return NULL;
+    }
+    uint32_t b = bucket_of(s->ip, s->port, s->round_id, s->message_id);
+    Py_INCREF(s);
+    s->next = d->sends[b];
+    d->sends[b] = s;
+    s->registered = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *dispatcher_unregister_send(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &SendType)) {
+        PyErr_SetString(PyExc_TypeError, "unregister_send takes a Send");
+        return NULL;
+    }
+    SendObject *s = (SendObject *)arg;
+    if (!s->registered) Py_RETURN_NONE;
+    SendObject **p = &d->sends[bucket_of(s->ip, s->port, s->round_id, s->message_id)];
+    while (*p && *p != s) p = &(*p)->next;
+    if (*p) {
+        *p = s->next;
+        s->next = NULL;
+        s->registered = 0;
+        Py_DECREF(s);
+    }
+    Py_RETURN_NONE;
+}
+
+static inline SendObject *lookup_send(DispatcherObject *d, uint32_t ip, uint16_t port,
+                                      uint32_t rnd, uint32_t msg) {
+    SendObject *s = d->sends[bucket_of(ip, port, rnd, msg)];
+    while (s && !(s->ip == ip && s->port == port && s->round_id == rnd && s->message_id == msg))
+        s = s->next;
+    return s;
+}
+
+/* The loss a PROBE and its answer would meet, read from ACK counters as AckState.loss_with
+ * reads it (operation for operation: the same double). */
+static double loss_with(const SendObject *s, long long heard, long long tseq,
+                        long long delivered) {
+    double fwd = (double)(delivered + 1) / (double)(tseq + 1);
+    double q_fwd = 1.0 - (fwd < 1.0 ? fwd : 1.0);
+    double reverse = s->reverse_hint;
+    if (heard) {
+        long long owed = (delivered + 1) / s->ack_every;  /* (both >= 0: floor division) */
+        if (owed < 1) owed = 1;
+        double got = (double)heard / (double)owed;
+        double missed = 1.0 - (got < 1.0 ? got : 1.0);
+        if (missed > reverse) reverse = missed;
+    }
+    return 1.0 - (1.0 - q_fwd) * (1.0 - reverse);
+}
+
+/* An ACK for one of the registered sends: its bookkeeping (MessageSender.ack_received
+ * with recovery's and the window's parts), TAKEN; HANDED_BACK where the core must see it
+ * (no such send, another geometry, or the send says it may call for a decision). */
+static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h,
+                    uint32_t ip, uint16_t port) {
+    SendObject *s = lookup_send(d, ip, port, h->round_id, h->message_id);
+    if (s == NULL || s->in_python || h->mbytes != s->mbytes || h->cbytes != s->cbytes)
+        return HANDED_BACK;
+    long long tseq_seen = h->tseq, delivered = ld32(p + HEADER_BYTES);
+    long long heard = s->acks_heard + 1, tseq = s->ack_tseq, got = s->ack_delivered;
+    if (tseq_seen > tseq) {
+        tseq = tseq_seen;
+        got = delivered;
+    }
+    /* (the decision is "no more copies" exactly where this loss is within the target) */
+    if (s->check_loss && !(loss_with(s, heard, tseq, got) <= s->loss_target))
+        return HANDED_BACK;
+    s->last_heard = d->now;
+    if (delivered > s->reported_delivered) s->reported_delivered = delivered;
+    s->acks_heard = heard;
+    s->ack_tseq = tseq;
+    s->ack_delivered = got;
+    if (tseq_seen + 1 > s->acked) {
+        s->acked = tseq_seen + 1 < s->next_tseq ? tseq_seen + 1 : s->next_tseq;
+        Py_SETREF(s->blocked_since, Py_NewRef(Py_None));
+    }
+    d->taken++;
+    return TAKEN;
+}
+
 static inline ReceiveObject *lookup(DispatcherObject *d, uint32_t ip, uint16_t port,
                                     uint32_t rnd, uint32_t msg) {
     ReceiveObject *r = d->table[bucket_of(ip, port, rnd, msg)];
@@ -185,7 +294,6 @@ static inline ReceiveObject *lookup(DispatcherObject *d, uint32_t ip, uint16_t p
     return r;
 }
 
-enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
 /* a datagram's tag: not checked yet, or what recv's check found (else a drop reason) */
 enum { UNCHECKED = 255, VERIFIED = 0 };
 
@@ -239,6 +347,7 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
         d->taken++;
         return TAKEN;
     }
+    if (h.kind == KIND_ACK) return take_ack(d, p, &h, ip, port);
     if (h.kind != KIND_DATA) return HANDED_BACK;
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
     if (rx == NULL || !rx->heard || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes)
@@ -302,12 +411,14 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     return TAKEN;
 }
 
-/* take(datagram, ip, port, out) -> bool: the data path took it (False: Python's turn). */
+/* take(datagram, ip, port, out, now) -> bool: the data path took it (False: Python's turn);
+ * ``now``: when it arrived, as the core reads the time. */
 static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     Py_buffer b;
     unsigned int ip, port;
     PyObject *out;
-    if (!PyArg_ParseTuple(args, "y*IIO!", &b, &ip, &port, &PyList_Type, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*IIO!d", &b, &ip, &port, &PyList_Type, &out, &d->now))
+        return NULL;
     size_t n = (size_t)b.len;
     int r = take(d, (const unsigned char *)b.buf, &n, ip, (uint16_t)port, out, UNCHECKED);
     PyBuffer_Release(&b);
@@ -621,13 +732,11 @@ done:
 }
 #endif
 
-/* step(out) -> None | (datagram, ip, port): takes the batch's datagrams until one is
+/* step(out, now) -> None | (datagram, ip, port): takes the batch's datagrams until one is
  * Python's; returns that one (a copy) or None when the batch is done. */
-static PyObject *dispatcher_step(DispatcherObject *d, PyObject *out) {
-    if (!PyList_Check(out)) {
-        PyErr_SetString(PyExc_TypeError, "step takes a list");
-        return NULL;
-    }
+static PyObject *dispatcher_step(DispatcherObject *d, PyObject *args) {
+    PyObject *out;
+    if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &out, &d->now)) return NULL;
     while (d->slot < d->batch) {
         int s = d->slot;
         if (d->sealer.on && d->offset == 0 && d->verified_slot != s) {
@@ -788,6 +897,9 @@ static PyObject *dispatcher_counters(DispatcherObject *d, PyObject *unused) {
 static PyMethodDef dispatcher_methods[] = {
     {"register", (PyCFunction)dispatcher_register, METH_O, "Take DATA for this receive."},
     {"unregister", (PyCFunction)dispatcher_unregister, METH_O, "Stop taking its DATA."},
+    {"register_send", (PyCFunction)dispatcher_register_send, METH_O, "Take this send's ACKs."},
+    {"unregister_send", (PyCFunction)dispatcher_unregister_send, METH_O,
+     "Stop taking its ACKs."},
     {"take", (PyCFunction)dispatcher_take, METH_VARARGS, "Take one datagram if it may."},
 #ifdef BL_OPENSSL
     {"authenticate", (PyCFunction)dispatcher_authenticate, METH_VARARGS,
@@ -799,7 +911,7 @@ static PyMethodDef dispatcher_methods[] = {
 #ifdef __linux__
     {"recv", (PyCFunction)dispatcher_recv, METH_O, "Receive a batch from a socket."},
 #endif
-    {"step", (PyCFunction)dispatcher_step, METH_O, "Take the batch until Python's turn."},
+    {"step", (PyCFunction)dispatcher_step, METH_VARARGS, "Take the batch until Python's turn."},
 #ifdef __linux__
     {"send_run", (PyCFunction)dispatcher_send_run, METH_VARARGS, "Send a run of DATA."},
 #endif

@@ -19,7 +19,9 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&ReceiveType) < 0 || PyType_Ready(&DispatcherType) < 0) return NULL;
+    if (PyType_Ready(&ReceiveType) < 0 || PyType_Ready(&SendType) < 0
+        || PyType_Ready(&DispatcherType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     PyObject *layout = Py_BuildValue(
@@ -40,6 +42,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         || PyModule_AddIntConstant(m, "AUTH", 0) < 0
 #endif
         || PyModule_AddObjectRef(m, "Receive", (PyObject *)&ReceiveType) < 0
+        || PyModule_AddObjectRef(m, "Send", (PyObject *)&SendType) < 0
         || PyModule_AddObjectRef(m, "Dispatcher", (PyObject *)&DispatcherType) < 0;
     Py_XDECREF(layout);
     if (failed) {

@@ -1,10 +1,11 @@
 /*
  * boundedloss._native: the per-datagram data path under the Python protocol core.
  * What every part of it shares: the header's layout and its parser (as wire.parse), the
- * drop reasons, the Receive object's layout, and each part's entry points. One concern
+ * drop reasons, the Receive and Send objects' layout, and each part's entry points. One concern
  * per file:
  *   wire.c      classify: a datagram's header checked exactly as wire.parse checks it
  *   receive.c   Receive: the counters and buffers of one receive, shared with Python
+ *   send.c      Send: what the ACKs of one send move, shared with Python
  *   seal.c      Sealer: AES-256-GMAC tags and nonces, as protocol/auth.py makes them
  *   datapath.c  Dispatcher: batched receive and send, taking DATA into its receive
  *   hadamard.c  fwht, flip_signs: Hadamard dispersion's transform
@@ -158,6 +159,24 @@ typedef struct ReceiveObject {
     struct ReceiveObject *next;  /* hash chain in a Dispatcher */
 } ReceiveObject;
 
+/* One open send as the data path sees it: what its ACKs move, shared with Python's
+ * MessageSender (protocol/acks.py's AckState, field for field), its identity and
+ * geometry, and what says which ACKs the Python core must see (in_python, check_loss). */
+typedef struct SendObject {
+    PyObject_HEAD
+    double last_heard;
+    long long reported_delivered, acks_heard, ack_tseq, ack_delivered, acked, next_tseq;
+    PyObject *blocked_since;  /* None, or since when the window has been shut */
+    long long ack_every;
+    double reverse_hint, loss_target;
+    char in_python, check_loss;
+    char geometry, registered;
+    uint32_t ip, round_id, message_id, count, cbytes;
+    uint16_t port;
+    uint64_t mbytes;
+    struct SendObject *next;  /* hash chain in a Dispatcher */
+} SendObject;
+
 /* the most one received message (a datagram or a GRO run) holds */
 #define SLOT_BYTES 65536
 /* a send: at most SEND_MAX datagrams a sendmmsg, GSO_MAX_BYTES a UDP_SEGMENT send */
@@ -182,6 +201,7 @@ static inline void set_gso(struct msghdr *m, GsoControl *ctrl, uint16_t size) {
 #endif
 
 extern PyTypeObject ReceiveType;
+extern PyTypeObject SendType;
 extern PyTypeObject DispatcherType;
 
 PyObject *native_classify(PyObject *self, PyObject *arg);

@@ -2,10 +2,11 @@
 is in use.
 
 It takes the DATA datagrams of open receives off the Python core's hands: validation,
-the copy into the destination, the delivered flags, the counters and the ACKs. Every
-other datagram - and the few DATA datagrams that call for a decision: a receive's first,
-or one that would meet its plan - goes to ``TransferMux.datagram_received`` as before,
-in order. The Python path stays the reference: ``BOUNDEDLOSS_NATIVE=0`` turns the
+the copy into the destination, the delivered flags, the counters and the ACKs; and the
+ACKs for open sends: the bookkeeping they are (``protocol.acks``). Every other datagram -
+and the few that call for a decision: a receive's first DATA, one that would meet its
+plan, an ACK that may add PROBE copies - goes to ``TransferMux.datagram_received`` as
+before, in order. The Python path stays the reference: ``BOUNDEDLOSS_NATIVE=0`` turns the
 native one off, and where the extension was not built it is off and says why
 (``status()``).
 """
@@ -21,6 +22,7 @@ from ..native import AUTH_FALLBACK, authenticates, enabled, module, status
 from ..protocol.auth import NONCE_BYTES, ipv4_address
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
+from ..protocol.sender import MessageSender
 from .loss import LossModel
 
 
@@ -60,6 +62,20 @@ class NativeDataPath:
         if isinstance(receiver.counts, self._native.Receive):
             self.dispatcher.unregister(receiver.counts)
 
+    def send_opened(self, sender: MessageSender) -> None:
+        address = ipv4_address(sender.peer)
+        if address is None:
+            return  # not an IPv4 peer: the Python core takes its ACKs
+        shared = self._native.Send()
+        shared.bind(address[0], address[1], sender.round_id, sender.message_id, sender.count,
+                    sender.nbytes, sender.chunk_bytes)
+        sender.share_acks(shared)
+        self.dispatcher.register_send(shared)
+
+    def send_closed(self, sender: MessageSender) -> None:
+        if isinstance(sender.acks, self._native.Send):
+            self.dispatcher.unregister_send(sender.acks)
+
     def seal(self, parts: tuple, peer: Hashable) -> tuple:
         address = ipv4_address(peer)
         if address is None:  # (resolve() makes every peer an IPv4 address)
@@ -77,7 +93,7 @@ class NativeDataPath:
         """One datagram from ``peer``: taken here, or handed to the mux."""
         address = ipv4_address(peer)
         if address is None or not self.dispatcher.take(data, address[0], address[1],
-                                                       self._mux.outbox):
+                                                       self._mux.outbox, now):
             # (the whole datagram as it came: the mux verifies its tag once more)
             self._mux.datagram_received(data, peer, now)
 
@@ -123,11 +139,11 @@ class NativeDataPath:
         mux = self._mux
         hand_back = (mux.authenticated_datagram_received if mux.auth is not None
                      else mux.datagram_received)
-        handed = dispatcher.step(outbox)
+        handed = dispatcher.step(outbox, now)
         while handed is not None:
             data, ip, port = handed
             hand_back(data, self._peer(ip, port), now)
-            handed = dispatcher.step(outbox)
+            handed = dispatcher.step(outbox, now)
 
     def _peer(self, ip: int, port: int) -> tuple[str, int]:
         peer = self._peers.get((ip, port))

@@ -52,12 +52,17 @@ RUN_MIN = 16
 
 
 class DataPath(Protocol):
-    """A compiled data path that takes DATA for open receives off the core's hands
-    (``boundedloss.net.native``). The mux tells it which receives are open."""
+    """A compiled data path that takes DATA for open receives, and the ACKs for open
+    sends, off the core's hands (``boundedloss.net.native``). The mux tells it which
+    receives and sends are open."""
 
     def receive_opened(self, receiver: MessageReceiver) -> None: ...
 
     def receive_closed(self, receiver: MessageReceiver) -> None: ...
+
+    def send_opened(self, sender: MessageSender) -> None: ...
+
+    def send_closed(self, sender: MessageSender) -> None: ...
 
     def counters(self) -> dict[str, int]:
         """What it counted, by the mux's counter names (datagrams_in, drop reasons)."""
@@ -124,6 +129,8 @@ class TransferMux:
             path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         self._senders[key] = sender
+        if self.data_path:
+            self.data_path.send_opened(sender)
         return sender
 
     def start_receive(self, peer, round_id: int, message_id: int, now: float, *,
@@ -397,6 +404,8 @@ class TransferMux:
         return True
 
     def _reap_send(self, sender: MessageSender) -> None:
+        if sender.result is not None and self.data_path:
+            self.data_path.send_closed(sender)
         self._take_finished(self._senders, sender)
 
     def _reap_receive(self, receiver: MessageReceiver, now: float) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from .acks import AckState, loss_with, reverse_with
 from .path import RttEstimate
 from .types import TransportConfig
 
@@ -46,10 +47,9 @@ def probe_copies_for(recovery: str) -> int:
 
 class Recovery:
     __slots__ = (
-        "_ack_delivered", "_ack_every", "_ack_owed_at", "_ack_tseq", "_acks_heard", "_config",
-        "_copies_sent", "_measured", "_min_copies", "_more_copies", "_pass_sent",
-        "_pass_started_at", "_reply_missing", "_reverse_hint", "_rto", "_rto_base", "_rttvar",
-        "_srtt", "unanswered",
+        "_ack_owed_at", "_config", "_copies_sent", "_measured", "_min_copies", "_more_copies",
+        "_pass_sent", "_pass_started_at", "_reply_missing", "_rto", "_rto_base", "_rttvar",
+        "_srtt", "acks", "unanswered",
     )
 
     def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
@@ -58,7 +58,11 @@ class Recovery:
         (``config.ack_every_for`` the message's chunk count; default: a short
         message's)."""
         self._config = config
-        self._ack_every = ack_every or config.ack_every_for(0)
+        #: what the ACKs say (shared with the sender and its window; the loss on the way
+        #: back starts from ``reverse_loss``, a receive's hint)
+        self.acks = AckState(ack_every=ack_every or config.ack_every_for(0),
+                             reverse_hint=reverse_loss or 0.0,
+                             loss_target=config.probe_miss_target)
         # Round trips: from earlier messages to this peer when there were any, so that a
         # new message does not start from the conservative initial RTO.
         self._srtt: float | None = None
@@ -83,11 +87,6 @@ class Recovery:
         self._min_copies = 1
         self._copies_sent = 0
         self._more_copies = 0
-        # the loss on the way back: a receive's hint, and what the ACKs said
-        self._reverse_hint = reverse_loss or 0.0
-        self._acks_heard = 0
-        self._ack_delivered = 0
-        self._ack_tseq = -1
 
     # ------------------------------------------------------------ round trips
     @property
@@ -129,7 +128,7 @@ class Recovery:
         if self._pass_started_at is None:
             self._pass_started_at = now
         self._pass_sent += k
-        if self._ack_owed_at is None and self._pass_sent >= self._ack_every:
+        if self._ack_owed_at is None and self._pass_sent >= self.acks.ack_every:
             self._ack_owed_at = now
 
     @property
@@ -199,10 +198,11 @@ class Recovery:
         """An ACK: the highest transmission sequence the receiver saw, and the chunks it
         had delivered before that datagram. ``after_first_pass_probe``: a PROBE that
         follows the whole first pass awaits its answer."""
-        self._acks_heard += 1
-        if tseq_seen > self._ack_tseq:
-            self._ack_tseq = tseq_seen
-            self._ack_delivered = delivered
+        acks = self.acks
+        acks.acks_heard += 1
+        if tseq_seen > acks.ack_tseq:
+            acks.ack_tseq = tseq_seen
+            acks.ack_delivered = delivered
         if after_first_pass_probe and self._unmeasured():
             # The pass was shorter than a round trip, so its PROBE went out before these
             # ACKs could say how lossy the path is; if they call for more copies, send
@@ -223,6 +223,13 @@ class Recovery:
         """No answer has told this send how lossy the path is yet."""
         return not self._measured and self._pass_sent > 0
 
+    @property
+    def acks_may_add_copies(self) -> bool:
+        """An ACK heard now, with a PROBE that follows the whole first pass awaiting its
+        answer (``ack_received``'s ``after_first_pass_probe``), may call for more copies
+        of it: no answer has measured the loss yet."""
+        return self._unmeasured()
+
     def _copies_from_acks(self, now: float, first_pass: bool) -> int:
         """PROBE copies for the end of the first pass, from the ACKs it drew.
 
@@ -232,8 +239,9 @@ class Recovery:
         Reverse loss: up to that one the receiver sent ``(delivered + 1) // ack_every``
         ACKs, we heard ``acks_heard`` (ACKs still in flight come after it, so they do not
         count as lost). A PROBE is answered when it and its answer both get through."""
-        if not self._acks_heard:
-            every = self._ack_every
+        acks = self.acks
+        if not acks.acks_heard:
+            every = acks.ack_every
             copies = self.copies_for(self.reverse_loss())  # (no ACK: just the hint)
             if (not first_pass and self._srtt is not None
                     and self._ack_owed_at is not None
@@ -250,15 +258,10 @@ class Recovery:
             # (else nothing to go on but the hint: a short message, or the ACKs may
             # still be on their way)
             return copies
-        q_fwd = 1.0 - min(1.0, (self._ack_delivered + 1) / (self._ack_tseq + 1))
-        return self.copies_for(1.0 - (1.0 - q_fwd) * (1.0 - self.reverse_loss()))
+        return self.copies_for(loss_with(acks, acks.acks_heard, acks.ack_tseq, acks.ack_delivered))
 
     def reverse_loss(self) -> float:
         """The loss on the way back: from the ACKs heard so far (see _copies_from_acks),
         or what a receive from this peer saw lately, whichever is higher. (The ACKs
         alone read low when the one heard last came early in the pass.)"""
-        hint = self._reverse_hint
-        if not self._acks_heard:
-            return hint
-        sent = max(1, (self._ack_delivered + 1) // self._ack_every)
-        return max(hint, 1.0 - min(1.0, self._acks_heard / sent))
+        return reverse_with(self.acks, self.acks.acks_heard, self.acks.ack_delivered)

@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import wire
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, Flag, Kind
+from .acks import AckState
 from .pacing import Pacer
 from .path import PeerPath
 from .recovery import Recovery
@@ -116,33 +117,36 @@ class FlowWindow:
     in flight. A window that stays shut for an RTO (its ACKs lost) calls for a PROBE,
     whose answer reopens it."""
 
-    __slots__ = ("acked", "blocked_since", "next_tseq", "probe_mark", "size")
+    __slots__ = ("acks", "probe_mark", "size")
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, acks: AckState):
         self.size = size
-        self.next_tseq = 0
-        self.acked = 0  # every tseq below this has arrived or is lost
+        #: ``acked`` (every tseq below it has arrived or is lost), ``next_tseq`` and
+        #: ``blocked_since`` (None: open), which the ACKs move
+        self.acks = acks
         self.probe_mark = 0  # next_tseq when the latest PROBE went
-        self.blocked_since: float | None = None
 
     def room(self) -> int:
-        return self.size - (self.next_tseq - self.acked)
+        acks = self.acks
+        return self.size - (acks.next_tseq - acks.acked)
 
     def shut(self, now: float) -> None:
-        if self.blocked_since is None:
-            self.blocked_since = now
+        if self.acks.blocked_since is None:
+            self.acks.blocked_since = now
 
     def acked_through(self, tseq_seen: int) -> None:
-        if tseq_seen + 1 > self.acked:
-            self.acked = min(tseq_seen + 1, self.next_tseq)
-            self.blocked_since = None
+        acks = self.acks
+        if tseq_seen + 1 > acks.acked:
+            acks.acked = min(tseq_seen + 1, acks.next_tseq)
+            acks.blocked_since = None
 
     def probe_answered(self) -> None:
         # Everything sent before the PROBE has arrived or is lost by now (the answer
         # came back behind it), so none of it is in flight any more.
-        if self.probe_mark > self.acked:
-            self.acked = self.probe_mark
-            self.blocked_since = None
+        acks = self.acks
+        if self.probe_mark > acks.acked:
+            acks.acked = self.probe_mark
+            acks.blocked_since = None
 
 
 @dataclass(slots=True)
@@ -152,7 +156,6 @@ class SendCounts:
     retransmitted: int = 0
     retransmit_rounds: int = 0
     probes: int = 0
-    reported_delivered: int = 0  # chunks the receiver said it had, latest word
 
 
 @dataclass(slots=True)
@@ -207,15 +210,19 @@ class MessageSender:
         self._tseq_field = headers.reshape(-1).view(wire.HEADER_DTYPE)["tseq"]
         self._headers = headers.reshape(-1).data
         self._queue = SendQueue(count, critical)
-        self._window = FlowWindow(config.window_datagrams)
         self._state = SendState.SENDING
         self._probe = OutstandingProbe()
         self.path = path if path is not None else PeerPath(peer)
         self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
                                  ack_every=config.ack_every_for(count))
+        #: what the ACKs move, for recovery, the window and this sender alike (the
+        #: compiled data path's Send in its place once it takes them: share_acks)
+        self.acks = self.recovery.acks
+        self.acks.last_heard = now
+        self._window = FlowWindow(config.window_datagrams, self.acks)
+        self._acks_shared = False  # (share_acks: the flags then follow every step)
         self.pacer = Pacer(config, cb + HEADER_BYTES, now, self.path.best_rate())
         self.started = now
-        self._last_heard = now
         self.counts = SendCounts()
         self.result: SendResult | None = None
 
@@ -240,6 +247,26 @@ class MessageSender:
         except KeyError:
             raise AssertionError(f"send: no transition from {self._state} on {event}") from None
 
+    def share_acks(self, shared) -> None:
+        """Keep what the ACKs move in ``shared`` from now on (the compiled data path's
+        ``Send``, which takes the ACKs that call for no decision): what is there so far
+        is copied into it first."""
+        self.acks.copy_into(shared)
+        self.acks = self.recovery.acks = self._window.acks = shared
+        self._acks_shared = True
+        self._share_ack_flags()
+
+    def _share_ack_flags(self) -> None:
+        """Say which ACKs need the Python core (see AckState): one heard with the PROBE
+        that follows the whole first pass awaiting its answer, before any answer has
+        measured the loss, may call for more copies of that PROBE (recovery's
+        ack_received) - unless the loss it implies stays within the target, where the
+        answer is "no more", or more copies are due already (then it may be "fewer")."""
+        decides = (self._state is SendState.AWAITING_REPLY and not self._queue.first_pass
+                   and self.recovery.acks_may_add_copies)
+        self.acks.check_loss = decides
+        self.acks.in_python = decides and self.recovery.more_copies_due
+
     # ----------------------------------------------------------------- outgoing
     def has_data(self) -> bool:
         state = self._state
@@ -254,6 +281,12 @@ class MessageSender:
         ``runs``: the DATA of this poll as one ``DataRun`` instead."""
         if self._state is SendState.DONE:
             return 0
+        sent = self._poll(now, limit, out, runs)
+        if self._acks_shared:
+            self._share_ack_flags()
+        return sent
+
+    def _poll(self, now: float, limit: int, out: list, runs: bool) -> int:
         sent = 0
         if self._state is SendState.PROBE_DUE:
             sent = self._send_probe(now, out)
@@ -287,9 +320,10 @@ class MessageSender:
         first_pass = queue.first_pass
         batch = queue.take(k)
         window = self._window
-        tseq = window.next_tseq
+        acks = window.acks
+        tseq = acks.next_tseq
         self._tseq_field[batch] = np.arange(tseq, tseq + k, dtype=np.uint32)
-        window.next_tseq = tseq + k
+        acks.next_tseq = tseq + k
         self.recovery.data_sent(now, k)
         run = DataRun(self.peer, self._headers, self._payload, self.chunk_bytes, batch)
         if runs:
@@ -312,7 +346,7 @@ class MessageSender:
         probe.sent_at = now
         probe.deadline = now + self.recovery.rto
         self.counts.probes += 1
-        self._window.probe_mark = self._window.next_tseq
+        self._window.probe_mark = self.acks.next_tseq
         first_pass = self._queue.first_pass
         self._transition(SendEvent.PROBE_SENT)
         # FINAL: every chunk has been sent once, so the receiver may stop on its bound
@@ -345,6 +379,8 @@ class MessageSender:
         self.recovery.missing_reported(int(missing.size))
         if flags & Flag.FINAL:
             self._reply_received(now)
+            if self._acks_shared:
+                self._share_ack_flags()
 
     def ack_received(self, tseq_seen: int, delivered: int, now: float) -> None:
         if self._state is SendState.DONE:
@@ -354,11 +390,14 @@ class MessageSender:
             tseq_seen, delivered, now,
             self._state is SendState.AWAITING_REPLY and not self._queue.first_pass)
         self._window.acked_through(tseq_seen)
+        if self._acks_shared:
+            self._share_ack_flags()
 
     def _heard(self, delivered: int, now: float) -> None:
         """The receiver is alive and says it has ``delivered`` chunks."""
-        self._last_heard = now
-        self.counts.reported_delivered = max(self.counts.reported_delivered, delivered)
+        acks = self.acks
+        acks.last_heard = now
+        acks.reported_delivered = max(acks.reported_delivered, delivered)
 
     def _reply_received(self, now: float) -> None:
         self._window.probe_answered()
@@ -375,7 +414,7 @@ class MessageSender:
     def stop_received(self, reason: int, delivered: int, now: float) -> None:
         if self._state is SendState.DONE:
             return
-        self.counts.reported_delivered = delivered
+        self.acks.reported_delivered = delivered
         try:
             close_reason: CloseReason | None = CloseReason(reason)
         except ValueError:
@@ -395,11 +434,11 @@ class MessageSender:
     def next_deadline(self) -> float | None:
         if self._state is SendState.DONE:
             return None
-        t = self._last_heard + self.config.peer_timeout
+        t = self.acks.last_heard + self.config.peer_timeout
         probe_deadline = self._probe.deadline
         if probe_deadline is not None and probe_deadline < t:
             t = probe_deadline
-        blocked_since = self._window.blocked_since
+        blocked_since = self.acks.blocked_since
         if blocked_since is not None and self._state is not SendState.AWAITING_REPLY:
             t = min(t, blocked_since + self.recovery.rto)
         paced_until = self.pacer.paced_until
@@ -410,17 +449,17 @@ class MessageSender:
     def timer_fired(self, now: float) -> None:
         if self._state is SendState.DONE:
             return
-        if now >= self._last_heard + self.config.peer_timeout:
+        if now >= self.acks.last_heard + self.config.peer_timeout:
             self._finish(SendStatus.PEER_SILENT, None, now)
             return
         self.pacer.timer_fired(now)
-        window = self._window
+        acks = self.acks
         if (
-            window.blocked_since is not None
+            acks.blocked_since is not None
             and self._state is not SendState.AWAITING_REPLY
-            and now >= window.blocked_since + self.recovery.rto
+            and now >= acks.blocked_since + self.recovery.rto
         ):
-            window.blocked_since = None
+            acks.blocked_since = None
             self._transition(SendEvent.WINDOW_STUCK)
         probe = self._probe
         if probe.deadline is not None and now >= probe.deadline:
@@ -428,6 +467,8 @@ class MessageSender:
             self.recovery.probe_timed_out()
             probe.deadline = None
             self._transition(SendEvent.PROBE_TIMEOUT)
+        if self._acks_shared:
+            self._share_ack_flags()
 
     def cancel(self, now: float) -> None:
         if self._state is not SendState.DONE:
@@ -449,7 +490,7 @@ class MessageSender:
                 datagrams=counts.datagrams,
                 payload_bytes=counts.payload_bytes,
                 chunks=self.count,
-                delivered=counts.reported_delivered,
+                delivered=self.acks.reported_delivered,
                 retransmit_rounds=counts.retransmit_rounds,
                 retransmitted=counts.retransmitted,
                 probes=counts.probes,
