@@ -460,3 +460,28 @@ def test_the_bare_loop_counts_a_coalesced_run_by_its_tags():
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_batch_of_sends_or_receives_is_posted_at_once_or_not_at_all():
+    """send_many and receive_many post a message to several peers with one wake of the
+    I/O thread; where one of the batch cannot start, those started before it are
+    cancelled and the error raised, so that nothing runs without its future."""
+    rng = np.random.default_rng(3)
+    x, y = (rng.integers(0, 256, n, dtype=np.uint8) for n in (30_000, 7_000))
+    with UdpEndpoint(session=SESSION, config=_cfg()) as a, \
+            UdpEndpoint(session=SESSION, config=_cfg()) as b, \
+            UdpEndpoint(session=SESSION, config=_cfg()) as c:
+        (at_b,) = b.receive_many([(a.address, x.nbytes)], message_id=1, round_id=4)
+        (at_c,) = c.receive_many([(a.address, y.nbytes)], message_id=1, round_id=4)
+        woken = a.counters()["io_wakeups"]
+        sent = a.send_many([(b.address, x), (c.address, y)], message_id=1, round_id=4)
+        assert a.counters()["io_wakeups"] == woken + 1
+        assert all(f.result(30).ok for f in sent)
+        assert np.array_equal(at_b.result(30).data, x) and np.array_equal(at_c.result(30).data, y)
+        with pytest.raises(TransportError, match="already being sent"):
+            a.send_many([(c.address, y), (b.address, x), (b.address, x)], message_id=2)
+        assert a.mux.open_sends == 0
+        before = b.mux.open_receives
+        with pytest.raises(TransportError, match="already open"):
+            b.receive_many([(a.address, 10), (c.address, 10), (a.address, 10)], message_id=3)
+        assert b.mux.open_receives == before

@@ -60,13 +60,15 @@ MAIN_STEPS = {
                         "allreduce_mean"),
     "collective call (ps)": ("boundedloss.collective.parameter_server", "ParameterServer",
                              "allreduce_mean"),
-    "  post receives": ("boundedloss.collective.base", "Collective", "_post"),
-    "  post sends": ("boundedloss.net.udp", "UdpEndpoint", "send"),
+    "  post receives": ("boundedloss.collective.base", "Collective", "_post_many"),
+    "  post sends": ("boundedloss.net.udp", "UdpEndpoint", "send_many"),
     "  wait for results": ("boundedloss.collective.base", "Collective", "_wait"),
     "  aggregate": ("boundedloss.aggregate", "UnbiasedRescale", "aggregate"),
     "  accept broadcasts": ("boundedloss.collective.base", "Collective", "_accept_broadcast"),
     "  chunk masks to elements": ("boundedloss.collective.base", "Collective", "_elements"),
 }
+#: the steps that post messages, a batch a call
+POSTS = ("  post receives", "  post sends")
 KINDS = {1: "DATA", 2: "PROBE", 3: "BITMAP", 4: "STOP", 5: "ACK"}
 
 
@@ -95,6 +97,8 @@ def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
             finally:
                 cpu[name] += time.thread_time() - t0
                 calls[name] += 1
+                if name in POSTS:  # (a call posts the receives or sends of a batch)
+                    calls[name + ", messages"] += len(a[1])
         return call
 
     for name, where in {**IO_STEPS, **MAIN_STEPS}.items():
@@ -237,7 +241,7 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
     kernel = syscalls + sends
     main_all = mean("ms", "collective call") + mean("ms", "collective call (ps)")
     python = (io_all - compiled - kernel) + main_all
-    messages = mean("calls", "  post receives") + mean("calls", "  post sends")
+    messages = sum(mean("calls", step + ", messages") for step in POSTS)
     handed = sum(mean("calls", "kind " + k) for k in KINDS.values())
     return {
         "python_ms": python, "compiled_ms": compiled, "kernel_ms": kernel,

@@ -200,13 +200,19 @@ class Collective(abc.ABC):
 
     def _post(self, peer_rank: int, bucket: int, phase: int, round_id: int,
               nbytes: int) -> Posted:
+        return self._post_many({peer_rank: nbytes}, bucket, phase, round_id)[peer_rank]
+
+    def _post_many(self, nbytes: dict[int, int], bucket: int, phase: int,
+                   round_id: int) -> dict[int, Posted]:
+        """Post the receives of ``bucket``'s ``phase`` from each peer rank in ``nbytes``
+        (its size), at once."""
         policy, watched = self._receive_policy(bucket, phase)
-        fut = self.endpoint.receive(
-            self.peers[peer_rank], message_id=message_id(bucket, phase), round_id=round_id,
-            nbytes=nbytes, policy=policy,
-        )
-        return Posted(round_id, nbytes, policy, fut, watched,
-                      guarded=watched and policy is not self.policy)
+        futures = self.endpoint.receive_many(
+            [(self.peers[r], n) for r, n in nbytes.items()],
+            message_id=message_id(bucket, phase), round_id=round_id, policy=policy)
+        guarded = watched and policy is not self.policy
+        return {r: Posted(round_id, n, policy, fut, watched, guarded=guarded)
+                for (r, n), fut in zip(nbytes.items(), futures)}
 
     def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int,
               nbytes: int) -> Posted:
@@ -226,10 +232,12 @@ class Collective(abc.ABC):
                 return pending  # it had closed already: the peer will not send it again
         return self._post(peer_rank, bucket, phase, round_id, nbytes)
 
-    def _post_ahead(self, peer_rank: int, bucket: int, phase: int, round_id: int,
-                    nbytes: int) -> None:
-        self._pending[(bucket, phase, peer_rank)] = self._post(
-            peer_rank, bucket, phase, round_id, nbytes)
+    def _post_ahead(self, nbytes: dict[int, int], bucket: int, phase: int,
+                    round_id: int) -> None:
+        """Post next round's receives now (see the module's docstring), from each peer
+        rank in ``nbytes`` (its size)."""
+        for peer_rank, posted in self._post_many(nbytes, bucket, phase, round_id).items():
+            self._pending[(bucket, phase, peer_rank)] = posted
 
     def _wait(self, posted: Posted, what: str) -> ReceiveResult:
         try:
@@ -290,8 +298,8 @@ class Collective(abc.ABC):
             masks.append(mask)
             tally.add(res, receive)
         self._guard_round(bucket, round_id, tally)
-        for peer_rank in posted:  # (no peer sends its next before it has this round's result)
-            self._post_ahead(peer_rank, bucket, PUSH, round_id + 1, own.nbytes)
+        # (no peer sends its next before it has this round's result)
+        self._post_ahead(dict.fromkeys(posted, own.nbytes), bucket, PUSH, round_id + 1)
         previous = self._remembered(memory_key, own.shape)
         agg = self.aggregator.aggregate(contributions, masks,
                                         previous=None if previous is None else widen(previous))

@@ -69,10 +69,10 @@ class ParameterServer(Collective):
         agg = self._reduce(coded, pushes, round_id, bucket, "push", tally, (bucket, "aggregate"))
         self._settle_broadcasts(bucket, before=round_id - 1)
         # (``agg`` is never written again: it is safe to send from in the background)
+        sent = self.endpoint.send_many([(self.peers[w], agg) for w in workers],
+                                       message_id=message_id(bucket, PULL), round_id=round_id)
         self._broadcasts.setdefault(bucket, []).extend(
-            PendingBroadcast(round_id, w, self.endpoint.send(
-                self.peers[w], agg, message_id=message_id(bucket, PULL), round_id=round_id))
-            for w in workers)
+            PendingBroadcast(round_id, w, fut) for w, fut in zip(workers, sent))
         return agg
 
     def _settle_broadcasts(self, bucket: int, before: int) -> None:
@@ -116,6 +116,6 @@ class ParameterServer(Collective):
                                f"(round {round_id}, bucket {bucket})")
         tally.add(res, pull)
         self._guard_round(bucket, round_id, tally)  # (a stale broadcast is bounded)
-        self._post_ahead(self.server, bucket, PULL, round_id + 1, coded.nbytes)
+        self._post_ahead({self.server: coded.nbytes}, bucket, PULL, round_id + 1)
         tally.rounds = max(tally.rounds, self._wait_sends([(self.server, send)]))
         return self._accept_broadcast(res, coded.size, coded.dtype, (bucket, "broadcast"))

@@ -43,9 +43,9 @@ class TransposeAllreduce(Collective):
         gather_in = {r: self._take(r, bucket, PULL, round_id,
                                    (bounds[r][1] - bounds[r][0]) * itemsize)
                      for r in others}
-        sends = [(r, self.endpoint.send(self.peers[r], coded[bounds[r][0]:bounds[r][1]],
-                                        message_id=message_id(bucket, PUSH), round_id=round_id))
-                 for r in others]
+        sends = list(zip(others, self.endpoint.send_many(
+            [(self.peers[r], coded[bounds[r][0]:bounds[r][1]]) for r in others],
+            message_id=message_id(bucket, PUSH), round_id=round_id)))
 
         # Reduce my shard.
         tally = Tally()
@@ -53,9 +53,9 @@ class TransposeAllreduce(Collective):
                             (bucket, "shard"))
 
         # All-gather the reduced shards.
-        sends += [(r, self.endpoint.send(self.peers[r], mine, message_id=message_id(bucket, PULL),
-                                         round_id=round_id))
-                  for r in others]
+        sends += zip(others, self.endpoint.send_many(
+            [(self.peers[r], mine) for r in others], message_id=message_id(bucket, PULL),
+            round_id=round_id))
         out = np.empty_like(coded)
         out[lo:hi] = mine
         for r in others:
@@ -65,7 +65,9 @@ class TransposeAllreduce(Collective):
             tally.add(res, gather_in[r])
             out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, coded.dtype,
                                                   (bucket, f"gather{r}"))
-            self._post_ahead(r, bucket, PULL, round_id + 1, (rhi - rlo) * itemsize)
+        # (a peer sends its next reduced shard only after this rank's next contribution)
+        self._post_ahead({r: (bounds[r][1] - bounds[r][0]) * itemsize for r in others},
+                         bucket, PULL, round_id + 1)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)
         return out_x, tally.stats(round_id, bucket, self._clock() - t0)

@@ -266,39 +266,88 @@ class UdpEndpoint:
     def send(self, peer, payload, *, message_id: int, round_id: int = 0,
              critical: np.ndarray | None = None) -> Future:
         """Send ``payload`` (any C-contiguous buffer; not to be modified until done)."""
-        peer = self._address(peer)
-        self.check_path(peer)
-        fut: Future = Future()
+        return self.send_many([(peer, payload)], message_id=message_id, round_id=round_id,
+                              critical=critical)[0]
+
+    def send_many(self, messages: Sequence[tuple[Any, Any]], *, message_id: int,
+                  round_id: int = 0, critical: np.ndarray | None = None) -> list[Future]:
+        """``send`` message ``message_id`` to each ``(peer, payload)`` of ``messages``, all
+        at once: the lock taken once, the I/O thread woken once. If one cannot start,
+        those started before it are cancelled and the error raised."""
+        peers = [self._address(peer) for peer, _ in messages]
+        for peer in peers:
+            self.check_path(peer)
+        futures: list[Future] = []
         with self._lock:
             self._check_open()
-            tx = self.mux.start_send(peer, round_id, message_id, payload, time.monotonic(),
-                                     critical=critical)
-            self._futures[tx.transfer_id] = (tx, fut)
+            now = time.monotonic()
+            started: list[MessageSender] = []
+            try:
+                for peer, (_, payload) in zip(peers, messages):
+                    tx = self.mux.start_send(peer, round_id, message_id, payload, now,
+                                             critical=critical)
+                    started.append(tx)
+                    fut: Future = Future()
+                    self._futures[tx.transfer_id] = (tx, fut)
+                    futures.append(fut)
+            except BaseException:
+                for tx in started:
+                    self.mux.cancel_send(tx, now)
+                self._resolve(self.mux.pop_finished())
+                raise
         self._wake()
-        return fut
+        return futures
 
     def receive(self, peer, *, message_id: int, round_id: int = 0,
                 policy: Policy | None = None, out: np.ndarray | None = None,
                 nbytes: int | None = None, critical: np.ndarray | None = None) -> Future:
         """Post a receive; chunks land in ``out`` (or a new uint8 array of the sender's size)."""
-        peer = self._address(peer)
-        self.check_path(peer)
-        fut: Future = Future()
+        return self._receive([(peer, out, nbytes, critical)], message_id, round_id, policy)[0]
+
+    def receive_many(self, messages: Sequence[tuple[Any, int]], *, message_id: int,
+                     round_id: int = 0, policy: Policy | None = None) -> list[Future]:
+        """``receive`` message ``message_id`` from each ``(peer, nbytes)`` of ``messages``,
+        all at once: the lock taken once, the I/O thread woken at most once. If one
+        cannot be posted, those posted before it are cancelled and the error raised."""
+        return self._receive([(peer, None, nbytes, None) for peer, nbytes in messages],
+                             message_id, round_id, policy)
+
+    def _receive(self, messages: list[tuple], message_id: int, round_id: int,
+                 policy: Policy | None) -> list[Future]:
+        peers = [self._address(peer) for peer, *_ in messages]
+        for peer in peers:
+            self.check_path(peer)
+        policy = policy or ReliablePolicy()
+        futures: list[Future] = []
         with self._lock:
             self._check_open()
-            rx = self.mux.start_receive(peer, round_id, message_id, time.monotonic(),
-                                        policy=policy or ReliablePolicy(), out=out,
-                                        nbytes=nbytes, critical=critical)
-            self._futures[rx.transfer_id] = (rx, fut)
+            now = time.monotonic()
+            posted: list[MessageReceiver] = []
+            try:
+                for peer, (_, out, nbytes, critical) in zip(peers, messages):
+                    rx = self.mux.start_receive(peer, round_id, message_id, now,
+                                                policy=policy, out=out, nbytes=nbytes,
+                                                critical=critical)
+                    posted.append(rx)
+                    fut: Future = Future()
+                    self._futures[rx.transfer_id] = (rx, fut)
+                    futures.append(fut)
+            except BaseException:
+                for rx in posted:
+                    self.mux.cancel_receive(rx, now)
+                self._resolve(self.mux.pop_finished())
+                raise
             self._resolve(self.mux.pop_finished())
             # The I/O thread need not run for a receive it would not act on before it
             # wakes anyway (every wake is a pass of its loop, and a GIL handover): only
-            # for something to send, or a timer of the receive due sooner.
-            due = rx.next_deadline()
-            wake = bool(self.mux.outbox) or (due is not None and due < self.sleeps_until)
+            # for something to send, or a timer of a receive due sooner.
+            wake = bool(self.mux.outbox)
+            for rx in posted:
+                due = rx.next_deadline()
+                wake = wake or (due is not None and due < self.sleeps_until)
         if wake:
             self._wake()
-        return fut
+        return futures
 
     def cancel(self, future: Future) -> None:
         """Cancel a send or receive: it resolves with a CANCELLED result. A cancelled
