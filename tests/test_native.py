@@ -393,16 +393,75 @@ def test_native_matches_python_on_gro_runs_of_every_length(policy, chunks, chunk
     _same(side, _opened(sent) if auth else sent)
 
 
+def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
+    """The compiled path answers for the closed receives the mux remembers - a PROBE with
+    the STOP at once, DATA with it at most once per min_rto, both counted stale - and
+    not for those it has forgotten (the oldest past closed_memory, or one posted again),
+    exactly as the Python core does."""
+    cfg = TransportConfig(chunk_bytes=64, closed_memory=2, min_rto=0.002)
+    messages = {}
+    for msg in range(1, 5):
+        sender = TransferMux(SESSION, cfg)
+        sender.start_send(PEER, 3, msg, source_bytes(64 * 4, msg), 0.0)
+        messages[msg] = [b"".join(bytes(p) for p in parts) for parts, _ in sender.poll(0.0)]
+    side = []
+    for use_native in (False, True):
+        mux = TransferMux(SESSION, cfg)
+        path = native.NativeDataPath(mux) if use_native else None
+        side.append((mux, path))
+
+    def feed(d: bytes, t: float) -> list[list[bytes]]:
+        sent = []
+        for mux, path in side:
+            if path is None:
+                mux.datagram_received(d, PEER, t)
+            else:
+                path.take(d, PEER, t)
+            sent.append([b"".join(bytes(p) for p in parts) for parts, _ in mux.poll(t)])
+        assert sent[0] == sent[1]
+        assert side[0][0].counters() == side[1][0].counters()
+        return sent[0]
+
+    t = 0.0
+    for msg, datagrams in messages.items():  # each closes complete; 3 and 4 remembered
+        for mux, _ in side:
+            mux.start_receive(PEER, 3, msg, t, policy=ReliablePolicy(), nbytes=64 * 4)
+        for d in datagrams:
+            t += 0.001
+            feed(d, t)
+    for msg, datagrams in messages.items():  # late DATA and PROBEs, each close in turn
+        for d in [datagrams[0], datagrams[1], datagrams[-1], datagrams[2]]:
+            t += 0.0015
+            answered = feed(d, t)
+            # (the first late DATA gets the STOP, the next not within min_rto; a PROBE
+            # gets it at once)
+            assert bool(answered) == (msg >= 3 and (d is datagrams[0] or d is datagrams[-1]))
+    counters = side[1][0].counters()
+    # (each first pass's own PROBE came after its close: 4 more stale)
+    assert counters["stale"] == 4 + 8 and counters["unknown_message"] == 8
+    # posted again: the new receive takes its DATA (and is remembered when it closes)
+    for mux, _ in side:
+        mux.start_receive(PEER, 3, 4, t, policy=ReliablePolicy(), nbytes=64 * 4)
+    for d in messages[4]:
+        t += 0.001
+        feed(d, t)
+    results = [mux.pop_finished() for mux, _ in side]
+    assert [r.stats for r in results[0]] == [r.stats for r in results[1]]
+    assert results[1][-1].complete
+
+
 def test_native_takes_the_data_python_would_have() -> None:
     """The point of it: after a receive's first datagram, its DATA never reaches the
-    Python core, but for the one that meets the plan."""
+    Python core, but for the one that meets the plan; nor does the PROBE that comes
+    after the close (its STOP is said again by the compiled path)."""
     datagrams = _message(100 * 64, 64, 3)
     side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
     _feed(side, datagrams, 10)
     mux, path = side[1][0], side[1][1]
     assert side[1][3].result.complete
     taken = path.counters()["datagrams_in"]
-    assert taken == 98 and mux.counters()["datagrams_in"] == len(datagrams)  # 100 + PROBE
+    assert taken == 99 and mux.counters()["datagrams_in"] == len(datagrams)  # 100 + PROBE
+    assert mux.counters()["stale"] == 1
 
 
 # ------------------------------------------------------------------------ fuzz

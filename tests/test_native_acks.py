@@ -188,3 +188,34 @@ def test_the_compiled_path_takes_the_acks_of_a_lossless_pass() -> None:
         t1.message, Kind.ACK, 0, STOP_PAYLOAD.pack(3 * every), tseq=6 * every),
         PEER, 0.005)
     assert handed == [Kind.ACK] and t1.recovery.more_copies_due
+
+
+def test_answers_for_finished_sends_are_stale_on_both_paths() -> None:
+    """An ACK, STOP or BITMAP for a send that finished is counted stale - by the compiled
+    path for the sends it still keeps (the latest 1,024 to close), by the core for those
+    before them - exactly as the Python core counts every one."""
+    cfg = TransportConfig(chunk_bytes=64)
+    side = []
+    for use_native in (False, True):
+        mux = TransferMux(SESSION, cfg)
+        if use_native:
+            native.NativeDataPath(mux)
+        sends = [mux.start_send(PEER, 1, msg, source_bytes(640, msg), 0.0)
+                 for msg in range(1100)]
+        for tx in sends:
+            mux.cancel_send(tx, 0.0)
+        side.append((mux, sends))
+    (m0, s0), (m1, _) = side
+    handed: list[int] = []
+    real = m1.datagram_received
+    m1.datagram_received = lambda d, p, n: (handed.append(d[3]), real(d, p, n))  # type: ignore
+    for msg in (0, 50, 75, 76, 500, 1099):
+        m = s0[msg].message
+        for d in (wire.control_datagram(m, Kind.ACK, 0, STOP_PAYLOAD.pack(3), tseq=4),
+                  wire.stop_datagram(m, wire.CloseReason.COMPLETE, 10),
+                  wire.control_datagram(m, Kind.BITMAP, 0, BITMAP_PREFIX.pack(1, 10) + b"\xff",
+                                        Flag.FINAL)):
+            m0.datagram_received(d, PEER, 1.0)
+            m1.data_path.take(d, PEER, 1.0)  # type: ignore[union-attr]
+    assert m0.counters() == m1.counters() and m1.counters()["stale"] == 18
+    assert len(handed) == 9  # (messages 0 to 75 closed before the latest 1,024)

@@ -24,12 +24,16 @@
 
 #define BUCKETS 4096
 #define RECV_SLOTS 64
+/* closed sends kept, the oldest let go first, so that their late answers count stale here */
+#define CLOSED_SENDS 1024
 
 typedef struct {
     PyObject_HEAD
     uint64_t session;
     ReceiveObject *table[BUCKETS];
     SendObject *sends[BUCKETS];
+    SendObject *closed_sends[CLOSED_SENDS];  /* a ring of the sends closed lately */
+    int closed_next;
     double now;                      /* the time of the take or step (an ACK: heard then) */
     long long taken;                 /* datagrams the data path took */
     long long drops[N_REASONS];      /* malformed / foreign datagrams it counted and dropped */
@@ -75,6 +79,7 @@ static void dispatcher_dealloc(DispatcherObject *d) {
             r = next;
         }
     }
+    for (int i = 0; i < CLOSED_SENDS; i++) Py_CLEAR(d->closed_sends[i]);
     for (int b = 0; b < BUCKETS; b++) {
         SendObject *s = d->sends[b];
         while (s) {
@@ -231,12 +236,57 @@ static PyObject *dispatcher_unregister_send(DispatcherObject *d, PyObject *arg) 
     Py_RETURN_NONE;
 }
 
+/* close_send(send): it finished. It stays registered for a while (the last
+ * CLOSED_SENDS closed), so that an ACK, STOP or BITMAP that still comes for it is counted
+ * stale here - as TransferMux counts one for a send it no longer has. */
+static PyObject *dispatcher_close_send(DispatcherObject *d, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &SendType)) {
+        PyErr_SetString(PyExc_TypeError, "close_send takes a Send");
+        return NULL;
+    }
+    SendObject *s = (SendObject *)arg;
+    if (!s->registered || s->closed) Py_RETURN_NONE;
+    s->closed = 1;
+    SendObject *oldest = d->closed_sends[d->closed_next];
+    d->closed_sends[d->closed_next] = (SendObject *)Py_NewRef(arg);
+    d->closed_next = (d->closed_next + 1) % CLOSED_SENDS;
+    if (oldest != NULL) {
+        PyObject *r = dispatcher_unregister_send(d, (PyObject *)oldest);
+        Py_DECREF(oldest);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
 static inline SendObject *lookup_send(DispatcherObject *d, uint32_t ip, uint16_t port,
                                       uint32_t rnd, uint32_t msg) {
     SendObject *s = d->sends[bucket_of(ip, port, rnd, msg)];
     while (s && !(s->ip == ip && s->port == port && s->round_id == rnd && s->message_id == msg))
         s = s->next;
     return s;
+}
+
+/* A datagram for a message that has closed here: counted and dropped. */
+static inline int stale(DispatcherObject *d) {
+    d->drops[R_STALE]++;
+    d->taken++;
+    return TAKEN;
+}
+
+/* A DATA or PROBE datagram for a receive that has closed (TransferMux._answer_closed):
+ * stale; and the receive's STOP said again - to a PROBE at once, to DATA still streaming
+ * in at most once per min_rto - appended to ``out`` as the core appends it (unsealed:
+ * the core seals what it polls). */
+static int answer_closed(DispatcherObject *d, ReceiveObject *rx, int kind, PyObject *out) {
+    stale(d);
+    if (rx->stop == NULL || !(kind == KIND_PROBE || d->now - rx->last_sent >= rx->min_rto))
+        return TAKEN;
+    rx->last_sent = d->now;
+    PyObject *item = Py_BuildValue("((O)O)", rx->stop, rx->peer);
+    int appended = item != NULL && PyList_Append(out, item) == 0;
+    Py_XDECREF(item);
+    return appended ? TAKEN : FAILED;
 }
 
 /* The loss a PROBE and its answer would meet, read from ACK counters as AckState.loss_with
@@ -262,6 +312,7 @@ static double loss_with(const SendObject *s, long long heard, long long tseq,
 static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h,
                     uint32_t ip, uint16_t port) {
     SendObject *s = lookup_send(d, ip, port, h->round_id, h->message_id);
+    if (s != NULL && s->closed) return stale(d);
     if (s == NULL || s->in_python || h->mbytes != s->mbytes || h->cbytes != s->cbytes)
         return HANDED_BACK;
     long long tseq_seen = h->tseq, delivered = ld32(p + HEADER_BYTES);
@@ -348,8 +399,13 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
         return TAKEN;
     }
     if (h.kind == KIND_ACK) return take_ack(d, p, &h, ip, port);
-    if (h.kind != KIND_DATA) return HANDED_BACK;
+    if (h.kind == KIND_STOP || h.kind == KIND_BITMAP) {
+        SendObject *s = lookup_send(d, ip, port, h.round_id, h.message_id);
+        return s != NULL && s->closed ? stale(d) : HANDED_BACK;
+    }
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
+    if (rx != NULL && rx->closed) return answer_closed(d, rx, h.kind, out);
+    if (h.kind != KIND_DATA) return HANDED_BACK;
     if (rx == NULL || !rx->heard || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes)
         return HANDED_BACK;
     unsigned char *delivered = (unsigned char *)rx->delivered.buf;
@@ -898,6 +954,8 @@ static PyMethodDef dispatcher_methods[] = {
     {"register", (PyCFunction)dispatcher_register, METH_O, "Take DATA for this receive."},
     {"unregister", (PyCFunction)dispatcher_unregister, METH_O, "Stop taking its DATA."},
     {"register_send", (PyCFunction)dispatcher_register_send, METH_O, "Take this send's ACKs."},
+    {"close_send", (PyCFunction)dispatcher_close_send, METH_O,
+     "It finished: count what still comes for it stale, for a while."},
     {"unregister_send", (PyCFunction)dispatcher_unregister_send, METH_O,
      "Stop taking its ACKs."},
     {"take", (PyCFunction)dispatcher_take, METH_VARARGS, "Take one datagram if it may."},

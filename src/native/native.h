@@ -62,11 +62,11 @@ enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK =
 /* Drop reasons, in the order of REASONS (their wire.DropReason values). */
 enum {
     OK = 0, R_SHORT, R_BAD_MAGIC, R_BAD_VERSION, R_BAD_KIND, R_BAD_LENGTH, R_BAD_GEOMETRY,
-    R_FOREIGN_SESSION, R_INJECTED_LOSS, R_BAD_AUTH, N_REASONS
+    R_FOREIGN_SESSION, R_INJECTED_LOSS, R_BAD_AUTH, R_STALE, N_REASONS
 };
 static const char *const REASONS[N_REASONS] = {
     NULL, "short", "bad_magic", "bad_version", "bad_kind", "bad_length", "bad_geometry",
-    "foreign_session", "injected_loss", "bad_auth",
+    "foreign_session", "injected_loss", "bad_auth", "stale",
 };
 /* protocol/auth.py: a datagram's trailer (nonce, tag), an address's bytes in the tag's
  * input (4, address, port), the key */
@@ -149,6 +149,9 @@ typedef struct ReceiveObject {
     char heard;       /* Python has seen the receive's first datagram */
     char geometry;    /* the fields below are set (bind was called) */
     char registered;
+    char closed;      /* closed (close): its buffers let go, its STOP kept to say again */
+    PyObject *stop;   /* closed: the STOP datagram, or NULL (a cancelled receive has none) */
+    double last_sent, min_rto;  /* closed: when the STOP went last; how often DATA gets it */
     uint32_t ip, round_id, message_id, count, cbytes, ack_every;
     uint16_t port;
     uint64_t mbytes;
@@ -171,6 +174,7 @@ typedef struct SendObject {
     double reverse_hint, loss_target;
     char in_python, check_loss;
     char geometry, registered;
+    char closed;  /* the send has finished: what still comes for it is stale */
     uint32_t ip, round_id, message_id, count, cbytes;
     uint16_t port;
     uint64_t mbytes;

@@ -1,14 +1,20 @@
 #include "native.h"
 
 /* -------------------------------------------------------------- Receive */
-static void receive_release(ReceiveObject *r) {
-    if (r->geometry) {
+/* (a bound receive holds its buffers until it closes) */
+static void release_buffers(ReceiveObject *r) {
+    if (r->geometry && !r->closed) {
         PyBuffer_Release(&r->dest);
         PyBuffer_Release(&r->delivered);
         if (r->has_critical) PyBuffer_Release(&r->critical);
-        r->geometry = 0;
         r->has_critical = 0;
     }
+}
+
+static void receive_release(ReceiveObject *r) {
+    release_buffers(r);
+    r->geometry = 0;
+    Py_CLEAR(r->stop);
     Py_CLEAR(r->peer);
 }
 
@@ -30,7 +36,7 @@ static PyObject *receive_bind(ReceiveObject *r, PyObject *args) {
     unsigned int ip, port, round_id, message_id, count, cbytes, ack_every;
     unsigned long long mbytes;
     Py_buffer ack;
-    if (r->geometry || r->registered) {
+    if (r->geometry || r->registered || r->closed) {
         PyErr_SetString(PyExc_RuntimeError, "receive already bound");
         return NULL;
     }
@@ -79,6 +85,30 @@ static PyObject *receive_bind(ReceiveObject *r, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* close(stop_or_None, now, min_rto): the receive closed at ``now``. Its buffers are let go
+ * (nothing is written any more); while it stays registered, a PROBE for it is answered
+ * with ``stop`` at once and its DATA at most once per ``min_rto`` (TransferMux's
+ * closed receives), and both are counted stale. */
+static PyObject *receive_close(ReceiveObject *r, PyObject *args) {
+    PyObject *stop;
+    double now, min_rto;
+    if (!PyArg_ParseTuple(args, "Odd", &stop, &now, &min_rto)) return NULL;
+    if (stop != Py_None && !PyBytes_Check(stop)) {
+        PyErr_SetString(PyExc_TypeError, "a STOP is bytes or None");
+        return NULL;
+    }
+    if (!r->geometry || r->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "only a bound, open receive closes");
+        return NULL;
+    }
+    release_buffers(r);  /* (its identity stays: it is still found by its key) */
+    Py_XSETREF(r->stop, stop == Py_None ? NULL : Py_NewRef(stop));
+    r->last_sent = now;
+    r->min_rto = min_rto;
+    r->closed = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMemberDef receive_members[] = {
     {"datagrams", T_LONGLONG, offsetof(ReceiveObject, datagrams), 0, NULL},
     {"payload_bytes", T_LONGLONG, offsetof(ReceiveObject, payload_bytes), 0, NULL},
@@ -91,11 +121,14 @@ static PyMemberDef receive_members[] = {
     {"early_stop", T_BOOL, offsetof(ReceiveObject, early_stop), 0, NULL},
     {"heard", T_BOOL, offsetof(ReceiveObject, heard), 0, NULL},
     {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
+    {"closed", T_BOOL, offsetof(ReceiveObject, closed), READONLY, NULL},
+    {"last_sent", T_DOUBLE, offsetof(ReceiveObject, last_sent), READONLY, NULL},
     {NULL},
 };
 
 static PyMethodDef receive_methods[] = {
     {"bind", (PyCFunction)receive_bind, METH_VARARGS, "Set the geometry and buffers."},
+    {"close", (PyCFunction)receive_close, METH_VARARGS, "Closed: answer with its STOP."},
     {NULL},
 };
 

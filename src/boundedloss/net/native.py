@@ -35,6 +35,8 @@ class NativeDataPath:
         self._mux = mux
         self.dispatcher = self._native.Dispatcher(mux.session)
         self._peers: dict[tuple[int, int], tuple[str, int]] = {}
+        #: the closed receives the mux remembers, by key: their STOPs are said from here
+        self._closed: dict[tuple, object] = {}
         if mux.auth is not None:
             local = ipv4_address(mux.auth.local)
             if local is None or not authenticates():
@@ -58,9 +60,21 @@ class NativeDataPath:
                     receiver.ack_template())
         self.dispatcher.register(shared)
 
-    def receive_closed(self, receiver: MessageReceiver) -> None:
-        if isinstance(receiver.counts, self._native.Receive):
-            self.dispatcher.unregister(receiver.counts)
+    def receive_closed(self, receiver: MessageReceiver, remembered_at: float | None) -> None:
+        shared = receiver.counts
+        if not isinstance(shared, self._native.Receive) or not shared.registered:
+            return
+        if remembered_at is None:
+            self.dispatcher.unregister(shared)
+            return
+        # (the mux remembers it closed: its STOP is said again from here, until forgotten)
+        shared.close(receiver.stop, remembered_at, self._mux.config.min_rto)
+        self._closed[(receiver.peer, receiver.round_id, receiver.message_id)] = shared
+
+    def forget_closed(self, key: tuple) -> None:
+        shared = self._closed.pop(key, None)
+        if shared is not None:
+            self.dispatcher.unregister(shared)
 
     def send_opened(self, sender: MessageSender) -> None:
         address = ipv4_address(sender.peer)
@@ -74,7 +88,7 @@ class NativeDataPath:
 
     def send_closed(self, sender: MessageSender) -> None:
         if isinstance(sender.acks, self._native.Send):
-            self.dispatcher.unregister_send(sender.acks)
+            self.dispatcher.close_send(sender.acks)  # (what comes for it later is stale)
 
     def seal(self, parts: tuple, peer: Hashable) -> tuple:
         address = ipv4_address(peer)

@@ -58,7 +58,14 @@ class DataPath(Protocol):
 
     def receive_opened(self, receiver: MessageReceiver) -> None: ...
 
-    def receive_closed(self, receiver: MessageReceiver) -> None: ...
+    def receive_closed(self, receiver: MessageReceiver, remembered_at: float | None) -> None:
+        """The receive closed; ``remembered_at``: the time from which the mux remembers it
+        (its STOP to be said again to what still comes for it), or None if it does not."""
+        ...
+
+    def forget_closed(self, key: tuple) -> None:
+        """The mux no longer remembers the closed receive ``(peer, round, message)``."""
+        ...
 
     def send_opened(self, sender: MessageSender) -> None: ...
 
@@ -147,7 +154,8 @@ class TransferMux:
             )
         if nbytes is not None and not 0 <= nbytes <= self.config.max_message_bytes:
             raise ValueError(f"nbytes must be 0..{self.config.max_message_bytes}")
-        self._closed.pop(key, None)
+        if self._closed.pop(key, None) is not None and self.data_path:
+            self.data_path.forget_closed(key)
         receiver = MessageReceiver(
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             policy=policy, config=self.config, now=now, out=out, nbytes=nbytes,
@@ -409,14 +417,19 @@ class TransferMux:
         self._take_finished(self._senders, sender)
 
     def _reap_receive(self, receiver: MessageReceiver, now: float) -> None:
-        if receiver.result is not None and self.data_path:
-            self.data_path.receive_closed(receiver)
-        if self._take_finished(self._receivers, receiver) and self.config.closed_memory:
+        if not self._take_finished(self._receivers, receiver):
+            return
+        remember = self.config.closed_memory > 0
+        if self.data_path:
+            self.data_path.receive_closed(receiver, now if remember else None)
+        if remember:
             key = (receiver.peer, receiver.round_id, receiver.message_id)
             self._closed[key] = _Closed(receiver.stop, now)
             self._closed.move_to_end(key)
             while len(self._closed) > self.config.closed_memory:
-                self._closed.popitem(last=False)
+                forgotten, _ = self._closed.popitem(last=False)
+                if self.data_path:
+                    self.data_path.forget_closed(forgotten)
 
     def pop_finished(self) -> list[SendResult | ReceiveResult]:
         """The results of the sends and receives that finished since the last call (each
