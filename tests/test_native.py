@@ -139,6 +139,7 @@ def _same(side, sent) -> None:
     assert sent[0] == sent[1]
     assert m0.counters() == m1.counters()
     assert (rx0.result is None) == (rx1.result is None)
+    assert rx0.first_heard == rx1.first_heard  # (a policy's clock and its outcome's time)
     if rx0.result is not None:
         r0, r1 = rx0.result, rx1.result
         assert r0.close_reason == r1.close_reason and r0.stats == r1.stats
@@ -451,16 +452,16 @@ def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
 
 
 def test_native_takes_the_data_python_would_have() -> None:
-    """The point of it: after a receive's first datagram, its DATA never reaches the
-    Python core, but for the one that meets the plan; nor does the PROBE that comes
-    after the close (its STOP is said again by the compiled path)."""
+    """The point of it: a receive's DATA never reaches the Python core, but for the one
+    that meets the plan; nor does the PROBE that comes after the close (its STOP is said
+    again by the compiled path)."""
     datagrams = _message(100 * 64, 64, 3)
     side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
     _feed(side, datagrams, 10)
     mux, path = side[1][0], side[1][1]
     assert side[1][3].result.complete
     taken = path.counters()["datagrams_in"]
-    assert taken == 99 and mux.counters()["datagrams_in"] == len(datagrams)  # 100 + PROBE
+    assert taken == 100 and mux.counters()["datagrams_in"] == len(datagrams)  # 100 + PROBE
     assert mux.counters()["stale"] == 1
 
 

@@ -13,10 +13,10 @@
  *   - takes the ACKs for sends the Python core registered: the bookkeeping an ACK is
  *     (the peer heard, what it reported, recovery's ACK counters, the flow-control
  *     window) in the Send object the send shares with Python.
- * A datagram it cannot take without a decision - the first one of a receive, one that
- * would meet the receive's plan, an ACK the send says needs the core, any other control
- * datagram, one for an unknown message - is handed back to Python untouched, in order,
- * and Python's core handles it as always. The counters a receive shares with Python live
+ * A datagram it cannot take without a decision - the first one of a receive whose plan
+ * starts a clock on it, one that would meet the receive's plan, an ACK the send says
+ * needs the core, any other control datagram, one for an unknown message - is handed
+ * back to Python untouched, in order, and Python's core handles it as always. The counters a receive shares with Python live
  * in a Receive object that both read; what a send's ACKs move, in a Send.
  */
 #include "native.h"
@@ -406,7 +406,8 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
     if (rx != NULL && rx->closed) return answer_closed(d, rx, h.kind, out);
     if (h.kind != KIND_DATA) return HANDED_BACK;
-    if (rx == NULL || !rx->heard || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes)
+    if (rx == NULL || (!rx->heard && rx->clock_on_first) || h.mbytes != rx->mbytes
+        || h.cbytes != rx->cbytes)
         return HANDED_BACK;
     unsigned char *delivered = (unsigned char *)rx->delivered.buf;
     int fresh = !delivered[h.index];
@@ -420,6 +421,10 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
             return HANDED_BACK;
     }
     d->taken++;
+    if (!rx->heard) {  /* (MessageReceiver._heard, with no clock to start) */
+        rx->heard = 1;
+        rx->first_heard = d->now;
+    }
     rx->datagrams++;
     rx->payload_bytes += h.plen;
     if ((long long)h.tseq > rx->max_tseq) rx->max_tseq = h.tseq;

@@ -146,7 +146,9 @@ typedef struct ReceiveObject {
     long long datagrams, payload_bytes, duplicates, delivered_count, max_tseq, unacked;
     long long critical_missing, need;
     char early_stop;  /* the sender sent everything once, or the acceptance deadline passed */
-    char heard;       /* Python has seen the receive's first datagram */
+    char heard;       /* the receive's first datagram has arrived (at first_heard) */
+    char clock_on_first;  /* that first datagram starts a clock of the plan's: Python's */
+    double first_heard;
     char geometry;    /* the fields below are set (bind was called) */
     char registered;
     char closed;      /* closed (close): its buffers let go, its STOP kept to say again */

@@ -120,6 +120,8 @@ static PyMemberDef receive_members[] = {
     {"need", T_LONGLONG, offsetof(ReceiveObject, need), 0, NULL},
     {"early_stop", T_BOOL, offsetof(ReceiveObject, early_stop), 0, NULL},
     {"heard", T_BOOL, offsetof(ReceiveObject, heard), 0, NULL},
+    {"first_heard", T_DOUBLE, offsetof(ReceiveObject, first_heard), 0, NULL},
+    {"clock_on_first", T_BOOL, offsetof(ReceiveObject, clock_on_first), 0, NULL},
     {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
     {"closed", T_BOOL, offsetof(ReceiveObject, closed), READONLY, NULL},
     {"last_sent", T_DOUBLE, offsetof(ReceiveObject, last_sent), READONLY, NULL},

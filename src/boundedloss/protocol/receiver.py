@@ -72,8 +72,9 @@ class ReceiveCounts:
     and both sides then read and write one set. ``early_stop`` mirrors the receive's
     state (``_EARLY_STOP``) for the compiled path, which reads no Python object."""
 
-    __slots__ = ("critical_missing", "datagrams", "delivered_count", "duplicates",
-                 "early_stop", "heard", "max_tseq", "need", "payload_bytes", "unacked")
+    __slots__ = ("clock_on_first", "critical_missing", "datagrams", "delivered_count",
+                 "duplicates", "early_stop", "first_heard", "heard", "max_tseq", "need",
+                 "payload_bytes", "unacked")
 
     def __init__(self) -> None:
         self.datagrams = 0  # DATA datagrams, duplicates included
@@ -88,6 +89,10 @@ class ReceiveCounts:
         #: everything once, or the acceptance deadline passed)
         self.early_stop = False
         self.heard = False  # a DATA or PROBE of the message has arrived
+        self.first_heard = 0.0  # when (once heard)
+        #: the first datagram starts a clock of the plan's (accept_from_first): the
+        #: receive's, which the Python core arms
+        self.clock_on_first = False
 
     def copy_into(self, other) -> None:
         for name in self.__slots__:
@@ -156,7 +161,6 @@ class MessageReceiver:
         #: DATA datagrams per ACK (TransportConfig.ack_every_for the message's chunks)
         self.ack_every = config.ack_every_for(0)  # (until the size is known)
         self.accept_deadline: float | None = None
-        self.first_heard: float | None = None  # when the first DATA/PROBE arrived
         #: chunks in when the sender had sent every chunk once (see TransferStats)
         self.first_pass_delivered: int | None = None
         self.stop: bytes | None = None
@@ -214,6 +218,7 @@ class MessageReceiver:
         )
         self.plan = plan = self.policy.plan(self.info)
         self.counts.need = min(plan.min_delivered, count)
+        self.counts.clock_on_first = plan.accept_after is not None and plan.accept_from_first
         self.accept_deadline = (
             None if plan.accept_after is None or plan.accept_from_first
             else self.opened + plan.accept_after
@@ -238,9 +243,9 @@ class MessageReceiver:
     def data_received(self, index: int, plen: int, tseq: int, data, now: float,
                       out: list) -> None:
         """One validated DATA datagram (``data`` is the whole datagram)."""
-        if self.first_heard is None:
-            self._heard(now)
         n = self.counts
+        if not n.heard:
+            self._heard(now)
         n.datagrams += 1
         n.payload_bytes += plen
         if tseq > n.max_tseq:
@@ -374,9 +379,14 @@ class MessageReceiver:
                 self._header, Kind.BITMAP, s * seg * 8, prefix + packed[lo:hi].tobytes(),
                 Flag.FINAL if s == last else Flag.NONE),), self.peer))
 
+    @property
+    def first_heard(self) -> float | None:
+        """When the message's first DATA or PROBE arrived (None: not yet)."""
+        return self.counts.first_heard if self.counts.heard else None
+
     def _heard(self, now: float) -> None:
         """The first datagram of the message: start a plan's arrival-relative clock."""
-        self.first_heard = now
+        self.counts.first_heard = now
         self.counts.heard = True
         plan = self.plan
         if plan is not None and plan.accept_after is not None and plan.accept_from_first:
