@@ -7,6 +7,7 @@ in float32; in 16 bits within a rounding of each other (the hook averages in flo
 Gloo in the bucket's dtype). Exit code 0 on success.
 """
 
+import gc
 import os
 import sys
 
@@ -36,8 +37,11 @@ def rank_main(rank, world, port, topology, dtype_name):
     ours = torch.nn.parallel.DistributedDataParallel(twin, bucket_cap_mb=cap)
     # chunks that do not divide a float's bytes evenly: floats cut at chunk edges too
     transport = bl.hook_transport(chunk_bytes=1202, receive_deadline=10)
+    frozen = gc.get_freeze_count()
     state = bl.register(ours, "reliable", topology=topology, transport=transport)
     assert state.endpoint.config == transport and state.transport is transport
+    # the model, torch's objects: out of later full collections (the I/O thread's GIL)
+    assert gc.get_freeze_count() > frozen + 1000
     g = torch.Generator().manual_seed(rank)
     worst = 0.0
     for step in range(4):

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from ..aggregate import UnbiasedRescale
 from ..collective import TOPOLOGIES, Collective
+from ..heap import freeze_heap
 from ..net.udp import UdpEndpoint
 from ..policy import GLOO, TCP_PS, parse_policies, parse_policy
 from .bare_udp import BareExchange
@@ -170,6 +171,7 @@ def rank_main(argv: list[str] | None = None) -> None:
         coll = TOPOLOGIES[a.topology](endpoint, a.rank, peers, policy=policy,
                                       aggregator=UnbiasedRescale(), session=session)
     tensor = torch.from_numpy(x.copy())
+    freeze_heap()  # (every system alike: no full collection of torch's objects mid-round)
     for t in range(a.rounds + 1):  # round 0 warms up (connections, first receives)
         dist.barrier()
         t0 = time.monotonic()

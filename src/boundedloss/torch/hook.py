@@ -39,6 +39,7 @@ from ..collective import (
     widen,
 )
 from ..collective.base import is_bfloat16
+from ..heap import freeze_heap
 from ..net.loss import LossModel
 from ..net.udp import UdpEndpoint
 from ..policy import Policy, ReliablePolicy, make_policy
@@ -499,6 +500,7 @@ def register(
     state: BoundedLossState | None = None,
     guard: LossGuard | None = None,
     auth: bool = True,
+    freeze: bool = True,
     **policy_kw: Any,
 ) -> BoundedLossState:
     """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
@@ -531,7 +533,15 @@ def register(
     TCPStore) in plaintext, so it protects the data plane only from those who cannot
     read the store's TCP traffic or connect to its port. ``auth=False`` authenticates
     nothing - anyone who can send to the job's UDP ports can write into its gradients -
-    and warns once per process (:class:`UnauthenticatedWarning`)."""
+    and warns once per process (:class:`UnauthenticatedWarning`).
+
+    ``freeze`` (default True): once registered, every object alive in the process - the
+    model, the optimizer, torch's modules - is left out of the garbage collector's later
+    full collections (``boundedloss.heap.freeze_heap``, ``gc.freeze``). The transport's
+    I/O thread needs the GIL, and a full collection over torch's objects holds it for
+    tens of milliseconds (72-87 ms measured mid-round, where rounds take 28 ms); frozen
+    objects are still freed by reference counting. ``freeze=False`` leaves the collector
+    as it was."""
     global _REGISTRATIONS
     moved = sorted(set(policy_kw) & set(_TRANSPORT_KEYWORDS))
     if moved:
@@ -602,6 +612,8 @@ def register(
     state.collective = collective
     state.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="boundedloss-hook")
     ddp_model.register_comm_hook(state, comm_hook)
+    if freeze:
+        freeze_heap()
     return state
 
 
