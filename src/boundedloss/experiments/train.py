@@ -40,6 +40,7 @@ import numpy as np
 from .. import native
 from ..aggregate import AGGREGATORS
 from ..collective import TOPOLOGIES
+from ..heap import freeze_heap
 from ..policy import TCP_PS, parse_policy
 from ..secret import secret_from_env
 from ..wire import DEFAULT_CHUNK_BYTES, DropReason
@@ -337,6 +338,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     milestones = sorted({max(1, int(cfg.epochs * 0.5)), max(1, int(cfg.epochs * 0.75))})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.2)
     loss_fn = torch.nn.CrossEntropyLoss()
+    freeze_heap()  # (every arm alike, as register() does for ours: see boundedloss.heap)
     first_epoch = round_id = 0
     if resumed is not None:
         work.model.load_state_dict(resumed["model"])
