@@ -71,6 +71,10 @@ _TRANSITIONS: dict[tuple[SendState, SendEvent], SendState] = {
 }
 
 
+_NOTHING_QUEUED = np.empty(0, dtype=np.int64)
+_NOTHING_QUEUED.flags.writeable = False
+
+
 class SendQueue:
     """Chunk indices waiting to be sent, in order, and a read position; ``queued`` marks
     the chunks waiting, so that repeated BITMAPs do not queue a chunk twice."""
@@ -106,7 +110,8 @@ class SendQueue:
 
     def drained(self) -> None:
         """Everything queued went out: the next chunks are retransmissions."""
-        self.order = np.empty(0, dtype=np.int64)
+        if self.order.size:  # (a poll of a drained queue allocates nothing)
+            self.order = _NOTHING_QUEUED
         self.pos = 0
         self.first_pass = False
 
