@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -277,24 +277,14 @@ class UdpEndpoint:
         peers = [self._address(peer) for peer, _ in messages]
         for peer in peers:
             self.check_path(peer)
-        futures: list[Future] = []
         with self._lock:
             self._check_open()
             now = time.monotonic()
-            started: list[MessageSender] = []
-            try:
-                for peer, (_, payload) in zip(peers, messages):
-                    tx = self.mux.start_send(peer, round_id, message_id, payload, now,
-                                             critical=critical)
-                    started.append(tx)
-                    fut: Future = Future()
-                    self._futures[tx.transfer_id] = (tx, fut)
-                    futures.append(fut)
-            except BaseException:
-                for tx in started:
-                    self.mux.cancel_send(tx, now)
-                self._resolve(self.mux.pop_finished())
-                raise
+            _, futures = self._start_each(
+                [(peer, payload) for peer, (_, payload) in zip(peers, messages)],
+                lambda m: self.mux.start_send(m[0], round_id, message_id, m[1], now,
+                                              critical=critical),
+                self.mux.cancel_send, now)
         self._wake()
         return futures
 
@@ -318,25 +308,15 @@ class UdpEndpoint:
         for peer in peers:
             self.check_path(peer)
         policy = policy or ReliablePolicy()
-        futures: list[Future] = []
         with self._lock:
             self._check_open()
             now = time.monotonic()
-            posted: list[MessageReceiver] = []
-            try:
-                for peer, (_, out, nbytes, critical) in zip(peers, messages):
-                    rx = self.mux.start_receive(peer, round_id, message_id, now,
-                                                policy=policy, out=out, nbytes=nbytes,
-                                                critical=critical)
-                    posted.append(rx)
-                    fut: Future = Future()
-                    self._futures[rx.transfer_id] = (rx, fut)
-                    futures.append(fut)
-            except BaseException:
-                for rx in posted:
-                    self.mux.cancel_receive(rx, now)
-                self._resolve(self.mux.pop_finished())
-                raise
+            posted, futures = self._start_each(
+                [(peer, *rest) for peer, (_, *rest) in zip(peers, messages)],
+                lambda m: self.mux.start_receive(m[0], round_id, message_id, now,
+                                                 policy=policy, out=m[1], nbytes=m[2],
+                                                 critical=m[3]),
+                self.mux.cancel_receive, now)
             self._resolve(self.mux.pop_finished())
             # The I/O thread need not run for a receive it would not act on before it
             # wakes anyway (every wake is a pass of its loop, and a GIL handover): only
@@ -348,6 +328,27 @@ class UdpEndpoint:
         if wake:
             self._wake()
         return futures
+
+    def _start_each(self, messages: list, start: Callable[[Any], Any],
+                    cancel: Callable[[Any, float], None], now: float) -> tuple[list, list[Future]]:
+        """``start`` each of ``messages`` (under the lock), a future for each; if one cannot
+        start, cancel those started before it and raise (nothing runs without its
+        future). The transfers and their futures."""
+        started: list = []
+        futures: list[Future] = []
+        try:
+            for message in messages:
+                transfer = start(message)
+                started.append(transfer)
+                fut: Future = Future()
+                self._futures[transfer.transfer_id] = (transfer, fut)
+                futures.append(fut)
+        except BaseException:
+            for transfer in started:
+                cancel(transfer, now)
+            self._resolve(self.mux.pop_finished())
+            raise
+        return started, futures
 
     def cancel(self, future: Future) -> None:
         """Cancel a send or receive: it resolves with a CANCELLED result. A cancelled
