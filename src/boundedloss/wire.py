@@ -320,8 +320,8 @@ def build_data_headers(
     """
     # (a copy of the geometry's headers with the round and message written in: a
     # message per peer and round is posted, and these differ between them in two words)
-    make = (_data_header_words if message_bytes <= _CACHED_MESSAGE_BYTES
-            else _data_header_words.__wrapped__)
+    cached = chunk_count(message_bytes, chunk_bytes) * HEADER_BYTES <= _CACHED_HEADER_BYTES
+    make = _data_header_words if cached else _data_header_words.__wrapped__
     words = make(session, message_bytes, chunk_bytes).copy()
     words[:, _ROUND_WORD] = round_id
     words[:, _MESSAGE_WORD] = message_id
@@ -332,9 +332,9 @@ def build_data_headers(
 
 
 _ROUND_WORD, _MESSAGE_WORD = OFFSET["round"] // 4, OFFSET["message"] // 4
-#: the largest message whose headers are kept for the next one alike (at 1,400-byte
-#: chunks, 1.6 MB of headers; 16 geometries kept at most)
-_CACHED_MESSAGE_BYTES = 48 << 20
+#: the most header bytes kept for the next message alike (a 48 MB message's at 1,400-byte
+#: chunks; 16 geometries kept at most, 26 MB)
+_CACHED_HEADER_BYTES = 1600 << 10
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,7 +1,8 @@
 /*
  * Dispatcher: the per-datagram data path under the Python protocol core.
  *
- * It moves bytes and decides nothing. What it does:
+ * It moves bytes and keeps counts; what to do with a message is the Python core's. What
+ * it does:
  *   - takes DATA datagrams for receives the Python core registered: finds the receive,
  *     copies the payload into its destination, marks the chunk delivered, counts, and
  *     builds the ACK the receiver owes every ack_every datagrams;
@@ -9,15 +10,20 @@
  *     with the GIL released (Dispatcher.recv), and sends runs (UDP_SEGMENT);
  *   - with a job's key (Dispatcher.authenticate), verifies the tag every datagram ends in
  *     before anything else reads it, and seals what it sends (the DATA of send_run, its
- *     ACKs) through its Sealer (seal.c).
+ *     ACKs) through its Sealer (seal.c);
  *   - takes the ACKs for sends the Python core registered: the bookkeeping an ACK is
  *     (the peer heard, what it reported, recovery's ACK counters, the flow-control
- *     window) in the Send object the send shares with Python.
+ *     window) in the Send object the send shares with Python;
+ *   - answers for messages that closed, as the core would: a closed receive the core
+ *     still remembers has its late DATA and PROBEs counted stale and its STOP said again
+ *     (to a PROBE at once, to DATA at most once per min_rto); a finished send (the
+ *     latest CLOSED_SENDS) has its late ACKs, STOPs and BITMAPs counted stale.
  * A datagram it cannot take without a decision - the first one of a receive whose plan
  * starts a clock on it, one that would meet the receive's plan, an ACK the send says
- * needs the core, any other control datagram, one for an unknown message - is handed
- * back to Python untouched, in order, and Python's core handles it as always. The counters a receive shares with Python live
- * in a Receive object that both read; what a send's ACKs move, in a Send.
+ * needs the core, a PROBE, BITMAP or STOP for an open message, one for an unknown
+ * message - is handed back to Python untouched, in order, and Python's core handles it
+ * as always. The counters a receive shares with Python live in a Receive object that
+ * both read; what a send's ACKs move, in a Send.
  */
 #include "native.h"
 #include "seal.h"
@@ -313,7 +319,9 @@ static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h
                     uint32_t ip, uint16_t port) {
     SendObject *s = lookup_send(d, ip, port, h->round_id, h->message_id);
     if (s != NULL && s->closed) return stale(d);
-    if (s == NULL || s->in_python || h->mbytes != s->mbytes || h->cbytes != s->cbytes)
+    /* (an ack_every below 1, which no sender sets, leaves the loss to the core) */
+    if (s == NULL || s->in_python || h->mbytes != s->mbytes || h->cbytes != s->cbytes
+        || (s->check_loss && s->ack_every < 1))
         return HANDED_BACK;
     long long tseq_seen = h->tseq, delivered = ld32(p + HEADER_BYTES);
     long long heard = s->acks_heard + 1, tseq = s->ack_tseq, got = s->ack_delivered;
@@ -331,7 +339,7 @@ static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h
     s->ack_delivered = got;
     if (tseq_seen + 1 > s->acked) {
         s->acked = tseq_seen + 1 < s->next_tseq ? tseq_seen + 1 : s->next_tseq;
-        Py_SETREF(s->blocked_since, Py_NewRef(Py_None));
+        Py_XSETREF(s->blocked_since, Py_NewRef(Py_None));
     }
     d->taken++;
     return TAKEN;
@@ -489,7 +497,9 @@ static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
 
 /* take_rows(rows, stride, lengths, ip, port, out, start) -> index: datagram i is
  * rows[i*stride : i*stride + lengths[i]] (lengths: uint32 array); takes datagrams from
- * ``start`` on and returns the index of the first one handed back (or their count). */
+ * ``start`` on and returns the index of the first one handed back (or their count). For
+ * the fuzz tests: it takes no time, and what it takes is heard at the last take's or
+ * step's. */
 static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
     Py_buffer rows, lengths;
     Py_ssize_t stride, start;

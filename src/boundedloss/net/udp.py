@@ -274,6 +274,7 @@ class UdpEndpoint:
         """``send`` message ``message_id`` to each ``(peer, payload)`` of ``messages``, all
         at once: the lock taken once, the I/O thread woken once. If one cannot start,
         those started before it are cancelled and the error raised."""
+        messages = list(messages)  # (read twice below)
         peers = [self._address(peer) for peer, _ in messages]
         for peer in peers:
             self.check_path(peer)

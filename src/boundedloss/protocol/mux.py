@@ -135,9 +135,9 @@ class TransferMux:
             payload=payload, config=self.config, now=now, critical=critical,
             path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
-        self._senders[key] = sender
-        if self.data_path:
+        if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
             self.data_path.send_opened(sender)
+        self._senders[key] = sender
         return sender
 
     def start_receive(self, peer, round_id: int, message_id: int, now: float, *,

@@ -266,7 +266,10 @@ class MessageSender:
         that follows the whole first pass awaiting its answer, before any answer has
         measured the loss, may call for more copies of that PROBE (recovery's
         ack_received) - unless the loss it implies stays within the target, where the
-        answer is "no more", or more copies are due already (then it may be "fewer")."""
+        answer is "no more", or more copies are due already (then it may be "fewer").
+        (Nothing to say while the state is not shared.)"""
+        if not self._acks_shared:
+            return
         decides = (self._state is SendState.AWAITING_REPLY and not self._queue.first_pass
                    and self.recovery.acks_may_add_copies)
         self.acks.check_loss = decides
@@ -287,8 +290,7 @@ class MessageSender:
         if self._state is SendState.DONE:
             return 0
         sent = self._poll(now, limit, out, runs)
-        if self._acks_shared:
-            self._share_ack_flags()
+        self._share_ack_flags()
         return sent
 
     def _poll(self, now: float, limit: int, out: list, runs: bool) -> int:
@@ -384,8 +386,7 @@ class MessageSender:
         self.recovery.missing_reported(int(missing.size))
         if flags & Flag.FINAL:
             self._reply_received(now)
-            if self._acks_shared:
-                self._share_ack_flags()
+            self._share_ack_flags()
 
     def ack_received(self, tseq_seen: int, delivered: int, now: float) -> None:
         if self._state is SendState.DONE:
@@ -395,8 +396,7 @@ class MessageSender:
             tseq_seen, delivered, now,
             self._state is SendState.AWAITING_REPLY and not self._queue.first_pass)
         self._window.acked_through(tseq_seen)
-        if self._acks_shared:
-            self._share_ack_flags()
+        self._share_ack_flags()
 
     def _heard(self, delivered: int, now: float) -> None:
         """The receiver is alive and says it has ``delivered`` chunks."""
@@ -472,8 +472,7 @@ class MessageSender:
             self.recovery.probe_timed_out()
             probe.deadline = None
             self._transition(SendEvent.PROBE_TIMEOUT)
-        if self._acks_shared:
-            self._share_ack_flags()
+        self._share_ack_flags()
 
     def cancel(self, now: float) -> None:
         if self._state is not SendState.DONE:
