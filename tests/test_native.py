@@ -686,3 +686,40 @@ def test_a_send_set_up_oddly_never_crashes_the_data_path() -> None:
                                     Kind.ACK, 0, wire.STOP_PAYLOAD.pack(1), tseq=0)
         taken.append(disp.take(ack, ip, port, [], 1.0))
     assert taken == [True, False] and bare.blocked_since is None and bare.acks_heard == 1
+
+
+def test_a_polls_control_datagrams_go_out_as_they_are_a_sendmmsg_at_a_time() -> None:
+    """send_datagrams sends a poll's datagrams - one piece or several gathered, to several
+    peers - byte for byte and in order, up to the first it does not send (a DataRun,
+    a peer that is not IPv4), and refuses bad items with an error, not a crash."""
+    from boundedloss.protocol.types import DataRun
+
+    disp = native.module().Dispatcher(SESSION)
+    rng = np.random.default_rng(4)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as a, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as b:
+        for s in (a, b):
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(5)
+        peers = [a.getsockname(), b.getsockname()]
+        datagrams = [rng.integers(0, 256, int(rng.integers(1, 300)), np.uint8).tobytes()
+                     for _ in range(150)]
+        batch: list = [((d,) if k % 3 else (d[:7], memoryview(d)[7:]), peers[k % 2])
+                       for k, d in enumerate(datagrams)]
+        run = DataRun(peers[0], b"", b"", 1, np.zeros(0, np.int64))
+        batch[100:100] = [run]
+        end, err, calls = disp.send_datagrams(tx, batch, 0)
+        assert (end, err, calls) == (100, 0, 2)  # (64 and 36: sendmmsg's limit)
+        end, err, calls = disp.send_datagrams(tx, batch, 101)
+        assert (end, err, calls) == (151, 0, 1)
+        for k, d in enumerate(datagrams):
+            got, src = (a, b)[k % 2].recvfrom(4096)
+            assert got == d and src[1] == tx.getsockname()[1]
+        assert disp.send_datagrams(tx, [((b"x",), ("::1", 5))], 0) == (0, 0, 0)
+        with pytest.raises(TypeError):
+            disp.send_datagrams(tx, [((12,), peers[0])], 0)  # a part that is no buffer
+        with pytest.raises(ValueError):
+            disp.send_datagrams(tx, batch, len(batch) + 1)
+        with pytest.raises(TypeError):
+            disp.send_datagrams(tx, tuple(batch), 0)

@@ -16,7 +16,7 @@ as shares, and time rounds with ``bench kernel-loss``, not with this.
 Python and the collective's, the compiled path's and the kernel's steps taken out),
 ``compiled_ms`` (the compiled path's own work on what it received: tags and copies,
 without the core's share), ``kernel_ms`` (the system calls: recvmmsg, the control
-datagrams' sendmsg, select, and the send runs - the compiled path's sealing of a run
+datagrams' sendmsg or sendmmsg, select, and the send runs - the compiled path's sealing of a run
 cannot be told apart from its sendmsg here, so it counts as the kernel's),
 ``per_message_us`` (Python CPU per message posted, as a receive or a send) and
 ``per_control_datagram_us`` (the Python core's CPU per datagram the compiled path handed
@@ -49,6 +49,8 @@ IO_STEPS = {
                                       "datagram_received"),
     "send runs (tags, sendmsg)": ("boundedloss.net.udp", "UdpEndpoint", "_send_run"),
     "sendmsg (control datagrams)": None,
+    "sendmmsg (control datagrams)": ("boundedloss.net.native", "NativeDataPath",
+                                     "send_datagrams"),
     "select": None,
     "core: poll": ("boundedloss.protocol.mux", "TransferMux", "poll"),
     "core: next_deadline": ("boundedloss.protocol.mux", "TransferMux", "next_deadline"),
@@ -236,7 +238,8 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
     core_back = (mean("ms", "    core: handed back")
                  + mean("ms", "    core: handed back (plain)"))
     sends = mean("ms", "send runs (tags, sendmsg)")
-    syscalls = recv + mean("ms", "sendmsg (control datagrams)") + mean("ms", "select")
+    syscalls = (recv + mean("ms", "sendmsg (control datagrams)")
+                + mean("ms", "sendmmsg (control datagrams)") + mean("ms", "select"))
     compiled = take - core_back
     kernel = syscalls + sends
     main_all = mean("ms", "collective call") + mean("ms", "collective call (ps)")

@@ -803,6 +803,102 @@ done:
 }
 #endif
 
+#ifdef __linux__
+/* the most buffers one datagram of send_datagrams gathers (a core's control datagram is
+ * one or two: its bytes, and the trailer a seal added) */
+#define MAX_PARTS 4
+
+/* One item of a poll's batch as a datagram to send: ``(parts, (host, port))`` with parts a
+ * tuple of at most MAX_PARTS buffers (held in ``held``, released by the caller) and host
+ * an IPv4 address. 1; 0 if it is none (not such a tuple, or another address family:
+ * Python's to send); -1 with an exception set. */
+static int control_datagram(PyObject *item, struct msghdr *m, struct iovec *iov,
+                            Py_buffer *held, int *n_held, struct sockaddr_in *to) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) return 0;
+    PyObject *parts = PyTuple_GET_ITEM(item, 0), *peer = PyTuple_GET_ITEM(item, 1);
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 1
+        || PyTuple_GET_SIZE(parts) > MAX_PARTS || !PyTuple_Check(peer)
+        || PyTuple_GET_SIZE(peer) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(peer, 0))
+        || !PyLong_Check(PyTuple_GET_ITEM(peer, 1)))
+        return 0;
+    const char *host = PyUnicode_AsUTF8(PyTuple_GET_ITEM(peer, 0));
+    if (host == NULL) return -1;
+    long port = PyLong_AsLong(PyTuple_GET_ITEM(peer, 1));
+    if (port == -1 && PyErr_Occurred()) return -1;
+    memset(to, 0, sizeof *to);
+    to->sin_family = AF_INET;
+    if (port < 0 || port > 0xFFFF || inet_pton(AF_INET, host, &to->sin_addr) != 1) return 0;
+    to->sin_port = htons((uint16_t)port);
+    Py_ssize_t k = PyTuple_GET_SIZE(parts);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(parts, j), &held[*n_held], PyBUF_SIMPLE) < 0)
+            return -1;
+        iov[j].iov_base = held[*n_held].buf;
+        iov[j].iov_len = (size_t)held[*n_held].len;
+        (*n_held)++;
+    }
+    memset(m, 0, sizeof *m);
+    m->msg_name = to;
+    m->msg_namelen = sizeof *to;
+    m->msg_iov = iov;
+    m->msg_iovlen = (size_t)k;
+    return 1;
+}
+
+/* send_datagrams(sock, items, start) -> (end, err, calls): the datagrams of a poll's
+ * batch from items[start] on - each ``(parts, (host, port))``, as the core hands them out
+ * (sealed already where the job authenticates) - up to SEND_MAX a sendmmsg, until one
+ * that is not such a datagram (a DataRun, a peer not IPv4: Python's turn). ``end``: the
+ * first not sent; ``err``: the errno of the call that stopped (0: none; EAGAIN when the
+ * socket is full); ``calls``: system calls that sent. The GIL is released around each. */
+static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) {
+    PyObject *sock, *items;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "OO!n", &sock, &PyList_Type, &items, &start)) return NULL;
+    int fd = PyObject_AsFileDescriptor(sock);
+    if (fd < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(items);
+    if (start < 0 || start > n) {
+        PyErr_SetString(PyExc_ValueError, "send_datagrams: start out of range");
+        return NULL;
+    }
+    struct mmsghdr msgs[SEND_MAX];
+    struct iovec iov[SEND_MAX][MAX_PARTS];
+    struct sockaddr_in to[SEND_MAX];
+    Py_buffer held[SEND_MAX * MAX_PARTS];
+    Py_ssize_t i = start;
+    long calls = 0;
+    int err = 0;
+    while (i < n && !err) {
+        int k = 0, n_held = 0, r = 0;
+        memset(msgs, 0, sizeof msgs);
+        while (i + k < n && k < SEND_MAX) {
+            r = control_datagram(PyList_GET_ITEM(items, i + k), &msgs[k].msg_hdr, iov[k],
+                                 held, &n_held, &to[k]);
+            if (r <= 0) break;
+            k++;
+        }
+        int sent = 0;
+        if (r >= 0 && k > 0) {
+            Py_BEGIN_ALLOW_THREADS
+            sent = sendmmsg(fd, msgs, (unsigned int)k, 0);
+            if (sent < 0) err = errno;
+            Py_END_ALLOW_THREADS
+        }
+        for (int b = 0; b < n_held; b++) PyBuffer_Release(&held[b]);
+        if (r < 0) return NULL;
+        if (k == 0) break;  /* (not a datagram this path sends) */
+        if (sent > 0) {
+            calls++;
+            i += sent;
+            if (sent < k) break;  /* (the next call says why it stopped) */
+        }
+        if (r == 0) break;
+    }
+    return Py_BuildValue("(nil)", i, err, calls);
+}
+#endif
+
 /* step(out, now) -> None | (datagram, ip, port): takes the batch's datagrams until one is
  * Python's; returns that one (a copy) or None when the batch is done. */
 static PyObject *dispatcher_step(DispatcherObject *d, PyObject *args) {
@@ -987,6 +1083,8 @@ static PyMethodDef dispatcher_methods[] = {
     {"step", (PyCFunction)dispatcher_step, METH_VARARGS, "Take the batch until Python's turn."},
 #ifdef __linux__
     {"send_run", (PyCFunction)dispatcher_send_run, METH_VARARGS, "Send a run of DATA."},
+    {"send_datagrams", (PyCFunction)dispatcher_send_datagrams, METH_VARARGS,
+     "Send a poll's datagrams, a sendmmsg at a time."},
 #endif
     {"batch_rounds", (PyCFunction)dispatcher_batch_rounds, METH_NOARGS,
      "Round ids of the batch's datagrams."},

@@ -32,6 +32,7 @@
 #endif
 
 #ifdef __linux__
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>

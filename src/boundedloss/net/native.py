@@ -98,6 +98,14 @@ class NativeDataPath:
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return (*parts, self.dispatcher.seal(data, *address))
 
+    def send_datagrams(self, sock: socket.socket, batch: list, start: int
+                       ) -> tuple[int, int, int]:
+        """Send the control datagrams of a poll's ``batch`` from ``start`` on, a
+        ``sendmmsg`` per 64, up to the first the compiled path does not send (a DataRun, a
+        peer not IPv4): ``(end, errno, calls)`` - the first not sent, the errno the last
+        call stopped on (0: none), the system calls that sent."""
+        return self.dispatcher.send_datagrams(sock, batch, start)
+
     def counters(self) -> dict[str, int]:
         c = self.dispatcher.counters()
         c["datagrams_in"] = c.pop("taken")

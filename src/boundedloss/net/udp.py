@@ -604,6 +604,24 @@ class UdpEndpoint:
                             break
                         pos, run_pos = pos + 1, 0
                         continue
+                    if data_path is not None:
+                        # (the compiled path sends the control datagrams, up to 64 a call)
+                        end, err, sent = data_path.send_datagrams(sock, batch, pos)
+                        calls += sent
+                        if end > pos:
+                            pos = end
+                            continue
+                        if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                            blocked = True
+                            break
+                        if err:  # unreachable peer, ...: that datagram is lost
+                            self.io_errors[errno.errorcode.get(err, str(err))] += 1
+                            pos += 1
+                            if err == errno.ENOBUFS:
+                                blocked = True
+                                break
+                            continue
+                        # (a datagram the compiled path does not send: below, by sendmsg)
                     if self.segmentation_offload and data_path is None:
                         end, size = segment_run(batch, pos)
                     else:
