@@ -474,7 +474,7 @@ def _fuzzed_send(rng: np.random.Generator, ip: int, port: int, count: int, nbyte
     sent = native.module().Send()
     sent.bind(ip, port, 3, 7, count, nbytes, chunk_bytes)
     sent.next_tseq = int(rng.integers(0, 2 * count + 1))
-    sent.ack_every, sent.loss_target = int(rng.integers(1, 9)), 0.01
+    sent.ack_every, sent.loss_limit = int(rng.integers(1, 9)), 0.01
     sent.check_loss = bool(rng.integers(2))
     head = wire.Header(Kind.ACK, SESSION, 3, 7, 0, count, nbytes, chunk_bytes)
     acks = [wire.control_datagram(head, Kind.ACK, 0,

@@ -51,9 +51,9 @@ def _twin(nbytes: int, chunk_bytes: int, window: int, auth: bool):
 
 def _state(mux: TransferMux, tx) -> tuple:
     """Everything the ACKs may move, and what follows from it."""
-    # (not the flags in_python and check_loss: only a shared state keeps them)
+    # (not in_python, check_loss and loss_limit: only a shared state keeps them)
     acks = tuple(getattr(tx.acks, name) for name in ACK_FIELDS
-                 if name not in ("in_python", "check_loss"))
+                 if name not in ("in_python", "check_loss", "loss_limit"))
     rec = tx.recovery
     return (acks, tx.state, tx.has_data(), tx.next_deadline(), rec.more_copies_due,
             rec.unanswered, rec.rto, rec.srtt, rec.reverse_loss(), tx.counts,

@@ -8,15 +8,18 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from boundedloss import wire
 from boundedloss.protocol import TransferMux, TransportConfig
 from boundedloss.protocol.pacing import Pacer
 from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEstimate
-from boundedloss.protocol.recovery import Recovery
+from boundedloss.protocol.recovery import Recovery, _loss_limit, copies_for
 from boundedloss.protocol.sender import SendState
 from boundedloss.protocol.types import DataRun
 from boundedloss.wire import CloseReason, Kind
+from conftest import PROPERTY
 
 CFG = TransportConfig(chunk_bytes=1000, initial_rto=0.05, min_rto=0.002, max_rto=0.5,
                       probe_backoff_limit=2.0, probe_copies_max=32, probe_miss_target=0.01)
@@ -270,3 +273,15 @@ def test_a_poll_in_runs_hands_out_the_same_datagrams_as_one_by_one() -> None:
     one_by_one = polled(False)
     assert polled(True) == one_by_one
     assert len(one_by_one) == 11 + 1  # every chunk, then the PROBE
+
+
+@settings(PROPERTY, max_examples=2000)
+@given(q=st.floats(0.0, 1.0), copies=st.integers(0, 40), most=st.integers(1, 32),
+       target=st.sampled_from([0.001, 0.01, 0.05, 0.3]))
+def test_the_loss_limit_decides_exactly_as_copies_for(q, copies, most, target) -> None:
+    """Comparing a loss with loss_limit (what lets the compiled path take an ACK) gives
+    copies_for's answer "no more than the copies sent" exactly, at every float."""
+    limit = _loss_limit(target, most, copies)
+    assert (q <= limit) == (copies_for(q, target, most) <= copies)
+    if 0 < limit < 1:  # (and it is the largest such float)
+        assert copies_for(math.nextafter(limit, 1.0), target, most) > copies

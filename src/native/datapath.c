@@ -330,7 +330,7 @@ static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h
         got = delivered;
     }
     /* (the decision is "no more copies" exactly where this loss is within the target) */
-    if (s->check_loss && !(loss_with(s, heard, tseq, got) <= s->loss_target))
+    if (s->check_loss && !(loss_with(s, heard, tseq, got) <= s->loss_limit))
         return HANDED_BACK;
     s->last_heard = d->now;
     if (delivered > s->reported_delivered) s->reported_delivered = delivered;

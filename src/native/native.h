@@ -174,7 +174,7 @@ typedef struct SendObject {
     long long reported_delivered, acks_heard, ack_tseq, ack_delivered, acked, next_tseq;
     PyObject *blocked_since;  /* None, or since when the window has been shut */
     long long ack_every;
-    double reverse_hint, loss_target;
+    double reverse_hint, loss_limit;
     char in_python, check_loss;
     char geometry, registered;
     char closed;  /* the send has finished: what still comes for it is stale */

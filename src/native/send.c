@@ -65,7 +65,7 @@ static PyMemberDef send_members[] = {
     {"next_tseq", T_LONGLONG, offsetof(SendObject, next_tseq), 0, NULL},
     {"ack_every", T_LONGLONG, offsetof(SendObject, ack_every), 0, NULL},
     {"reverse_hint", T_DOUBLE, offsetof(SendObject, reverse_hint), 0, NULL},
-    {"loss_target", T_DOUBLE, offsetof(SendObject, loss_target), 0, NULL},
+    {"loss_limit", T_DOUBLE, offsetof(SendObject, loss_limit), 0, NULL},
     {"in_python", T_BOOL, offsetof(SendObject, in_python), 0, NULL},
     {"check_loss", T_BOOL, offsetof(SendObject, check_loss), 0, NULL},
     {"registered", T_BOOL, offsetof(SendObject, registered), READONLY, NULL},

@@ -19,7 +19,7 @@ from __future__ import annotations
 #: the fields, as the compiled path's Send names them
 ACK_FIELDS = (
     "last_heard", "reported_delivered", "acks_heard", "ack_tseq", "ack_delivered", "acked",
-    "next_tseq", "blocked_since", "ack_every", "reverse_hint", "loss_target", "in_python",
+    "next_tseq", "blocked_since", "ack_every", "reverse_hint", "loss_limit", "in_python",
     "check_loss",
 )
 
@@ -27,7 +27,7 @@ ACK_FIELDS = (
 class AckState:
     __slots__ = ACK_FIELDS
 
-    def __init__(self, *, ack_every: int, reverse_hint: float, loss_target: float):
+    def __init__(self, *, ack_every: int, reverse_hint: float, loss_limit: float):
         self.last_heard = 0.0  # when the receiver was last heard from
         self.reported_delivered = 0  # chunks the receiver said it had, latest word
         # recovery's: ACKs heard, and the highest tseq one reported with what it had
@@ -43,11 +43,13 @@ class AckState:
         # what the loss from the ACKs is read against (recovery's, fixed for the send)
         self.ack_every = ack_every
         self.reverse_hint = reverse_hint
-        self.loss_target = loss_target
+        #: the most loss the ACKs may imply for recovery's answer to an ACK to be "no
+        #: more copies" of the PROBE awaiting its answer (Recovery.loss_limit)
+        self.loss_limit = loss_limit
         #: every ACK goes to the Python core (a decision may hang on any of them)
         self.in_python = False
         #: an ACK goes to the Python core unless the loss the ACKs imply with it stays
-        #: at or below ``loss_target`` (where recovery's decision is "nothing more")
+        #: at or below ``loss_limit``
         self.check_loss = False
 
     def copy_into(self, other) -> None:

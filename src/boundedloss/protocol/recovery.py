@@ -21,6 +21,7 @@ what the loss is measured on. Sans-I/O: the sender feeds it ``now``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from .acks import AckState, loss_with, reverse_with
@@ -45,6 +46,37 @@ def probe_copies_for(recovery: str) -> int:
     return RECOVERY_MODES[recovery]
 
 
+def copies_for(q: float, target: float, most: int) -> int:
+    """PROBE copies such that all of them (or all their answers) are lost with chance <=
+    ``target`` when each is lost with chance ``q``, at most ``most``."""
+    if q <= target:
+        return 1
+    if q >= 1.0:
+        return most
+    return min(most, math.ceil(math.log(target) / math.log(q)))
+
+
+@functools.lru_cache(maxsize=256)
+def _loss_limit(target: float, most: int, copies: int) -> float:
+    """The largest float ``q`` with ``copies_for(q, target, most) <= copies`` (copies_for
+    grows with ``q``): bisected over the floats themselves, so that comparing a loss with
+    it decides exactly as copies_for would."""
+    if copies >= most:
+        return 1.0
+    if copies < 1:
+        return -1.0  # (no loss at all is within it)
+    lo, hi = target, 1.0  # copies_for(lo) = 1 <= copies < copies_for(hi)
+    while math.nextafter(lo, hi) < hi:
+        mid = lo + (hi - lo) / 2
+        if not lo < mid < hi:
+            break
+        if copies_for(mid, target, most) <= copies:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 class Recovery:
     __slots__ = (
         "_ack_owed_at", "_config", "_copies_sent", "_measured", "_min_copies", "_more_copies",
@@ -62,7 +94,7 @@ class Recovery:
         #: back starts from ``reverse_loss``, a receive's hint)
         self.acks = AckState(ack_every=ack_every or config.ack_every_for(0),
                              reverse_hint=reverse_loss or 0.0,
-                             loss_target=config.probe_miss_target)
+                             loss_limit=config.probe_miss_target)
         # Round trips: from earlier messages to this peer when there were any, so that a
         # new message does not start from the conservative initial RTO.
         self._srtt: float | None = None
@@ -213,11 +245,14 @@ class Recovery:
         """PROBE copies such that all of them (or all their answers) are lost with
         chance <= ``probe_miss_target`` when each is lost with chance ``q``."""
         cfg = self._config
-        if q <= cfg.probe_miss_target:
-            return 1
-        if q >= 1.0:
-            return cfg.probe_copies_max
-        return min(cfg.probe_copies_max, math.ceil(math.log(cfg.probe_miss_target) / math.log(q)))
+        return copies_for(q, cfg.probe_miss_target, cfg.probe_copies_max)
+
+    def loss_limit(self) -> float:
+        """The most loss the ACKs may imply for the PROBE awaiting its answer to need no
+        more copies than it went in: ``copies_for(q) <= copies sent`` exactly for ``q``
+        up to this (what lets the compiled path take such an ACK, AckState.loss_limit)."""
+        cfg = self._config
+        return _loss_limit(cfg.probe_miss_target, cfg.probe_copies_max, self._copies_sent)
 
     def _unmeasured(self) -> bool:
         """No answer has told this send how lossy the path is yet."""

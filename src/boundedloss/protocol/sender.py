@@ -265,8 +265,9 @@ class MessageSender:
         """Say which ACKs need the Python core (see AckState): one heard with the PROBE
         that follows the whole first pass awaiting its answer, before any answer has
         measured the loss, may call for more copies of that PROBE (recovery's
-        ack_received) - unless the loss it implies stays within the target, where the
-        answer is "no more", or more copies are due already (then it may be "fewer").
+        ack_received) - unless the loss it implies stays within what the copies sent
+        cover (Recovery.loss_limit), where the answer is "no more", or more copies are
+        due already (then it may be "fewer").
         (Nothing to say while the state is not shared.)"""
         if not self._acks_shared:
             return
@@ -274,6 +275,8 @@ class MessageSender:
                    and self.recovery.acks_may_add_copies)
         self.acks.check_loss = decides
         self.acks.in_python = decides and self.recovery.more_copies_due
+        if decides:
+            self.acks.loss_limit = self.recovery.loss_limit()
 
     # ----------------------------------------------------------------- outgoing
     def has_data(self) -> bool:
