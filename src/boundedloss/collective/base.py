@@ -318,7 +318,7 @@ class Collective(abc.ABC):
         """A received result: lost values keep their previous value (bounded drift)."""
         values, mask = self._elements(res, size, dtype)
         if mask.all():
-            result = values.copy()
+            result = values  # (the receive's own buffer, which nothing writes any more)
         else:
             previous = self._remembered(memory_key, values.shape)
             result = apply_broadcast(values, mask, previous if previous is not None
