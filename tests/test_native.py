@@ -140,6 +140,7 @@ def _same(side, sent) -> None:
     assert m0.counters() == m1.counters()
     assert (rx0.result is None) == (rx1.result is None)
     assert rx0.first_heard == rx1.first_heard  # (a policy's clock and its outcome's time)
+    assert (rx0.probes, rx0.retransmit_rounds) == (rx1.probes, rx1.retransmit_rounds)
     if rx0.result is not None:
         r0, r1 = rx0.result, rx1.result
         assert r0.close_reason == r1.close_reason and r0.stats == r1.stats
@@ -174,10 +175,12 @@ POLICIES = {
 }
 
 
-def _final_probe(count: int, nbytes: int, chunk_bytes: int) -> bytes:
-    """The sender's FINAL PROBE for the tests' message."""
+def _final_probe(count: int, nbytes: int, chunk_bytes: int, seq: int = 9,
+                 final: bool = True) -> bytes:
+    """The sender's FINAL PROBE for the tests' message (``final=False``: a PROBE sent
+    while its window is shut)."""
     h = wire.Header(Kind.PROBE, SESSION, 3, 7, 1, count, nbytes, chunk_bytes)
-    return wire.control_datagram(h, Kind.PROBE, 9, flags=Flag.FINAL)
+    return wire.control_datagram(h, Kind.PROBE, seq, flags=Flag.FINAL if final else Flag.NONE)
 
 
 @settings(PROPERTY, max_examples=400)
@@ -187,7 +190,8 @@ def _final_probe(count: int, nbytes: int, chunk_bytes: int) -> bytes:
     chunk_bytes=st.sampled_from([1, 7, 64, 250]),
     seed=st.integers(0, 2**16),
     ops=st.lists(st.tuples(st.sampled_from(["drop", "dup", "swap", "mutate", "foreign",
-                                            "other", "probe"]),
+                                            "other", "probe", "probe", "probe_later",
+                                            "probe_open"]),
                            st.integers(0, 10_000)), max_size=40),
     sized=st.booleans(),
     with_critical=st.booleans(),
@@ -215,8 +219,11 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
             if len(b) >= HEADER_BYTES:
                 b[wire.OFFSET["message"]] ^= 1
             datagrams.insert(i, bytes(b))
-        else:  # a FINAL PROBE, early
+        elif op == "probe":  # a FINAL PROBE, early
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes))
+        else:  # a later pass's FINAL PROBE, or one sent with the window shut
+            datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, seq=10 + arg % 5,
+                                             final=op == "probe_later"))
         if not datagrams:
             break
     side = _twin(POLICIES[policy], nbytes, chunk_bytes, critical, sized)
@@ -449,6 +456,25 @@ def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
     results = [mux.pop_finished() for mux, _ in side]
     assert [r.stats for r in results[0]] == [r.stats for r in results[1]]
     assert results[1][-1].complete
+
+
+def test_native_answers_later_probes_as_python_would() -> None:
+    """With chunks missing, the first FINAL PROBE goes to the core (the receive's state
+    changes); a later pass's FINAL PROBE, and one sent with the window shut, are
+    answered by the compiled path - the same BITMAPs, counters and result."""
+    datagrams = _message(100 * 64, 64, 5)
+    data, probe = datagrams[:-1], datagrams[-1]
+    kept = [d for k, d in enumerate(data) if k % 7]  # (every 7th chunk lost)
+    later = [_final_probe(100, 100 * 64, 64, seq=10), _final_probe(100, 100 * 64, 64,
+                                                                   seq=11, final=False)]
+    side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
+    sent = _feed(side, [*kept, probe, *later, *later], 1)
+    _same(side, sent)
+    path = side[1][1]
+    handed = len(kept) + 1 + 4 - path.counters()["datagrams_in"]
+    assert handed == 1  # (the first FINAL PROBE)
+    bitmaps = [d for d in sent[1] if d[wire.OFFSET["kind"]] == Kind.BITMAP]
+    assert len(bitmaps) == 5 and side[1][3].retransmit_rounds == 5  # (seq 9, 10, 11, 10, 11)
 
 
 def test_native_takes_the_data_python_would_have() -> None:

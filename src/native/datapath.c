@@ -14,16 +14,18 @@
  *   - takes the ACKs for sends the Python core registered: the bookkeeping an ACK is
  *     (the peer heard, what it reported, recovery's ACK counters, the flow-control
  *     window) in the Send object the send shares with Python;
+ *   - answers a PROBE for an open receive with its BITMAP, as the core would, but for
+ *     the first FINAL one (the receive's state changes) and one that meets its plan;
  *   - answers for messages that closed, as the core would: a closed receive the core
  *     still remembers has its late DATA and PROBEs counted stale and its STOP said again
  *     (to a PROBE at once, to DATA at most once per min_rto); a finished send (the
  *     latest CLOSED_SENDS) has its late ACKs, STOPs and BITMAPs counted stale.
  * A datagram it cannot take without a decision - the first one of a receive whose plan
- * starts a clock on it, one that would meet the receive's plan, an ACK the send says
- * needs the core, a PROBE, BITMAP or STOP for an open message, one for an unknown
- * message - is handed back to Python untouched, in order, and Python's core handles it
- * as always. The counters a receive shares with Python live in a Receive object that
- * both read; what a send's ACKs move, in a Send.
+ * starts a clock on it, a DATA or PROBE that would meet the receive's plan, the first
+ * FINAL PROBE, an ACK the send says needs the core, a BITMAP or STOP for an open send,
+ * one for an unknown message - is handed back to Python untouched, in order, and
+ * Python's core handles it as always. The counters a receive shares with Python live in
+ * a Receive object that both read; what a send's ACKs move, in a Send.
  */
 #include "native.h"
 #include "seal.h"
@@ -295,6 +297,84 @@ static int answer_closed(DispatcherObject *d, ReceiveObject *rx, int kind, PyObj
     return appended ? TAKEN : FAILED;
 }
 
+/* A PROBE for an open receive, answered as MessageReceiver.probe_received answers it: the
+ * BITMAP segments that still hold missing chunks (the last one FINAL), appended to
+ * ``out`` unsealed as the core appends them. HANDED_BACK where the core must see it:
+ * the message's first datagram, the first FINAL PROBE (the receive's state changes), or
+ * a FINAL PROBE that meets the plan (the receive closes). */
+static int answer_probe(DispatcherObject *d, ReceiveObject *rx, const Header *h,
+                        PyObject *out) {
+    if (!rx->heard) return HANDED_BACK;
+    if (h->flags & FLAG_FINAL) {
+        /* (a FINAL PROBE after the first one leaves the state as it is: SENDER_DONE or
+         * ACCEPTING, both early_stop; the plan is then met exactly so) */
+        if (!rx->final_seen || !rx->early_stop) return HANDED_BACK;
+        if (rx->delivered_count >= rx->need && rx->critical_missing == 0) return HANDED_BACK;
+    }
+    const unsigned char *delivered = (const unsigned char *)rx->delivered.buf;
+    uint32_t count = rx->count;
+    size_t packed_len = ((size_t)count + 7) / 8;
+    unsigned char *packed = PyMem_Malloc(packed_len ? packed_len : 1);
+    if (packed == NULL) {
+        PyErr_NoMemory();
+        return FAILED;
+    }
+    memset(packed, 0, packed_len);
+    for (uint32_t i = 0; i < count; i++)  /* (np.packbits, little bit order) */
+        if (delivered[i]) packed[i >> 3] |= (unsigned char)(1u << (i & 7));
+    if (count & 7)  /* bits past the last chunk read as delivered */
+        packed[packed_len - 1] |= (unsigned char)((0xFFu << (count & 7)) & 0xFF);
+    size_t seg = rx->cbytes > BITMAP_PREFIX_BYTES + 8 ? rx->cbytes - BITMAP_PREFIX_BYTES : 8;
+    size_t n_seg = (packed_len + seg - 1) / seg;
+    long long last = -1, missing = 0;
+    for (size_t s = 0; s < n_seg; s++) {
+        size_t lo = s * seg, hi = lo + seg < packed_len ? lo + seg : packed_len;
+        for (size_t j = lo; j < hi; j++)
+            if (packed[j] != 0xFF) {
+                last = (long long)s;
+                missing++;
+                break;
+            }
+    }
+    uint32_t seq = h->index;
+    rx->probes++;
+    if ((long long)seq != rx->answered_seq && missing) rx->retransmit_rounds++;
+    rx->answered_seq = seq;
+    d->taken++;
+    int failed = 0;
+    Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
+    for (size_t s = 0; s < n_seg && !failed && last >= 0; s++) {
+        size_t lo = s * seg, hi = lo + seg < packed_len ? lo + seg : packed_len, j = lo;
+        while (j < hi && packed[j] == 0xFF) j++;
+        if (j == hi) continue;  /* (nothing missing in this segment) */
+        size_t plen = BITMAP_PREFIX_BYTES + (hi - lo);
+        PyObject *bytes = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(HEADER_BYTES + plen));
+        if (bytes == NULL) {
+            failed = 1;
+            break;
+        }
+        unsigned char *b = (unsigned char *)PyBytes_AS_STRING(bytes);
+        memcpy(b, rx->ack, HEADER_BYTES);  /* (the message's header fields) */
+        b[OFF_KIND] = KIND_BITMAP;
+        uint16_t flags = (long long)s == last ? FLAG_FINAL : 0;
+        b[OFF_FLAGS] = (unsigned char)flags;
+        b[OFF_FLAGS + 1] = (unsigned char)(flags >> 8);
+        b[OFF_PLEN] = (unsigned char)plen;
+        b[OFF_PLEN + 1] = (unsigned char)(plen >> 8);
+        st32(b + OFF_INDEX, (uint32_t)(s * seg * 8));
+        st32(b + OFF_TSEQ, 0);
+        st32(b + HEADER_BYTES, seq);
+        st32(b + HEADER_BYTES + 4, (uint32_t)rx->delivered_count);
+        memcpy(b + HEADER_BYTES + BITMAP_PREFIX_BYTES, packed + lo, hi - lo);
+        PyObject *item = Py_BuildValue("((N)O)", bytes, rx->peer);
+        failed = item == NULL || PyList_Append(out, item) < 0;
+        Py_XDECREF(item);
+    }
+    Py_DECREF(rx);
+    PyMem_Free(packed);
+    return failed ? FAILED : TAKEN;
+}
+
 /* The loss a PROBE and its answer would meet, read from ACK counters as AckState.loss_with
  * reads it (operation for operation: the same double). */
 static double loss_with(const SendObject *s, long long heard, long long tseq,
@@ -413,6 +493,9 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     }
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
     if (rx != NULL && rx->closed) return answer_closed(d, rx, h.kind, out);
+    if (h.kind == KIND_PROBE)
+        return rx == NULL || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes
+            ? HANDED_BACK : answer_probe(d, rx, &h, out);
     if (h.kind != KIND_DATA) return HANDED_BACK;
     if (rx == NULL || (!rx->heard && rx->clock_on_first) || h.mbytes != rx->mbytes
         || h.cbytes != rx->cbytes)

@@ -57,6 +57,10 @@ enum {
 };
 enum { MAGIC = 0x4C42, VERSION = 1 };
 enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK = 5 };
+enum { FLAG_FINAL = 4 };
+/* a BITMAP's payload: the PROBE's seq and the chunks delivered (wire.BITMAP_PREFIX), then
+ * the delivered bits */
+enum { BITMAP_PREFIX_BYTES = 8 };
 #define MAX_CHUNK_BYTES 65000u
 #define MAX_MESSAGE_BYTES (1ull << 40)
 
@@ -146,6 +150,8 @@ typedef struct ReceiveObject {
     PyObject_HEAD
     long long datagrams, payload_bytes, duplicates, delivered_count, max_tseq, unacked;
     long long critical_missing, need;
+    long long probes, retransmit_rounds, answered_seq;
+    char final_seen;  /* a FINAL PROBE has come (the core recorded the first pass) */
     char early_stop;  /* the sender sent everything once, or the acceptance deadline passed */
     char heard;       /* the receive's first datagram has arrived (at first_heard) */
     char clock_on_first;  /* that first datagram starts a clock of the plan's: Python's */

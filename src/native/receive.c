@@ -21,6 +21,7 @@ static void receive_release(ReceiveObject *r) {
 static int receive_init(ReceiveObject *r, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "")) return -1;
     r->max_tseq = -1;
+    r->answered_seq = -1;
     return 0;
 }
 
@@ -118,6 +119,10 @@ static PyMemberDef receive_members[] = {
     {"unacked", T_LONGLONG, offsetof(ReceiveObject, unacked), 0, NULL},
     {"critical_missing", T_LONGLONG, offsetof(ReceiveObject, critical_missing), 0, NULL},
     {"need", T_LONGLONG, offsetof(ReceiveObject, need), 0, NULL},
+    {"probes", T_LONGLONG, offsetof(ReceiveObject, probes), 0, NULL},
+    {"retransmit_rounds", T_LONGLONG, offsetof(ReceiveObject, retransmit_rounds), 0, NULL},
+    {"answered_seq", T_LONGLONG, offsetof(ReceiveObject, answered_seq), 0, NULL},
+    {"final_seen", T_BOOL, offsetof(ReceiveObject, final_seen), 0, NULL},
     {"early_stop", T_BOOL, offsetof(ReceiveObject, early_stop), 0, NULL},
     {"heard", T_BOOL, offsetof(ReceiveObject, heard), 0, NULL},
     {"first_heard", T_DOUBLE, offsetof(ReceiveObject, first_heard), 0, NULL},

@@ -3,11 +3,12 @@ is in use.
 
 It takes the DATA datagrams of open receives off the Python core's hands: validation,
 the copy into the destination, the delivered flags, the counters and the ACKs; the ACKs
-for open sends: the bookkeeping they are (``protocol.acks``); and what still comes for
-messages that closed (stale; a remembered receive's STOP said again). Every other
-datagram - and the few that call for a decision: a receive's first DATA where its plan
-starts a clock on it, the one that would meet its plan, an ACK that may add PROBE
-copies - goes to ``TransferMux.datagram_received`` as before, in order. The Python path
+for open sends: the bookkeeping they are (``protocol.acks``); the PROBEs for open
+receives, answered with their BITMAPs; and what still comes for messages that closed
+(stale; a remembered receive's STOP said again). Every other datagram - and the few that
+call for a decision: a receive's first DATA where its plan starts a clock on it, the one
+that would meet its plan, its first FINAL PROBE, an ACK that may add PROBE copies - goes
+to ``TransferMux.datagram_received`` as before, in order. The Python path
 stays the reference: ``BOUNDEDLOSS_NATIVE=0`` turns the native one off, and where the
 extension was not built it is off and says why (``status()``).
 """

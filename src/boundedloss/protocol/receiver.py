@@ -72,9 +72,10 @@ class ReceiveCounts:
     and both sides then read and write one set. ``early_stop`` mirrors the receive's
     state (``_EARLY_STOP``) for the compiled path, which reads no Python object."""
 
-    __slots__ = ("clock_on_first", "critical_missing", "datagrams", "delivered_count",
-                 "duplicates", "early_stop", "first_heard", "heard", "max_tseq", "need",
-                 "payload_bytes", "unacked")
+    __slots__ = ("answered_seq", "clock_on_first", "critical_missing", "datagrams",
+                 "delivered_count", "duplicates", "early_stop", "final_seen", "first_heard",
+                 "heard", "max_tseq", "need", "payload_bytes", "probes", "retransmit_rounds",
+                 "unacked")
 
     def __init__(self) -> None:
         self.datagrams = 0  # DATA datagrams, duplicates included
@@ -93,6 +94,12 @@ class ReceiveCounts:
         #: the first datagram starts a clock of the plan's (accept_from_first): the
         #: receive's, which the Python core arms
         self.clock_on_first = False
+        # PROBEs: how many came, the passes they found chunks missing after, the seq of
+        # the last one answered, and whether a FINAL one came (every chunk sent once)
+        self.probes = 0
+        self.retransmit_rounds = 0
+        self.answered_seq = -1
+        self.final_seen = False
 
     def copy_into(self, other) -> None:
         for name in self.__slots__:
@@ -155,9 +162,6 @@ class MessageReceiver:
         #: the per-datagram counters (shared with the compiled data path when it takes
         #: this receive's DATA)
         self.counts: ReceiveCounts = ReceiveCounts()
-        self.retransmit_rounds = 0
-        self.probes = 0
-        self._answered_seq = -1
         #: DATA datagrams per ACK (TransportConfig.ack_every_for the message's chunks)
         self.ack_every = config.ack_every_for(0)  # (until the size is known)
         self.accept_deadline: float | None = None
@@ -351,10 +355,12 @@ class MessageReceiver:
         sender has sent everything once and the plan is met, with STOP."""
         if self.first_heard is None:
             self._heard(now)
-        self.probes += 1
+        n = self.counts
+        n.probes += 1
         if flags & Flag.FINAL:
             if self.first_pass_delivered is None:  # (later passes' PROBEs are FINAL too)
-                self.first_pass_delivered = self.counts.delivered_count
+                self.first_pass_delivered = n.delivered_count
+                n.final_seen = True
             self._transition(ReceiveEvent.SENDER_DONE)
             self.close_if_done(now, out)
             if self._state is ReceiveState.CLOSED:
@@ -367,9 +373,9 @@ class MessageReceiver:
         padded = np.full(n_seg * seg, 0xFF, dtype=np.uint8)
         padded[: packed.size] = packed
         has_missing = np.flatnonzero((padded.reshape(n_seg, seg) != 0xFF).any(axis=1))
-        if seq != self._answered_seq and has_missing.size:
-            self.retransmit_rounds += 1
-        self._answered_seq = seq
+        if seq != n.answered_seq and has_missing.size:
+            n.retransmit_rounds += 1
+        n.answered_seq = seq
         prefix = BITMAP_PREFIX.pack(seq, self.counts.delivered_count)
         last = int(has_missing[-1]) if has_missing.size else -1
         for s in has_missing.tolist():
@@ -378,6 +384,16 @@ class MessageReceiver:
             out.append(((wire.control_datagram(
                 self._header, Kind.BITMAP, s * seg * 8, prefix + packed[lo:hi].tobytes(),
                 Flag.FINAL if s == last else Flag.NONE),), self.peer))
+
+    @property
+    def probes(self) -> int:
+        """PROBEs received for the message."""
+        return self.counts.probes
+
+    @property
+    def retransmit_rounds(self) -> int:
+        """Passes after which a PROBE's answer reported chunks missing."""
+        return self.counts.retransmit_rounds
 
     @property
     def first_heard(self) -> float | None:
@@ -458,9 +474,9 @@ class MessageReceiver:
             payload_bytes=n.payload_bytes,
             chunks=count,
             delivered=n.delivered_count,
-            retransmit_rounds=self.retransmit_rounds,
+            retransmit_rounds=n.retransmit_rounds,
             retransmitted=n.duplicates,
-            probes=self.probes,
+            probes=n.probes,
             elapsed=now - self.opened,
             started=self.opened,
             first_pass_delivered=(n.delivered_count if self.first_pass_delivered is None
@@ -491,7 +507,7 @@ class MessageReceiver:
                     delivered=n.delivered_count,
                     elapsed=now - self.opened,
                     close_reason=reason,
-                    retransmit_rounds=self.retransmit_rounds,
+                    retransmit_rounds=n.retransmit_rounds,
                     active=None if self.first_heard is None else now - self.first_heard,
                 )
             )
