@@ -65,12 +65,14 @@ _EARLY_STOP = frozenset({_S.SENDER_DONE, _S.ACCEPTING})
 
 
 class ReceiveCounts:
-    """What a receive counts per datagram, and the two facts its close check needs.
+    """What a receive counts per datagram (DATA and PROBEs), when it first heard of the
+    message, and the facts its close check and its PROBE answers need.
 
     The compiled data path (``boundedloss._native.Receive``) has the same fields; a
     receive whose DATA it takes shares its counters (:meth:`MessageReceiver.share_counts`),
-    and both sides then read and write one set. ``early_stop`` mirrors the receive's
-    state (``_EARLY_STOP``) for the compiled path, which reads no Python object."""
+    and both sides then read and write one set. ``early_stop`` and ``final_seen`` mirror
+    the receive's state (``_EARLY_STOP``; the first FINAL PROBE came) for the compiled
+    path, which reads no Python object."""
 
     __slots__ = ("answered_seq", "clock_on_first", "critical_missing", "datagrams",
                  "delivered_count", "duplicates", "early_stop", "final_seen", "first_heard",
