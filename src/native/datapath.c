@@ -409,7 +409,8 @@ static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h
         tseq = tseq_seen;
         got = delivered;
     }
-    /* (the decision is "no more copies" exactly where this loss is within the target) */
+    /* (recovery's answer is "no more copies" exactly where this loss is within the
+     * limit the copies already sent cover: Recovery.loss_limit) */
     if (s->check_loss && !(loss_with(s, heard, tseq, got) <= s->loss_limit))
         return HANDED_BACK;
     s->last_heard = d->now;
@@ -940,8 +941,7 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
     if (!PyArg_ParseTuple(args, "OO!n", &sock, &PyList_Type, &items, &start)) return NULL;
     int fd = PyObject_AsFileDescriptor(sock);
     if (fd < 0) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(items);
-    if (start < 0 || start > n) {
+    if (start < 0 || start > PyList_GET_SIZE(items)) {
         PyErr_SetString(PyExc_ValueError, "send_datagrams: start out of range");
         return NULL;
     }
@@ -949,15 +949,16 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
     struct iovec iov[SEND_MAX][MAX_PARTS];
     struct sockaddr_in to[SEND_MAX];
     Py_buffer held[SEND_MAX * MAX_PARTS];
+    PyObject *owned[SEND_MAX];  /* (each item held: a buffer's export may run Python code) */
     Py_ssize_t i = start;
     long calls = 0;
     int err = 0;
-    while (i < n && !err) {
-        int k = 0, n_held = 0, r = 0;
+    while (!err && i < PyList_GET_SIZE(items)) {
+        int k = 0, n_held = 0, n_owned = 0, r = 0;
         memset(msgs, 0, sizeof msgs);
-        while (i + k < n && k < SEND_MAX) {
-            r = control_datagram(PyList_GET_ITEM(items, i + k), &msgs[k].msg_hdr, iov[k],
-                                 held, &n_held, &to[k]);
+        while (k < SEND_MAX && i + k < PyList_GET_SIZE(items)) {
+            PyObject *item = owned[n_owned++] = Py_NewRef(PyList_GET_ITEM(items, i + k));
+            r = control_datagram(item, &msgs[k].msg_hdr, iov[k], held, &n_held, &to[k]);
             if (r <= 0) break;
             k++;
         }
@@ -969,6 +970,7 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
             Py_END_ALLOW_THREADS
         }
         for (int b = 0; b < n_held; b++) PyBuffer_Release(&held[b]);
+        for (int b = 0; b < n_owned; b++) Py_DECREF(owned[b]);
         if (r < 0) return NULL;
         if (k == 0) break;  /* (not a datagram this path sends) */
         if (sent > 0) {
