@@ -27,7 +27,7 @@ from boundedloss import wire
 from boundedloss.aggregate import HadamardDispersion
 from boundedloss.net import native
 from boundedloss.net.loss import Bernoulli
-from boundedloss.policy import EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
+from boundedloss.policy import ClosePlan, EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import TransferMux, TransportConfig
 from boundedloss.protocol.auth import TRAILER_BYTES, DatagramAuth, job_key
 from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Kind, MalformedDatagram
@@ -475,6 +475,37 @@ def test_native_answers_later_probes_as_python_would() -> None:
     assert handed == 1  # (the first FINAL PROBE)
     bitmaps = [d for d in sent[1] if d[wire.OFFSET["kind"]] == Kind.BITMAP]
     assert len(bitmaps) == 5 and side[1][3].retransmit_rounds == 5  # (seq 9, 10, 11, 10, 11)
+
+
+class _AcceptsAfter(ReliablePolicy):
+    """Every chunk, or what has arrived 10 ms after the receive opened."""
+
+    def plan(self, info):
+        return ClosePlan(min_delivered=info.chunk_count, bound=0.0, accept_after=0.01)
+
+
+def test_native_answers_probes_while_accepting_as_python_would() -> None:
+    """A receive past its acceptance deadline that still waits for critical chunks
+    (ACCEPTING) answers a later FINAL PROBE, and a window-shut one, from the compiled
+    path with the core's BITMAPs; the first FINAL one is the core's."""
+    datagrams = _message(100 * 64, 64, 6)
+    data = datagrams[:-1]
+    kept = [d for k, d in enumerate(data) if k % 5]  # (every 5th lost, chunk 0 among them)
+    critical = np.zeros(100, dtype=bool)
+    critical[0] = True
+    side = _twin(_AcceptsAfter, 100 * 64, 64, critical, True)
+    sent = _feed(side, kept, 1)
+    for mux, _, _, _ in side:  # (the acceptance deadline passes: ACCEPTING, chunk 0 missing)
+        mux.timer_fired(0.5)
+    assert [rx.state.name for *_, rx in side] == ["ACCEPTING", "ACCEPTING"]
+    probes = [_final_probe(100, 100 * 64, 64, seq=9), _final_probe(100, 100 * 64, 64, seq=10),
+              _final_probe(100, 100 * 64, 64, seq=11, final=False)]
+    before = side[1][1].counters()["datagrams_in"]
+    later = _feed(side, probes, 1)
+    _same(side, [a + b for a, b in zip(sent, later)])
+    assert side[1][1].counters()["datagrams_in"] - before == 2  # (all but the first FINAL)
+    assert side[1][3].probes == 3  # (and _feed's last timer closed it at its deadline)
+    assert sum(d[wire.OFFSET["kind"]] == Kind.BITMAP for d in later[1]) == 3
 
 
 def test_native_takes_the_data_python_would_have() -> None:
