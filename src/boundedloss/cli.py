@@ -20,7 +20,7 @@ from .bench import write_json
 from .checks import FiniteFloatRange
 from .collective import TOPOLOGIES
 from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
-from .experiments.train import MODELS, TrainConfig
+from .experiments.train import DEVICES, MODELS, PRECISIONS, TrainConfig
 from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
 from .protocol import RECOVERY_MODES, probe_copies_for
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
@@ -499,12 +499,20 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--secret-file", default=None, type=click.Path(dir_okay=False),
               help="A file holding the job's secret (sets BOUNDEDLOSS_SECRET_FILE for the "
                    "workers; give every rank the same).")
+@click.option("--device", type=click.Choice(list(DEVICES)), default=TRAIN_DEFAULTS.device,
+              show_default=True,
+              help="Where every rank's model, data and gradient buckets live; cuda: rank r "
+                   "on cuda:(r mod the GPUs visible), several ranks may share one.")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)),
+              default=TRAIN_DEFAULTS.precision, show_default=True,
+              help="The model's parameters and inputs, and so DDP's gradient buckets: "
+                   "float32 or bfloat16 (every policy, gloo too).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
               type=click.Path(file_okay=False), callback=_out_folder)
 def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
           stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
-          out) -> None:
+          device, precision, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (starts local workers,
     or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
@@ -526,7 +534,8 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
-                      checkpoint_every=checkpoint_every, resume=resume, auth=auth)
+                      checkpoint_every=checkpoint_every, resume=resume, auth=auth,
+                      device=device, precision=precision)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
@@ -551,8 +560,10 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
             raise click.UsageError(str(e)) from None
 
     def report(summary: dict) -> None:
+        ran_on = summary["device"] + (f" ({summary['gpu']})" if summary["gpu"] else "")
         console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
-                      f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds); logs in {out}/")
+                      f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds, {precision} "
+                      f"on {escape(ran_on)}); logs in {out}/")
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # one rank under torchrun: exits like every launched rank (see run_rank_and_exit)

@@ -8,11 +8,14 @@ that one rank. Rank 0 writes, under ``out``:
 - ``rounds.jsonl``  one line per training round (iteration): step time, communication
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
-- ``summary.json``  the configuration, final metric, wall time, whether the UDP
+- ``summary.json``  the configuration, final metric, wall time, the device rank 0 ran
+  on (and the GPU's name under cuda), the parameters' dtype (and so DDP's gradient
+  buckets'), the parameter count, whether the UDP
   endpoints used segmentation offload, the most copies a PROBE went in, the data
   path (``native``, or ``python (why)``) and how datagrams were authenticated
   (``auth``: ``secret``, ``random`` or ``off``; None under gloo), and what rank 0's
-  endpoint dropped, by reason (``datagrams_dropped``: ``bad_auth`` counts forgeries);
+  endpoint received (``datagrams_received``) and dropped, by reason
+  (``datagrams_dropped``: ``bad_auth`` counts forgeries);
 - with ``checkpoint_every``, ``checkpoint.rank<r>.pt`` per rank (every rank writes its
   own, replaced at each checkpoint): the epoch and round reached, the model's, the
   optimizer's, the scheduler's and the hook's ``state_dict()``. ``resume=DIR`` starts
@@ -85,6 +88,10 @@ class TrainConfig:
     #: authenticate every datagram (the key: from BOUNDEDLOSS_SECRET[_FILE] in the
     #: ranks' environment, else a random one rank 0 hands out); False warns once
     auth: bool = True
+    #: where every rank's model, batches and gradient buckets live (``DEVICES``)
+    device: str = "cpu"
+    #: the dtype of the model's parameters and inputs, and so of the buckets (``PRECISIONS``)
+    precision: str = "fp32"
 
     def validate(self) -> None:
         try:
@@ -93,7 +100,9 @@ class TrainConfig:
             raise ValueError(f"--policy: {e}") from None
         for option, value, names in (("--model", self.model, MODELS),
                                      ("--topology", self.topology, TOPOLOGIES),
-                                     ("--aggregator", self.aggregator, AGGREGATORS)):
+                                     ("--aggregator", self.aggregator, AGGREGATORS),
+                                     ("--device", self.device, DEVICES),
+                                     ("--precision", self.precision, PRECISIONS)):
             if value not in names:
                 raise ValueError(f"{option} must be one of {', '.join(names)}")
         if self.workers < 2:
@@ -106,6 +115,18 @@ class TrainConfig:
             raise ValueError("--guard-rounds must be >= 0 (0: no loss guard)")
         if self.resume is not None and not Path(self.resume).is_dir():
             raise ValueError(f"--resume: {self.resume} is not a directory")
+        if self.device == "cuda":
+            self._check_cuda()
+
+    def _check_cuda(self) -> None:
+        if parse_policy(self.policy).name == TCP_PS:
+            raise ValueError(f"--policy {TCP_PS} runs on the CPU only (gloo's point-to-point "
+                             "send and receive take CPU tensors): use --device cpu")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible "
+                             "(torch.cuda.is_available() is False)")
 
     def guard(self) -> LossGuard | None:
         """The hook's loss guard for this run (None: the hook's default)."""
@@ -123,8 +144,40 @@ class TrainConfig:
                               receive_deadline=self.receive_deadline, **copies)
 
 
+#: ``--device`` names
+DEVICES = ("cpu", "cuda")
+#: ``--precision`` names -> the torch dtype (by name) of the model's parameters and
+#: floating inputs; DDP's gradient buckets take it, and the hook carries bfloat16 as is
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+
+
 # ------------------------------------------------------------------ one rank
 Batch = tuple["torch.Tensor", "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank's model and data live, and the dtype of its floating values."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on this device, floating values in this dtype (labels and ids keep theirs)."""
+        return t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else None)
+
+
+def placement(cfg: TrainConfig, rank: int) -> Placement:
+    """Rank ``rank``'s placement. Under cuda it is ``cuda:{r % device_count}`` with r its
+    local rank (torchrun's LOCAL_RANK, else its rank): several ranks may share a GPU, as
+    the control plane is gloo and the hook stages buckets through host memory."""
+    import torch
+
+    dtype = getattr(torch, PRECISIONS[cfg.precision])
+    if cfg.device == "cpu":
+        return Placement(torch.device("cpu"), dtype)
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return Placement(torch.device("cuda", local % torch.cuda.device_count()), dtype)
 
 
 @dataclass(frozen=True)
@@ -137,12 +190,13 @@ class Workload:
     metric_name: str
 
 
-def _charlm(cfg: TrainConfig, rank: int, world: int) -> Workload:
+def _charlm(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workload:
     import torch
 
     from ..workloads import charlm
 
-    data = charlm.load_stdlib_text()
+    text = charlm.load_stdlib_text()
+    data = charlm.TextData(where.put(text.train), where.put(text.test))
     steps = cfg.steps_per_epoch or 40
     g = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
 
@@ -156,12 +210,14 @@ def _charlm(cfg: TrainConfig, rank: int, world: int) -> Workload:
     return Workload(charlm.CharLM(), batches, evaluate, "perplexity")
 
 
-def _digits(cfg: TrainConfig, rank: int, world: int) -> Workload:
+def _digits(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workload:
     import torch
 
     from ..workloads import digits
 
-    data = digits.load_digits_split(cfg.seed)
+    split = digits.load_digits_split(cfg.seed)
+    data = digits.DigitsData(*(where.put(t) for t in (split.x_train, split.y_train,
+                                                      split.x_test, split.y_test)))
     model: torch.nn.Module = (digits.DigitsMLP(hidden=256) if cfg.model == "mlp"
                               else digits.DigitsCNN(16))
     n = len(data.y_train)
@@ -186,18 +242,21 @@ def _digits(cfg: TrainConfig, rank: int, world: int) -> Workload:
 
 
 #: ``--model`` names: mlp/cnn on sklearn's digits, charlm on the standard library's text
-MODELS: dict[str, Callable[[TrainConfig, int, int], Workload]] = {
+MODELS: dict[str, Callable[[TrainConfig, int, int, Placement], Workload]] = {
     "mlp": _digits,
     "cnn": _digits,
     "charlm": _charlm,
 }
 
 
-def _build(cfg: TrainConfig, rank: int, world: int) -> Workload:
+def _build(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workload:
+    """The workload, its data and its model (in ``where``'s dtype) on ``where``'s device."""
     import torch
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    return MODELS[cfg.model](cfg, rank, world)
+    work = MODELS[cfg.model](cfg, rank, world, where)
+    work.model.to(device=where.device, dtype=where.dtype)
+    return work
 
 
 def _per_round(log: list[dict], round_id: int) -> dict:
@@ -300,8 +359,13 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=cfg.receive_deadline * 3 + 30))
-    work = _build(cfg, rank, world)
-    ddp = torch.nn.parallel.DistributedDataParallel(work.model)
+    where = placement(cfg, rank)
+    on_gpu = where.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(where.device)  # (for CUDA calls that name no device)
+    work = _build(cfg, rank, world, where)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        work.model, device_ids=[where.device.index] if on_gpu else None)
     if keep_alive is not None:
         keep_alive.append(ddp)
     spec = parse_policy(cfg.policy)
@@ -311,6 +375,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     # UDP offload in use at the end, PROBE copies, the data path (None: gloo)
     offload = copies = data_path = auth = None
     drops: dict[str, int] | None = None
+    received: int | None = None
     if spec.name == TCP_PS:
         from ..torch.tcp_ps import register_tcp_ps
 
@@ -370,10 +435,12 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
                 t0 = time.perf_counter()
                 start_mono = time.monotonic()
                 opt.zero_grad(set_to_none=True)
-                logits = ddp(x)
+                logits = ddp(x).float()  # (the loss in float32 whatever the precision)
                 loss_v = loss_fn(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
                 loss_v.backward()
                 opt.step()
+                if on_gpu:
+                    torch.cuda.synchronize(where.device)  # the step's kernels are done
                 step_ms = (time.perf_counter() - t0) * 1e3
                 rec: dict[str, Any]
                 if rank == 0:
@@ -440,18 +507,30 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             data_path = (("native" if state.endpoint.data_path is not None
                           else f"python ({native.status()})") if state.endpoint else None)
             # what this rank's endpoint dropped, by reason (bad_auth: forged datagrams)
-            drops = {} if state.endpoint is None else {
-                k: v for k, v in state.endpoint.counters().items() if k in DROP_REASONS and v}
+            counted = {} if state.endpoint is None else state.endpoint.counters()
+            received = counted.get("datagrams_in")
+            drops = {k: v for k, v in counted.items() if k in DROP_REASONS and v}
             state.close()
+    params = list(work.model.parameters())
     summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
+               "device": str(where.device),
+               "gpu": torch.cuda.get_device_name(where.device) if on_gpu else None,
+               "parameters": sum(p.numel() for p in params),
+               # (DDP's gradient buckets are of the parameters' dtype)
+               "param_dtype": _dtype_name(params[0].dtype),
                "udp_segmentation_offload": offload, "probe_copies_max": copies,
-               "data_path": data_path, "auth": auth, "datagrams_dropped": drops,
+               "data_path": data_path, "auth": auth, "datagrams_received": received,
+               "datagrams_dropped": drops,
                "resumed_from_epoch": None if resumed is None else resumed["epoch"]}
     if rank == 0:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     dist.destroy_process_group()
     return summary
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class _Progress:

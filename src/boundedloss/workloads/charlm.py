@@ -72,7 +72,7 @@ def perplexity(
     n = min(max_windows, (len(ids) - 1) // seq)
     x = ids[: n * seq].reshape(n, seq)
     y = ids[1 : n * seq + 1].reshape(n, seq)
-    logits = model(x)
+    logits = model(x).float()  # (a bfloat16 model's metric in float32)
     loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
     model.train()
     return float(torch.exp(loss))
