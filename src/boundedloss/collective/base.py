@@ -15,7 +15,6 @@ deadline therefore covers the time between rounds too; it is the failure detecto
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..aggregate import Aggregator, HadamardDispersion, apply_broadcast, element_mask, message_seed
-from ..net.udp import UdpEndpoint
+from ..net.endpoint import Endpoint
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
 from ..protocol import CloseReason, ReceiveResult, TransportError
@@ -154,7 +153,7 @@ class Collective(abc.ABC):
 
     def __init__(
         self,
-        endpoint: UdpEndpoint,
+        endpoint: Endpoint,
         rank: int,
         peers: Sequence[tuple[str, int]],
         *,
@@ -189,24 +188,28 @@ class Collective(abc.ABC):
         self._full_masks: dict[int, np.ndarray] = {}  # size -> every element arrived
 
     # ------------------------------------------------------------- receiving
-    def _receive_policy(self, bucket: int, phase: int) -> tuple[Policy, bool]:
+    def _receive_policy(self, bucket: int, phase: int,
+                        remembered: bool = True) -> tuple[Policy, bool]:
         """The policy a receive of ``bucket``'s ``phase`` runs under, and whether the job's
         policy would run there (the loss guard watches those): contributions (PUSH) the
         job's, results (PULL) reliably unless ``stale_broadcast`` - and, where the job's
-        would run, reliably while the loss guard holds the bucket."""
-        if phase == PULL and not self.stale_broadcast:
+        would run, reliably while the loss guard holds the bucket. ``remembered=False``:
+        a result with no last value to keep where a piece is missing (an all-gather's
+        first round) is received reliably."""
+        if phase == PULL and not (self.stale_broadcast and remembered):
             return self._reliable, False
         return (self._reliable if self.guard.holds(bucket) else self.policy), True
 
     def _post(self, peer_rank: int, bucket: int, phase: int, round_id: int,
-              nbytes: int) -> Posted:
-        return self._post_many({peer_rank: nbytes}, bucket, phase, round_id)[peer_rank]
+              nbytes: int, remembered: bool = True) -> Posted:
+        return self._post_many({peer_rank: nbytes}, bucket, phase, round_id,
+                               remembered)[peer_rank]
 
     def _post_many(self, nbytes: dict[int, int], bucket: int, phase: int,
-                   round_id: int) -> dict[int, Posted]:
+                   round_id: int, remembered: bool = True) -> dict[int, Posted]:
         """Post the receives of ``bucket``'s ``phase`` from each peer rank in ``nbytes``
-        (its size), at once."""
-        policy, watched = self._receive_policy(bucket, phase)
+        (its size), at once (``remembered``: see ``_receive_policy``)."""
+        policy, watched = self._receive_policy(bucket, phase, remembered)
         futures = self.endpoint.receive_many(
             [(self.peers[r], n) for r, n in nbytes.items()],
             message_id=message_id(bucket, phase), round_id=round_id, policy=policy)
@@ -215,22 +218,24 @@ class Collective(abc.ABC):
                 for (r, n), fut in zip(nbytes.items(), futures)}
 
     def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int,
-              nbytes: int) -> Posted:
-        """The receive for this round: posted ahead last round, or posted now."""
+              nbytes: int, remembered: bool = True) -> Posted:
+        """The receive for this round: posted ahead last round, or posted now
+        (``remembered``: see ``_receive_policy``)."""
         pending = self._pending.pop((bucket, phase, peer_rank), None)
         if pending is not None:
             same = pending.round_id == round_id and pending.nbytes == nbytes
-            if same and pending.policy is self._receive_policy(bucket, phase)[0]:
+            if same and pending.policy is self._receive_policy(bucket, phase, remembered)[0]:
                 return pending
             # Posted for another round or size (DDP rebuilds its buckets after the first
             # iteration), or under a policy the loss guard has since changed (its state
-            # loaded between rounds): cancel it - silently, the peer's probe finds the
-            # new one - unless it had closed already.
+            # loaded between rounds) or that no longer fits the memory (a checkpoint
+            # without it loaded): cancel it - silently, the peer's probe finds the new
+            # one - unless it had closed already.
             self.endpoint.cancel(pending.future)
             if same and pending.future.result(self._timeout).close_reason != (
                     CloseReason.CANCELLED):
                 return pending  # it had closed already: the peer will not send it again
-        return self._post(peer_rank, bucket, phase, round_id, nbytes)
+        return self._post(peer_rank, bucket, phase, round_id, nbytes, remembered)
 
     def _post_ahead(self, nbytes: dict[int, int], bucket: int, phase: int,
                     round_id: int) -> None:
@@ -323,6 +328,7 @@ class Collective(abc.ABC):
             previous = self._remembered(memory_key, values.shape)
             result = apply_broadcast(values, mask, previous if previous is not None
                                      else np.zeros_like(values))
+            result = result.view(values.dtype)  # (np.where drops bfloat16's marking)
         self.memory[memory_key] = result
         return result
 
@@ -367,6 +373,6 @@ class Collective(abc.ABC):
             self.endpoint.cancel(pending.future)
         self._pending.clear()
 
-    @staticmethod
-    def _clock() -> float:
-        return time.perf_counter()
+    def _clock(self) -> float:
+        """Now, on the endpoint's clock (virtual on a simulated network)."""
+        return self.endpoint.clock()

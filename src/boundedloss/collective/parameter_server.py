@@ -15,7 +15,6 @@ more. The sends finish in the background; a failed one is raised in a later roun
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -93,11 +92,11 @@ class ParameterServer(Collective):
         cancel what is left and release the posted receives. (A worker that has finished
         its last step has its broadcast; its STOP may be lost at shutdown, and with the
         worker gone nothing would answer the server's PROBEs until the peer timeout.)"""
-        deadline = time.monotonic() + CLOSE_SETTLE_S
+        deadline = self._clock() + CLOSE_SETTLE_S
         try:
             for sends in self._broadcasts.values():
                 for sent in sends:
-                    sent.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                    sent.future.result(timeout=max(0.0, deadline - self._clock()))
         except TimeoutError:
             pass  # not settled in time: cancelled below
         finally:

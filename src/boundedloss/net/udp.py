@@ -1,4 +1,5 @@
-"""UdpEndpoint: one real UDP socket driving a TransferMux from a background I/O thread.
+"""UdpEndpoint: the endpoint's real driver - one UDP socket driving a TransferMux from
+a background I/O thread (the message API above it is :class:`~.endpoint.Endpoint`'s).
 
 Many concurrent messages to and from many peers share the socket; the mux
 demultiplexes them by header. ``send`` and ``receive`` return
@@ -35,27 +36,19 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
 
-import numpy as np
-
-from ..policy.base import Policy
-from ..policy.reliable import ReliablePolicy
 from ..protocol.auth import DatagramAuth
 from ..protocol.mux import TransferMux
-from ..protocol.receiver import MessageReceiver
-from ..protocol.sender import MessageSender
 from ..protocol.types import (
     DataRun,
-    ReceiveResult,
-    SendResult,
     TransportConfig,
     TransportError,
 )
 from ..wire import HEADER_BYTES, DropReason, peek_round
 from . import native
+from .endpoint import Endpoint
 from .loss import LossModel
 from .native import NativeDataPath, ipv4_address
 
@@ -168,7 +161,9 @@ def resolve(peer) -> tuple[str, int]:
     return socket.gethostbyname(host), int(port)
 
 
-class UdpEndpoint:
+class UdpEndpoint(Endpoint):
+    driver_name = "I/O thread"
+
     def __init__(
         self,
         host: str = "127.0.0.1",
@@ -243,174 +238,38 @@ class UdpEndpoint:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._lock = threading.Lock()
-        # transfer_id -> (its MessageSender or MessageReceiver, the future it resolves)
-        self._futures: dict[int, tuple[MessageSender | MessageReceiver, Future]] = {}
-        self._closing = False  # the I/O loop stops, and new calls are refused
-        self._closed = False
-        self._failure: BaseException | None = None  # what killed the I/O thread, if anything
-        #: when the I/O thread wakes on its own at the latest (monotonic; set under the
-        #: lock with the deadline it sleeps until)
-        self.sleeps_until = 0.0
-        self.wakeups = 0  # times a call woke the I/O thread (a pass of its loop each)
+        self._start_api()
         self.io_errors: Counter[str] = Counter()
         self.sendmsg_calls = 0  # system calls that sent datagrams (one per segmented run)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    # ------------------------------------------------------------------ the seam
+    def clock(self) -> float:
+        return time.monotonic()
+
     @property
     def address(self) -> tuple[str, int]:
         return self.sock.getsockname()
 
-    # --------------------------------------------------------------------- API
-    def send(self, peer, payload, *, message_id: int, round_id: int = 0,
-             critical: np.ndarray | None = None) -> Future:
-        """Send ``payload`` (any C-contiguous buffer; not to be modified until done)."""
-        return self.send_many([(peer, payload)], message_id=message_id, round_id=round_id,
-                              critical=critical)[0]
+    def _new_future(self) -> Future:
+        return Future()
 
-    def send_many(self, messages: Sequence[tuple[Any, Any]], *, message_id: int,
-                  round_id: int = 0, critical: np.ndarray | None = None) -> list[Future]:
-        """``send`` message ``message_id`` to each ``(peer, payload)`` of ``messages``, all
-        at once: the lock taken once, the I/O thread woken once. If one cannot start,
-        those started before it are cancelled and the error raised."""
-        messages = list(messages)  # (read twice below)
-        peers = [self._address(peer) for peer, _ in messages]
-        for peer in peers:
-            self.check_path(peer)
-        with self._lock:
-            self._check_open()
-            now = time.monotonic()
-            _, futures = self._start_each(
-                [(peer, payload) for peer, (_, payload) in zip(peers, messages)],
-                lambda m: self.mux.start_send(m[0], round_id, message_id, m[1], now,
-                                              critical=critical),
-                self.mux.cancel_send, now)
-        self._wake()
-        return futures
-
-    def receive(self, peer, *, message_id: int, round_id: int = 0,
-                policy: Policy | None = None, out: np.ndarray | None = None,
-                nbytes: int | None = None, critical: np.ndarray | None = None) -> Future:
-        """Post a receive; chunks land in ``out`` (or a new uint8 array of the sender's size)."""
-        return self._receive([(peer, out, nbytes, critical)], message_id, round_id, policy)[0]
-
-    def receive_many(self, messages: Sequence[tuple[Any, int]], *, message_id: int,
-                     round_id: int = 0, policy: Policy | None = None) -> list[Future]:
-        """``receive`` message ``message_id`` from each ``(peer, nbytes)`` of ``messages``,
-        all at once: the lock taken once, the I/O thread woken at most once. If one
-        cannot be posted, those posted before it are cancelled and the error raised."""
-        return self._receive([(peer, None, nbytes, None) for peer, nbytes in messages],
-                             message_id, round_id, policy)
-
-    def _receive(self, messages: list[tuple], message_id: int, round_id: int,
-                 policy: Policy | None) -> list[Future]:
-        peers = [self._address(peer) for peer, *_ in messages]
-        for peer in peers:
-            self.check_path(peer)
-        policy = policy or ReliablePolicy()
-        with self._lock:
-            self._check_open()
-            now = time.monotonic()
-            posted, futures = self._start_each(
-                [(peer, *rest) for peer, (_, *rest) in zip(peers, messages)],
-                lambda m: self.mux.start_receive(m[0], round_id, message_id, now,
-                                                 policy=policy, out=m[1], nbytes=m[2],
-                                                 critical=m[3]),
-                self.mux.cancel_receive, now)
-            self._resolve(self.mux.pop_finished())
-            # The I/O thread need not run for a receive it would not act on before it
-            # wakes anyway (every wake is a pass of its loop, and a GIL handover): only
-            # for something to send, or a timer of a receive due sooner.
-            wake = bool(self.mux.outbox)
-            for rx in posted:
-                due = rx.next_deadline()
-                wake = wake or (due is not None and due < self.sleeps_until)
-        if wake:
-            self._wake()
-        return futures
-
-    def _start_each(self, messages: list, start: Callable[[Any], Any],
-                    cancel: Callable[[Any, float], None], now: float) -> tuple[list, list[Future]]:
-        """``start`` each of ``messages`` (under the lock), a future for each; if one cannot
-        start, cancel those started before it and raise (nothing runs without its
-        future). The transfers and their futures."""
-        started: list = []
-        futures: list[Future] = []
-        try:
-            for message in messages:
-                transfer = start(message)
-                started.append(transfer)
-                fut: Future = Future()
-                self._futures[transfer.transfer_id] = (transfer, fut)
-                futures.append(fut)
-        except BaseException:
-            for transfer in started:
-                cancel(transfer, now)
-            self._resolve(self.mux.pop_finished())
-            raise
-        return started, futures
-
-    def cancel(self, future: Future) -> None:
-        """Cancel a send or receive: it resolves with a CANCELLED result. A cancelled
-        receive sends no STOP, so a receive posted again for the message takes over."""
-        with self._lock:
-            for transfer, fut in list(self._futures.values()):
-                if fut is not future or transfer.result is not None:
-                    continue
-                if isinstance(transfer, MessageSender):
-                    self.mux.cancel_send(transfer, time.monotonic())
-                else:
-                    self.mux.cancel_receive(transfer, time.monotonic())
-            self._resolve(self.mux.pop_finished())
-
-    def path_state(self, peer) -> dict[str, Any]:
-        """What this endpoint has learned of the path to and from ``peer`` - its round
-        trip and delivery rates (``PeerPath.state_dict``) - for a checkpoint."""
-        peer = self._address(peer)
-        with self._lock:
-            return self.mux.path(peer).state_dict()
-
-    def load_path_state(self, peer, state: Mapping[str, Any]) -> None:
-        """Start the path to ``peer`` from a checkpoint's :meth:`path_state` (the next
-        send to it starts from that round trip and rate instead of the defaults)."""
-        peer = self._address(peer)
-        with self._lock:
-            self.mux.path(peer).load_state_dict(state)
-
-    def counters(self) -> dict[str, int]:
-        with self._lock:
-            d = self.mux.counters()
-        d.update({f"io_{k}": v for k, v in self.io_errors.items()})
-        d["sendmsg_calls"] = self.sendmsg_calls
-        d["io_wakeups"] = self.wakeups
-        d["native_data_path"] = int(self.data_path is not None)
-        d["authenticated"] = int(self.auth is not None)
-        return d
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = self._closing = True
+    def _stop_driver(self) -> None:
         self._wake()
         self._thread.join(timeout=5)
-        with self._lock:
-            for _, fut in self._futures.values():
-                if not fut.done():
-                    fut.set_exception(TransportError("endpoint closed"))
-            self._futures.clear()
         self.sock.close()
         self._wake_r.close()
         self._wake_w.close()
 
-    def __enter__(self) -> UdpEndpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _driver_counters(self) -> dict[str, int]:
+        d = {f"io_{k}": v for k, v in self.io_errors.items()}
+        d["sendmsg_calls"] = self.sendmsg_calls
+        d["native_data_path"] = int(self.data_path is not None)
+        return d
 
     # --------------------------------------------------------------- internals
-    def _address(self, peer) -> tuple[str, int]:
+    def _resolve_address(self, peer) -> tuple[str, int]:
         """``peer`` as an IPv4 ``(host, port)``, looked up once per endpoint (a job's
         peers stay put; ``gethostbyname`` releases the GIL, which a busy I/O thread then
         holds for a while)."""
@@ -439,33 +298,11 @@ class UdpEndpoint:
                 f"(set TransportConfig.chunk_bytes)")
         self._fits.add(peer)
 
-    def _check_open(self) -> None:
-        if self._failure is not None:
-            raise self._failed_error() from self._failure
-        if self._closing:
-            raise TransportError("endpoint is closed")
-
-    def _failed_error(self) -> TransportError:
-        e = self._failure
-        return TransportError(f"the endpoint's I/O thread failed: {type(e).__name__}: {e}")
-
     def _run(self) -> None:
         try:
             self._io_loop()
         except BaseException as e:  # noqa: BLE001 - nothing may die silently here
-            # A bug below the API (a policy's observe raising, say): every operation
-            # waiting on this endpoint, and every later call, fails with it at once -
-            # rather than the thread dying alone and its callers waiting out their
-            # timeouts, then blaming the peer.
-            self._failure = e
-            self._closing = True
-            with self._lock:
-                for _, fut in self._futures.values():
-                    if not fut.done():
-                        error = self._failed_error()
-                        error.__cause__ = e
-                        fut.set_exception(error)
-                self._futures.clear()
+            self._fail(e)
 
     def _wake(self) -> None:
         self.wakeups += 1
@@ -473,12 +310,6 @@ class UdpEndpoint:
             self._wake_w.send(b"\0")
         except (BlockingIOError, OSError):
             pass  # already awake, or closing
-
-    def _resolve(self, finished: list[SendResult | ReceiveResult]) -> None:
-        for result in finished:
-            entry = self._futures.pop(result.transfer_id, None)
-            if entry is not None and not entry[1].done():
-                entry[1].set_result(result)
 
     def _send_run(self, data_path, run: DataRun, start: int) -> tuple[int, bool]:
         """Send ``run.indices[start:]`` through the compiled path: how far it got, and
