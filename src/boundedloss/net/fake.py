@@ -80,14 +80,17 @@ Route = Callable[[Datagram], Sequence[float]]
 """Decides a datagram's fate: the delays (seconds after it departed, each >= 0) after
 which a copy of it reaches the destination; empty if it is lost."""
 
-_ARRIVE, _DELIVER, _WAKE = 0, 1, 2
+_ARRIVE, _DELIVER, _WAKE, _CALL = 0, 1, 2, 3
 
 
 class _Node:
-    def __init__(self, address, mux: TransferMux, profile: NodeProfile):
+    def __init__(self, address, mux: TransferMux, profile: NodeProfile,
+                 serviced: Callable[[], None] | None):
         self.address = address
         self.mux = mux
         self.profile = profile
+        self.serviced = serviced
+        self.detached = False
         self.up_free = 0.0
         self.down_free = 0.0
         self.queue: deque[float] = deque()  # delivery times of datagrams in the downlink
@@ -123,11 +126,33 @@ class FakeNetwork:
         self.route: Route = route if route is not None else self.default_route
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None) -> TransferMux:
+    def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None, *,
+               serviced: Callable[[], None] | None = None) -> TransferMux:
+        """Add a node at ``address`` whose core is ``mux``; ``serviced`` is called each
+        time the network has fed the core, fired its timers or sent what it polled (a
+        driver above the core hands on what finished there)."""
         if address in self._nodes:
             raise ValueError(f"address {address!r} is taken")
-        self._nodes[address] = _Node(address, mux, profile or NodeProfile())
+        self._nodes[address] = _Node(address, mux, profile or NodeProfile(), serviced)
         return mux
+
+    def detach(self, address) -> None:
+        """Remove the node at ``address``: what is on its way to it is lost (counted
+        ``no_route``), and its core is not run again."""
+        node = self._nodes.pop(address)
+        node.detached = True
+
+    def wake(self, address) -> None:
+        """Run the core at ``address`` now (after the event being processed): something
+        was posted to it from outside."""
+        node = self._nodes[address]
+        if self.now < node.poll_at:
+            node.poll_at = self.now
+            self._push(self.now, _WAKE, node)
+
+    def call_at(self, t: float, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the virtual clock reaches ``t`` (now, if ``t`` has passed)."""
+        self._push(max(t, self.now), _CALL, None, None, fn)
 
     def set_path(self, src, dst, profile: PathProfile) -> None:
         self._paths[(src, dst)] = profile
@@ -163,37 +188,57 @@ class FakeNetwork:
         max_events: int = 50_000_000,
     ) -> float:
         """Process events in time order until ``until``, ``stop_when()`` or silence."""
-        for node in self._nodes.values():
+        for node in list(self._nodes.values()):
             self._service(node)
         events = self._events
         n = 0
         while events:
             if stop_when is not None and stop_when():
                 break
-            t = events[0][0]
-            if until is not None and t > until:
+            if until is not None and events[0][0] > until:
                 self.now = until
                 break
-            t, _, kind, node, src, data = heapq.heappop(events)
-            self.now = t
-            if kind == _ARRIVE:
-                self._arrive(node, src, data)
-            elif kind == _DELIVER:
-                node.mux.datagram_received(data, src, t)
-                self._service(node)
-            else:  # _WAKE
-                if t >= node.timer_at:
-                    node.timer_at = math.inf
-                if t >= node.poll_at:
-                    node.poll_at = math.inf
-                d = node.mux.next_deadline()
-                if d is not None and d <= t:
-                    node.mux.timer_fired(t)
-                self._service(node)
+            self.step()
             n += 1
             if n >= max_events:
                 raise RuntimeError(f"FakeNetwork: {max_events} events without finishing")
         return self.now
+
+    def pending(self) -> bool:
+        """Is an event waiting to be processed?"""
+        return bool(self._events)
+
+    def next_time(self) -> float | None:
+        """When the next event happens (None: none is waiting)."""
+        return self._events[0][0] if self._events else None
+
+    def step(self) -> None:
+        """Process the next event (there must be one)."""
+        t, _, kind, node, src, data = heapq.heappop(self._events)
+        self.now = t
+        if kind == _CALL:
+            data()
+            return
+        if node.detached:
+            if kind != _WAKE:
+                self.counts["no_route"] += 1
+                if kind == _DELIVER:
+                    self.counts["delivered"] -= 1
+            return
+        if kind == _ARRIVE:
+            self._arrive(node, src, data)
+        elif kind == _DELIVER:
+            node.mux.datagram_received(data, src, t)
+            self._service(node)
+        else:  # _WAKE
+            if t >= node.timer_at:
+                node.timer_at = math.inf
+            if t >= node.poll_at:
+                node.poll_at = math.inf
+            d = node.mux.next_deadline()
+            if d is not None and d <= t:
+                node.mux.timer_fired(t)
+            self._service(node)
 
     def run_until_done(self, transfers, timeout: float = 600.0) -> float:
         """Run until every sender/receiver in ``transfers`` has a result."""
@@ -205,7 +250,7 @@ class FakeNetwork:
         return self.now
 
     # ----------------------------------------------------------------- internals
-    def _push(self, t: float, kind: int, node: _Node, src=None, data=None) -> None:
+    def _push(self, t: float, kind: int, node: _Node | None, src=None, data=None) -> None:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, kind, node, src, data))
 
@@ -231,6 +276,8 @@ class FakeNetwork:
         if d is not None and d < node.timer_at:
             node.timer_at = d
             self._push(max(d, now), _WAKE, node)
+        if node.serviced is not None:
+            node.serviced()
 
     def _transmit(self, src: _Node, peer, data: bytes, depart: float) -> None:
         self.counts["sent"] += 1

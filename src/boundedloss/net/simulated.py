@@ -1,0 +1,254 @@
+"""The endpoint on a simulated network: everything above the seam - collectives, the
+hook's exchange - runs unchanged, in virtual time, deterministically.
+
+- :class:`SimRuntime` runs programs (a rank's loop, say: plain blocking code that
+  calls an endpoint and waits on its futures) as threads that take turns: exactly one
+  runs at a time, and the network's discrete-event loop runs only while every program
+  waits. A program's wait on a future hands the turn back; the future's result (or its
+  timeout, counted on the virtual clock) gives the turn back to it. So a run depends on
+  the seed and the programs alone - never on the host's scheduler or speed - and a
+  program's computing takes no virtual time.
+- :class:`SimEndpoint` is an :class:`~.endpoint.Endpoint` whose core is a node of a
+  :class:`~.fake.FakeNetwork` (its links, queues, loss and routes): the network's loop
+  is its driver.
+
+    net = FakeNetwork(seed=1, path=PathProfile(delay=50e-6))
+    rt = SimRuntime(net)
+    a = SimEndpoint(rt, ("10.0.0.1", 9000), session=7)
+    b = SimEndpoint(rt, ("10.0.0.2", 9000), session=7)
+    rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
+    got = rt.spawn(lambda: b.receive(a.address, message_id=1, nbytes=n).result())
+    rt.run()
+    got.result()  # the ReceiveResult
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from ..protocol.auth import DatagramAuth
+from ..protocol.mux import TransferMux
+from ..protocol.types import TransportConfig
+from .endpoint import Endpoint
+from .fake import FakeNetwork, NodeProfile
+
+
+class SimDeadlock(RuntimeError):
+    """Every program waits, and nothing is left on the network to end a wait."""
+
+
+class _Abort(BaseException):
+    """Unwinds a program the runtime gave up on (another one failed)."""
+
+
+class Program:
+    """One program's thread and how it ended (``result()`` once the runtime has run)."""
+
+    def __init__(self, runtime: SimRuntime, fn: Callable[[], Any], name: str):
+        self.name = name
+        self._fn = fn
+        self._runtime = runtime
+        self.turn = threading.Semaphore(0)  # released: it may run
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.aborted = False
+        self.waiting: Future | None = None  # the future it waits on, if any
+        self.finished: Future = SimFuture(runtime)  # resolved (None) once it has ended
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (in another program) until this one has ended."""
+        self.finished.result(timeout)
+
+    def result(self) -> Any:
+        """What the program returned; what it raised, raised again."""
+        if not self.done:
+            raise RuntimeError(f"program {self.name} has not finished")
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def _main(self) -> None:
+        self.turn.acquire()
+        self._runtime.local.program = self
+        try:
+            if not self.aborted:
+                self.value = self._fn()
+        except _Abort:
+            pass
+        except BaseException as e:  # noqa: BLE001 - handed to run()'s caller
+            self.error = e
+        finally:
+            self.done = True
+            self.finished.set_result(None)
+            self._runtime.give_back()
+
+
+class SimRuntime:
+    """Programs taking turns on ``network``'s virtual clock (see the module)."""
+
+    def __init__(self, network: FakeNetwork):
+        self.network = network
+        self._programs: list[Program] = []
+        self._ready: deque[Program] = deque()
+        self._back = threading.Semaphore(0)
+        self.local = threading.local()  # (each program's thread: its Program)
+
+    @property
+    def now(self) -> float:
+        return self.network.now
+
+    def spawn(self, fn: Callable[[], Any], name: str | None = None) -> Program:
+        """Run ``fn()`` as a program: from the next :meth:`run` on, or, spawned by a
+        program, once that one waits."""
+        program = Program(self, fn, name or f"sim-program-{len(self._programs)}")
+        self._programs.append(program)
+        self._ready.append(program)
+        program.thread.start()
+        return program
+
+    def run(self, until: float | None = None) -> float:
+        """Run the programs and the network until every program has finished (or the
+        virtual clock passes ``until``). A program's error is raised here, once the
+        others are unwound; so is :class:`SimDeadlock`. Returns the virtual time."""
+        network = self.network
+        try:
+            while True:
+                while self._ready:
+                    self._run_program(self._ready.popleft())
+                    failed = next((p for p in self._programs if p.error is not None), None)
+                    if failed is not None:
+                        raise failed.error  # type: ignore[misc]
+                if all(p.done for p in self._programs):
+                    return network.now
+                next_time = network.next_time()
+                if next_time is None:
+                    waiting = [p.name for p in self._programs if not p.done]
+                    raise SimDeadlock(
+                        f"every program waits and nothing is left to happen: {waiting}")
+                if until is not None and next_time > until:
+                    network.now = until
+                    return until
+                network.step()
+        except BaseException:
+            self._unwind()
+            raise
+
+    def close(self) -> None:
+        """Unwind the programs that have not finished (their threads end)."""
+        self._unwind()
+
+    # ----------------------------------------------------------- for futures
+    def wait(self, future: Future, timeout: float | None) -> None:
+        """Called by a program: hand the turn back until ``future`` is done or
+        ``timeout`` virtual seconds have passed."""
+        program = getattr(self.local, "program", None)
+        if program is None:
+            raise RuntimeError("a simulated future is waited on from outside the "
+                               "simulation (wait in a program, or after run())")
+        if future.done():
+            return
+        program.waiting = future
+        if timeout is not None:
+            self.network.call_at(self.network.now + max(0.0, timeout),
+                                 lambda: self._wake(program, future))
+        future.add_done_callback(lambda _: self._wake(program, future))
+        self._back.release()
+        program.turn.acquire()
+        if program.aborted:
+            raise _Abort
+
+    # ----------------------------------------------------------- internals
+    def _wake(self, program: Program, future: Future) -> None:
+        if program.waiting is future:
+            program.waiting = None
+            self._ready.append(program)
+
+    def _run_program(self, program: Program) -> None:
+        """Let ``program`` run until it waits or ends."""
+        program.turn.release()
+        self._back.acquire()
+
+    def give_back(self) -> None:
+        """(A program's thread, ending: the turn goes back to run().)"""
+        self._back.release()
+
+    def _unwind(self) -> None:
+        for program in self._programs:
+            if not program.done:
+                program.aborted = True
+                program.waiting = None
+                self._run_program(program)
+        self._ready.clear()
+
+
+class SimFuture(Future):
+    """A future whose wait, in a program, hands the turn to the simulation."""
+
+    def __init__(self, runtime: SimRuntime):
+        super().__init__()
+        self._runtime = runtime
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._runtime.wait(self, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            self._runtime.wait(self, timeout)
+        return super().exception(timeout=0)
+
+
+class SimEndpoint(Endpoint):
+    """An endpoint at ``address`` (an IPv4 ``(host, port)``, as a real one's) on the
+    runtime's network; ``profile``: its links and queue there."""
+
+    driver_name = "simulated host"
+
+    def __init__(self, runtime: SimRuntime, address: tuple[str, int], *, session: int,
+                 config: TransportConfig | None = None, auth_key: bytes | None = None,
+                 profile: NodeProfile | None = None):
+        self.runtime = runtime
+        self.config = config or TransportConfig()
+        self._address = (str(address[0]), int(address[1]))
+        self.auth = None if auth_key is None else DatagramAuth(auth_key, self._address)
+        self.trailer = 0 if self.auth is None else self.auth.trailer_bytes
+        self.mux = TransferMux(session, self.config, auth=self.auth)
+        self._start_api()
+        # (a wake costs an event, not a thread's hand-over: every posted timer wakes it)
+        self.sleeps_until = math.inf
+        runtime.network.attach(self._address, self.mux, profile, serviced=self._serviced)
+
+    def clock(self) -> float:
+        return self.runtime.network.now
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._address
+
+    def _wake(self) -> None:
+        self.wakeups += 1
+        self.runtime.network.wake(self._address)
+
+    def _new_future(self) -> Future:
+        return SimFuture(self.runtime)
+
+    def _resolve_address(self, peer) -> tuple[str, int]:
+        return (str(peer[0]), int(peer[1]))
+
+    def check_path(self, peer: tuple[str, int]) -> None:
+        """(The simulated network carries a datagram of any size.)"""
+
+    def _stop_driver(self) -> None:
+        self.runtime.network.detach(self._address)
+
+    def _serviced(self) -> None:
+        with self._lock:
+            self._resolve(self.mux.pop_finished())
