@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -199,3 +200,41 @@ def test_a_closed_endpoint_is_detached_and_what_reaches_it_is_counted_lost():
     rt.run()
     assert sent.result().status != SendStatus.STOPPED  # nobody answered
     assert net.counts["no_route"] > 0
+
+
+def test_boundedloss_sim_prints_rows_and_the_same_seed_writes_the_same_json(tmp_path):
+    from boundedloss.cli import main
+
+    def run(seed: int) -> list:
+        path = tmp_path / f"sim{seed}.json"
+        assert main(["sim", "--workers", "3,5", "--systems", "reliable,mlt:0.05",
+                     "--topology", "ps,allreduce", "--losses", "0,0.05", "--elements",
+                     "30000", "--rounds", "2", "--seed", str(seed), "--json", str(path)]) == 0
+        rows = json.loads(path.read_text())
+        for row in rows:
+            row.pop("wall_s")  # (the host's time: the one figure that may differ)
+        return rows
+
+    rows = run(1)
+    assert len(rows) == 2 * 2 * 2 * 2
+    assert {(r["workers"], r["system"], r["topology"], r["loss"]) for r in rows} == {
+        (w, s, t, p) for w in (3, 5) for s in ("reliable", "mlt:p=0.05")
+        for t in ("ps", "allreduce") for p in (0.0, 0.05)}
+    assert all(r["p50_ms"] > 0 and r["sim_datagrams"] > 0 for r in rows)
+    assert all(r["path_losses"] > 0 for r in rows if r["loss"] > 0)
+    assert run(1) == rows
+    assert run(2) != rows
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "1"], "world sizes must be 2 to 1024"),
+    (["--systems", "gloo"], "need a TCP model"),
+    (["--topology", "ring"], "'ring': choose from"),
+    (["--losses", "1.5"], "loss rates must be in [0, 1)"),
+])
+def test_boundedloss_sim_refuses_a_bad_argument_in_one_line(argv, message, capsys):
+    from boundedloss.cli import main
+
+    assert main(["sim", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

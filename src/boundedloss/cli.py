@@ -783,6 +783,81 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
                               if burst_every is not None else ()))
 
 
+#: the systems a simulation can run: our policies (gloo and tcp-ps need a TCP model)
+SIM_SYSTEMS = ("reliable", "mlt", "ltp", "dblp")
+
+
+@cli.command("sim")
+@click.option("--workers", default="4,16,64", show_default=True,
+              help="World sizes to simulate, comma-separated (2 to 1024).")
+@click.option("--systems", type=PolicyParam(many=True), default="reliable,dblp",
+              show_default=True,
+              help=f"Our policies, comma-separated ({', '.join(SIM_SYSTEMS)}, or NAME:VALUE).")
+@click.option("--topology", "topologies", default="ps,allreduce", show_default=True,
+              help=f"Collectives, comma-separated: {', '.join(TOPOLOGIES)}.")
+@click.option("--losses", default="0,0.01", show_default=True,
+              help="Random loss on every path, comma-separated rates in [0, 1).")
+@click.option("--elements", default=1 << 20, show_default=True, type=click.IntRange(1, 1 << 28),
+              help="float32 values exchanged per round.")
+@click.option("--rounds", default=5, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--link-gbps", default=10.0, show_default=True,
+              type=FiniteFloatRange(0.001, 1e4), help="Every host's uplink and downlink.")
+@click.option("--delay-us", default=5.0, show_default=True, type=FiniteFloatRange(0, 1e6),
+              help="One-way delay of every path.")
+@click.option("--queue-datagrams", default=1024, show_default=True,
+              type=click.IntRange(1, 1 << 24),
+              help="Drop-tail queue at the switch port toward each host, in datagrams.")
+@click.option("--mtu", default=9000, show_default=True, type=click.IntRange(576, 65535),
+              help="The links' MTU; a chunk's datagram fills one packet.")
+@click.option("--auth/--no-auth", default=True, show_default=True,
+              help="Authenticate every datagram, as a job does.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              callback=_json_file, help="Write the rows here (a JSON list).")
+def sim(workers, systems, topologies, losses, elements, rounds, link_gbps, delay_us,
+        queue_datagrams, mtu, auth, seed, json_path) -> None:
+    """Simulate a gradient exchange among many workers - the product's own core and
+    collectives over a simulated network, in virtual time (computing costs nothing)."""
+    from .sim import SimJob, run_sweep
+
+    workers_t = _parse_list(workers, int, "--workers")
+    if any(not 2 <= w <= 1024 for w in workers_t):
+        raise click.BadParameter("world sizes must be 2 to 1024", param_hint="--workers")
+    not_ours = [str(s) for s in systems if s.name not in SIM_SYSTEMS]
+    if not_ours:
+        raise click.BadParameter(
+            f"{not_ours[0]!r}: the simulator runs our policies ({', '.join(SIM_SYSTEMS)}); "
+            "gloo and tcp-ps need a TCP model it does not have yet", param_hint="--systems")
+    topologies_t = _parse_list(topologies, str.strip, "--topology")
+    bad = [t for t in topologies_t if t not in TOPOLOGIES]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r}: choose from {', '.join(TOPOLOGIES)}",
+                                 param_hint="--topology")
+    losses_t = _parse_list(losses, float, "--losses")
+    if any(not 0 <= p < 1 for p in losses_t):
+        raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
+    jobs = [SimJob(workers=w, system=str(s), topology=t, loss=p, elements=elements,
+                   rounds=rounds, seed=seed, link_gbps=link_gbps, delay_us=delay_us,
+                   queue_datagrams=queue_datagrams, mtu=mtu, auth=auth)
+            for w in workers_t for t in topologies_t for p in losses_t for s in systems]
+    with console.status("simulating...") as status:
+        rows = run_sweep(jobs, progress=lambda m: status.update(m))
+    t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
+                    f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams "
+                    "(virtual time; computing takes none)")
+    for col in ("workers", "system", "topology", "loss", "p50 ms", "p99 ms", "mean ms",
+                "datagrams", "queue drops", "wall s"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(str(r.workers), r.system, r.topology, f"{r.loss:.1%}", f"{r.p50_ms:.2f}",
+                  f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", f"{r.sim_datagrams:,}",
+                  f"{r.queue_drops:,}", f"{r.wall_s:.1f}")
+    console.print(t)
+    if json_path is not None:
+        write_json(rows, json_path)
+        console.print(f"rows written to {json_path}")
+
+
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`
 
 cli.add_command(testbed)

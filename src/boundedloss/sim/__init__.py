@@ -1,0 +1,6 @@
+"""Discrete-event simulation of a data-parallel job at scale, running the product's own
+core and collectives over a simulated network (``job.py``)."""
+
+from .job import SimJob, SimRow, run_job, run_sweep
+
+__all__ = ["SimJob", "SimRow", "run_job", "run_sweep"]

@@ -1,0 +1,164 @@
+"""One simulated data-parallel exchange: ``workers`` ranks, each a program on a
+:class:`~..net.simulated.SimRuntime`, run the product's own collective (the
+parameter server or the transpose allreduce, under a policy of ours) over a
+:class:`~..net.fake.FakeNetwork`, for ``rounds`` rounds of an ``elements``-float
+gradient.
+
+The network: every host has an uplink and a downlink of ``link_gbps`` (a star through
+one switch - a rack), a drop-tail queue of ``queue_datagrams`` at the switch's port
+toward each host (its downlink), a one-way delay of ``delay_us`` on every path, and
+random loss of ``loss`` on every path. Computing takes no virtual time: a round's
+figure is the network's and the protocol's alone.
+
+Rounds are timed as ``bench kernel-loss`` times them: every rank waits at a barrier
+before each round, and a round lasts from when the last rank entered it to when the
+last rank left it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..aggregate import make_aggregator
+from ..collective import TOPOLOGIES
+from ..net.fake import FakeNetwork, NodeProfile, PathProfile
+from ..net.loss import Bernoulli
+from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
+from ..net.udp import largest_chunk
+from ..policy import parse_policy
+from ..protocol import TransportConfig
+from ..protocol.auth import TRAILER_BYTES
+
+#: the simulated job's session token and key (a simulation authenticates as a job does)
+SESSION = 0x5EED_0000_0000_0001
+KEY = bytes(range(32))
+
+
+@dataclass(frozen=True)
+class SimJob:
+    workers: int
+    system: str  # a policy of ours, as the command line writes it
+    topology: str  # "ps" or "allreduce"
+    loss: float
+    elements: int
+    rounds: int
+    seed: int = 0
+    link_gbps: float = 10.0
+    delay_us: float = 5.0
+    queue_datagrams: int = 1024
+    #: the links' MTU: a chunk's datagram fills one packet (9,000: the testbed's)
+    mtu: int = 9000
+    auth: bool = True
+
+
+@dataclass(frozen=True)
+class SimRow:
+    workers: int
+    system: str
+    topology: str
+    loss: float
+    rounds: int
+    elements: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+    max_ms: float
+    #: datagrams that left a host's uplink (the simulation's work)
+    sim_datagrams: int
+    #: datagrams lost at a full queue (incast), and on the paths (random loss)
+    queue_drops: int
+    path_losses: int
+    #: the figures' source: virtual time; wall_s is what simulating it took here
+    wall_s: float
+    seed: int
+
+
+class _Barrier:
+    """Every program waits until all ``parties`` have arrived (virtual time stands)."""
+
+    def __init__(self, runtime: SimRuntime, parties: int):
+        self._runtime = runtime
+        self._parties = parties
+        self._arrived = 0
+        self._open: SimFuture = SimFuture(runtime)
+
+    def wait(self) -> None:
+        gate = self._open
+        self._arrived += 1
+        if self._arrived == self._parties:
+            self._arrived = 0
+            self._open = SimFuture(self._runtime)
+            gate.set_result(None)
+        gate.result()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return float(s[min(len(s) - 1, int(round(q * (len(s) - 1))))])
+
+
+def run_job(job: SimJob) -> SimRow:
+    """Simulate ``job``; its row."""
+    wall0 = time.perf_counter()
+    net = FakeNetwork(seed=job.seed, path=PathProfile(
+        delay=job.delay_us * 1e-6,
+        loss=Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None))
+    runtime = SimRuntime(net)
+    bps = job.link_gbps * 1e9
+    config = TransportConfig(chunk_bytes=largest_chunk(
+        job.mtu, TRAILER_BYTES if job.auth else 0))
+    peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
+    endpoints = [SimEndpoint(runtime, peer, session=SESSION, config=config,
+                             auth_key=KEY if job.auth else None,
+                             profile=NodeProfile(up_bps=bps, down_bps=bps,
+                                                 queue_datagrams=job.queue_datagrams))
+                 for peer in peers]
+    barrier = _Barrier(runtime, job.workers)
+    starts = np.zeros((job.workers, job.rounds))
+    ends = np.zeros((job.workers, job.rounds))
+    collective = TOPOLOGIES[job.topology]
+
+    def rank_main(r: int) -> None:
+        coll = collective(endpoints[r], r, peers, policy=parse_policy(job.system).make(),
+                          aggregator=make_aggregator("unbiased"), session=SESSION)
+        x = np.random.default_rng([job.seed, r]).standard_normal(job.elements).astype(np.float32)
+        try:
+            for t in range(job.rounds):
+                barrier.wait()
+                starts[r, t] = runtime.now
+                coll.allreduce_mean(x, t)
+                ends[r, t] = runtime.now
+        finally:
+            coll.close()
+
+    for r in range(job.workers):
+        runtime.spawn(lambda r=r: rank_main(r), name=f"rank {r}")
+    try:
+        runtime.run()
+    finally:
+        runtime.close()
+        for ep in endpoints:
+            ep.close()
+    latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
+    return SimRow(
+        workers=job.workers, system=job.system, topology=job.topology, loss=job.loss,
+        rounds=job.rounds, elements=job.elements,
+        p50_ms=round(_percentile(latencies, 0.5), 3),
+        p99_ms=round(_percentile(latencies, 0.99), 3),
+        mean_ms=round(float(np.mean(latencies)), 3), max_ms=round(float(max(latencies)), 3),
+        sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
+        path_losses=net.counts["path_loss"], wall_s=round(time.perf_counter() - wall0, 3),
+        seed=job.seed)
+
+
+def run_sweep(jobs: list[SimJob], progress=lambda message: None) -> list[SimRow]:
+    """Simulate each of ``jobs`` in turn (``progress`` is told which)."""
+    rows = []
+    for i, job in enumerate(jobs, 1):
+        progress(f"simulating {i}/{len(jobs)}: {job.workers} workers, {job.system}, "
+                 f"{job.topology}, {job.loss:.1%} loss")
+        rows.append(run_job(job))
+    return rows
