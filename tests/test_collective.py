@@ -335,3 +335,140 @@ def test_a_receive_the_guard_made_reliable_still_hands_on_part_at_the_hard_deadl
     assert stats[(0, 0, 0)].guarded and stats[(0, 0, 0)].close_reasons == ("deadline",)
     assert stats[(0, 0, 0)].delivered_fraction == pytest.approx(2 / 3)
     assert set(outputs) == {(0, 0, 0), (1, 0, 0)}
+
+
+# ------------------------------------------------------- the transpose's two halves
+def _run_halves(world, make_policy, rounds, piece, shard, losses=None, **kw):
+    """Each rank r runs ``rounds`` rounds of ``reduce_scatter_mean`` (bucket 0) on its
+    pieces for every owner, ``piece(r, owner, t)`` in rank order, and of ``all_gather``
+    (bucket 1) on ``shard(r, t)``."""
+    eps = [UdpEndpoint(session=SESSION, loss=(losses[r] if losses else None),
+                       config=TransportConfig(chunk_bytes=1202, receive_deadline=10.0,
+                                              peer_timeout=10.0))
+           for r in range(world)]
+    peers = [ep.address for ep in eps]
+    results, errors = {}, {}
+
+    def rank_main(r):
+        coll = TransposeAllreduce(eps[r], r, peers, policy=make_policy(),
+                                  aggregator=UnbiasedRescale(), session=SESSION, **kw)
+        try:
+            for t in range(rounds):
+                pieces = [piece(r, q, t) for q in range(world)]
+                x = np.concatenate(pieces).view(pieces[0].dtype)  # (bfloat16's marking)
+                results[("rs", r, t)] = coll.reduce_scatter_mean(x, t, 0)
+                results[("ag", r, t)] = coll.all_gather(shard(r, t), t, 1)
+            results[("memory", r)] = dict(coll.memory)
+        except Exception as e:  # noqa: BLE001
+            errors[r] = e
+        finally:
+            coll.close()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    for ep in eps:
+        ep.close()
+    return results, errors
+
+
+def test_the_reliable_halves_are_a_reduce_scatter_and_an_all_gather():
+    """Rank r's reduce-scatter result is shard r of the exact mean (uneven shards too);
+    its all-gather result every rank's shard in rank order."""
+    world, rng = 3, np.random.default_rng(0)
+    sizes = [hi - lo for lo, hi in shard_bounds(2102, world)]  # 701, 701, 700
+    pieces = {(s, q, t): rng.standard_normal(sizes[q]).astype(np.float32)
+              for s in range(world) for q in range(world) for t in range(2)}
+    shards = {(q, t): rng.standard_normal(500).astype(np.float32)
+              for q in range(world) for t in range(2)}
+    results, errors = _run_halves(world, ReliablePolicy, 2, lambda s, q, t: pieces[(s, q, t)],
+                                  lambda q, t: shards[(q, t)])
+    assert not errors, errors
+    for r in range(world):
+        for t in range(2):
+            mean, st = results[("rs", r, t)]
+            np.testing.assert_allclose(
+                mean, np.mean([pieces[(s, r, t)] for s in range(world)], axis=0), rtol=1e-5,
+                atol=1e-6)
+            assert st.bucket == 0 and st.delivered_fraction == 1.0
+            gathered, st = results[("ag", r, t)]
+            assert np.array_equal(gathered, np.concatenate(
+                [shards[(q, t)] for q in range(world)]))
+            assert st.bucket == 1 and st.delivered_fraction == 1.0
+
+
+def test_lossy_halves_average_what_arrived_and_keep_the_last_value():
+    """10% loss under a 30% bound, 3 ranks whose every value says whose it is (1, 10,
+    100): each reduce-scatter element is the mean of some set of contributions that
+    holds the owner's own (divided by that set's size, not the world's); each gathered
+    element is the current value or the last one that arrived, the first round's
+    (nothing kept yet) all current."""
+    world, n, rounds = 3, 6000, 4
+    ranks_value = [1.0, 10.0, 100.0]
+
+    def shard(q, t):
+        return np.full(n, ranks_value[q] * (t + 1), dtype=np.float32)
+
+    losses = [Bernoulli(0.1, seed=r + 1) for r in range(world)]
+    results, errors = _run_halves(world, lambda: FixedBoundPolicy(0.3), rounds,
+                                  lambda s, q, t: shard(s, t), shard, losses=losses,
+                                  stale_broadcast=True)
+    assert not errors, errors
+    partial = stale = 0
+    for r in range(world):
+        others = [q for q in range(world) if q != r]
+        kept = None
+        for t in range(rounds):
+            mean, _ = results[("rs", r, t)]
+            own = ranks_value[r] * (t + 1)
+            everyone = sum(ranks_value) * (t + 1) / world
+            means = {own, everyone} | {(own + ranks_value[q] * (t + 1)) / 2 for q in others}
+            assert set(np.unique(mean)) <= {np.float32(m) for m in means}, (r, t)
+            partial += int((mean != np.float32(everyone)).sum())
+            gathered, st = results[("ag", r, t)]
+            for q in range(world):
+                piece = gathered[q * n:(q + 1) * n]
+                now = piece == np.float32(ranks_value[q] * (t + 1))
+                if q == r or kept is None:
+                    assert now.all(), (r, t, q)
+                    continue
+                assert (now | (piece == kept[q * n:(q + 1) * n])).all(), (r, t, q)
+                stale += int((~now).sum())
+            kept = gathered.copy()
+    assert partial > 0 and stale > 0, (partial, stale)
+
+
+def test_a_bfloat16_stale_fill_stays_bfloat16():
+    """A lossy all-gather of bfloat16 words keeps them marked as bfloat16 in memory (so a
+    checkpoint writes them as bfloat16), stale-filled pieces too."""
+    from boundedloss.collective import BFLOAT16
+    from boundedloss.collective.base import is_bfloat16
+
+    def words(q, t):
+        return np.full(6000, 0x3F80 + 16 * t + q, dtype=np.uint16).view(BFLOAT16)
+
+    losses = [Bernoulli(0.2, seed=r + 1) for r in range(2)]
+    results, errors = _run_halves(2, lambda: FixedBoundPolicy(0.4), 3,
+                                  lambda s, q, t: words(s, t), words, losses=losses,
+                                  stale_broadcast=True)
+    assert not errors, errors
+    for r in range(2):
+        memory = results[("memory", r)]
+        assert memory and all(is_bfloat16(v.dtype) for v in memory.values()), memory
+    assert any(st.delivered_fraction < 1.0 for key, (_, st) in results.items()
+               if key[0] == "ag" and key[2] > 0)
+
+
+def test_a_half_refuses_hadamard_dispersion():
+    ep = UdpEndpoint(session=SESSION)
+    try:
+        coll = TransposeAllreduce(ep, 0, [ep.address, ("127.0.0.1", 9)], policy=ReliablePolicy(),
+                                  aggregator=UnbiasedRescale(), hadamard=True)
+        with pytest.raises(ValueError, match="Hadamard"):
+            coll.reduce_scatter_mean(np.zeros(8, np.float32), 0)
+        with pytest.raises(ValueError, match="Hadamard"):
+            coll.all_gather(np.zeros(4, np.float32), 0)
+    finally:
+        ep.close()

@@ -5,13 +5,22 @@ shards; rank r owns shard r. Every rank sends shard j to rank j, each owner aggr
 its shard from whatever arrived (the job's policy and aggregator), then sends the
 reduced shard to every other rank - reliably, or with ``stale_broadcast`` under the
 same bound, a missing value keeping its previous one (bounded drift).
+
+Each half also runs on its own, for a sharded model (FSDP2) whose gradients are
+reduce-scattered and whose parameters are all-gathered at different times:
+:meth:`TransposeAllreduce.reduce_scatter_mean` (this rank's shard of the mean, over the
+contributions that arrived) and :meth:`TransposeAllreduce.all_gather` (every rank's
+shard, a missing piece keeping the last value that arrived). A half's rounds are its
+bucket's own: give the two halves different buckets.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
 
-from .base import PULL, PUSH, Collective, RoundStats, Tally, message_id
+from .base import PULL, PUSH, Collective, Posted, RoundStats, Tally, message_id
 
 
 def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
@@ -32,20 +41,12 @@ class TransposeAllreduce(Collective):
         n = x.size
         coded = np.ascontiguousarray(self._encode(np.ascontiguousarray(x), round_id, bucket))
         bounds = shard_bounds(coded.size, self.world_size)
-        me = self.rank
-        lo, hi = bounds[me]
-        itemsize = coded.itemsize
-        others = [r for r in range(self.world_size) if r != me]
+        lo, hi = bounds[self.rank]
 
         # Post (or take the pre-posted) receives for both phases before sending anything.
-        scatter_in = {r: self._take(r, bucket, PUSH, round_id, (hi - lo) * itemsize)
-                      for r in others}
-        gather_in = {r: self._take(r, bucket, PULL, round_id,
-                                   (bounds[r][1] - bounds[r][0]) * itemsize)
-                     for r in others}
-        sends = list(zip(others, self.endpoint.send_many(
-            [(self.peers[r], coded[bounds[r][0]:bounds[r][1]]) for r in others],
-            message_id=message_id(bucket, PUSH), round_id=round_id)))
+        scatter_in = self._take_contributions(bucket, round_id, (hi - lo) * coded.itemsize)
+        gather_in = self._take_shards(bounds, bucket, round_id, coded.itemsize)
+        sends = self._scatter(coded, bounds, bucket, round_id)
 
         # Reduce my shard.
         tally = Tally()
@@ -53,21 +54,115 @@ class TransposeAllreduce(Collective):
                             (bucket, "shard"))
 
         # All-gather the reduced shards.
-        sends += zip(others, self.endpoint.send_many(
-            [(self.peers[r], mine) for r in others], message_id=message_id(bucket, PULL),
-            round_id=round_id))
+        sends += self._broadcast(mine, bucket, round_id)
         out = np.empty_like(coded)
-        out[lo:hi] = mine
-        for r in others:
-            rlo, rhi = bounds[r]
-            res = self._wait(gather_in[r], f"reduced shard from rank {r} "
-                                           f"(round {round_id}, bucket {bucket})")
-            tally.add(res, gather_in[r])
-            out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, coded.dtype,
-                                                  (bucket, f"gather{r}"))
+        self._gather(out, mine, bounds, gather_in, bucket, round_id, tally)
         # (a peer sends its next reduced shard only after this rank's next contribution)
-        self._post_ahead({r: (bounds[r][1] - bounds[r][0]) * itemsize for r in others},
-                         bucket, PULL, round_id + 1)
+        self._post_shards_ahead(bounds, bucket, round_id, coded.itemsize)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)
         return out_x, tally.stats(round_id, bucket, self._clock() - t0)
+
+    # ---------------------------------------------------------- the halves
+    def reduce_scatter_mean(self, x: np.ndarray, round_id: int,
+                            bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+        """This rank's shard (``shard_bounds(x.size, world_size)[rank]``) of the mean of
+        every rank's ``x``, element by element over the contributions that arrived (the
+        job's aggregator: ``unbiased`` divides by their count)."""
+        self._whole_vectors_only("reduce-scatter")
+        t0 = self._clock()
+        x = np.ascontiguousarray(x)
+        bounds = shard_bounds(x.size, self.world_size)
+        lo, hi = bounds[self.rank]
+        scatter_in = self._take_contributions(bucket, round_id, (hi - lo) * x.itemsize)
+        sends = self._scatter(x, bounds, bucket, round_id)
+        tally = Tally()
+        mine = self._reduce(x[lo:hi], scatter_in, round_id, bucket, "shard", tally,
+                            (bucket, "shard"))
+        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        return mine, tally.stats(round_id, bucket, self._clock() - t0)
+
+    def all_gather(self, shard: np.ndarray, round_id: int, bucket: int = 0, *,
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, RoundStats]:
+        """Every rank's ``shard`` (all of one size), in rank order, into ``out`` (or a new
+        array). With ``stale_broadcast`` a piece that did not arrive keeps the last value
+        that did (``memory[(bucket, "gather<r>")]``: bounded drift), and a shard with no
+        last value yet is received reliably; without it, every shard reliably. ``shard``
+        may be a view of ``out``'s own piece (FSDP's in-place all-gather)."""
+        self._whole_vectors_only("all-gather")
+        t0 = self._clock()
+        k = shard.size
+        bounds = [(r * k, (r + 1) * k) for r in range(self.world_size)]
+        if out is None:
+            out = np.empty(k * self.world_size, dtype=shard.dtype)
+        elif out.shape != (k * self.world_size,) or out.dtype != shard.dtype:
+            raise ValueError(f"all-gather into {out.shape} {out.dtype}: expected "
+                             f"({k * self.world_size},) {shard.dtype}")
+        mine = np.ascontiguousarray(shard)
+        gather_in = self._take_shards(bounds, bucket, round_id, mine.itemsize,
+                                      check_memory=True)
+        sends = self._broadcast(mine, bucket, round_id)
+        tally = Tally()
+        self._gather(out, mine, bounds, gather_in, bucket, round_id, tally)
+        self._guard_round(bucket, round_id, tally)  # (bounded shards are the job's bet)
+        self._post_shards_ahead(bounds, bucket, round_id, mine.itemsize)
+        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        return out, tally.stats(round_id, bucket, self._clock() - t0)
+
+    def _whole_vectors_only(self, what: str) -> None:
+        if self.hadamard is not None:  # (its transform mixes every shard into every other)
+            raise ValueError(f"a {what} on its own cannot run with Hadamard dispersion: "
+                             "a shard of the transform decodes only with all the others")
+
+    # ----------------------------------------------------------- the steps
+    def _others(self) -> list[int]:
+        return [r for r in range(self.world_size) if r != self.rank]
+
+    def _take_contributions(self, bucket: int, round_id: int,
+                            nbytes: int) -> dict[int, Posted]:
+        """This round's receives of my shard from every other rank."""
+        return {r: self._take(r, bucket, PUSH, round_id, nbytes) for r in self._others()}
+
+    def _take_shards(self, bounds: list[tuple[int, int]], bucket: int, round_id: int,
+                     itemsize: int, check_memory: bool = False) -> dict[int, Posted]:
+        """This round's receives of every other rank's (reduced) shard; ``check_memory``:
+        reliably where no last value of it is remembered."""
+        return {r: self._take(r, bucket, PULL, round_id, (hi - lo) * itemsize,
+                              remembered=not check_memory or self._remembered(
+                                  (bucket, f"gather{r}"), (hi - lo,)) is not None)
+                for r, (lo, hi) in enumerate(bounds) if r != self.rank}
+
+    def _scatter(self, x: np.ndarray, bounds: list[tuple[int, int]], bucket: int,
+                 round_id: int) -> list[tuple[int, Future]]:
+        """Send every other rank its shard of my ``x``."""
+        others = self._others()
+        return list(zip(others, self.endpoint.send_many(
+            [(self.peers[r], x[bounds[r][0]:bounds[r][1]]) for r in others],
+            message_id=message_id(bucket, PUSH), round_id=round_id)))
+
+    def _broadcast(self, mine: np.ndarray, bucket: int,
+                   round_id: int) -> list[tuple[int, Future]]:
+        """Send my (reduced) shard to every other rank."""
+        others = self._others()
+        return list(zip(others, self.endpoint.send_many(
+            [(self.peers[r], mine) for r in others], message_id=message_id(bucket, PULL),
+            round_id=round_id)))
+
+    def _gather(self, out: np.ndarray, mine: np.ndarray, bounds: list[tuple[int, int]],
+                gather_in: dict[int, Posted], bucket: int, round_id: int,
+                tally: Tally) -> None:
+        """``out``: my shard and every other rank's as it arrived (missing values kept
+        from the last round)."""
+        lo, hi = bounds[self.rank]
+        out[lo:hi] = mine
+        for r, posted in gather_in.items():
+            rlo, rhi = bounds[r]
+            res = self._wait(posted, f"shard from rank {r} (round {round_id}, bucket {bucket})")
+            tally.add(res, posted)
+            out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, out.dtype,
+                                                  (bucket, f"gather{r}"))
+
+    def _post_shards_ahead(self, bounds: list[tuple[int, int]], bucket: int, round_id: int,
+                           itemsize: int) -> None:
+        self._post_ahead({r: (hi - lo) * itemsize for r, (lo, hi) in enumerate(bounds)
+                          if r != self.rank}, bucket, PULL, round_id + 1)
