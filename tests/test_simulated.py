@@ -238,3 +238,45 @@ def test_boundedloss_sim_refuses_a_bad_argument_in_one_line(argv, message, capsy
     assert main(["sim", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cores_place_work_in_the_first_gap_long_enough_on_the_core_free_first():
+    from boundedloss.net.cpu import Cores
+
+    cores = Cores(2)
+    assert cores.run(0.0, 1.0, now=0.0) == 1.0  # core 0: [0, 1]
+    assert cores.run(0.0, 1.0, now=0.0) == 1.0  # core 1: [0, 1]
+    assert cores.run(0.5, 1.0, now=0.0) == 2.0  # both busy until 1
+    assert cores.run(3.0, 1.0, now=0.0) == 4.0  # core 1 (free from 1): [3, 4]
+    assert cores.run(1.0, 2.0, now=0.0) == 3.0  # fits before [3, 4] on core 1: [1, 3]
+    assert cores.run(1.0, 0.5, now=0.0) == 2.5  # core 0's [1, 2] is taken: from 2
+    with pytest.raises(ValueError):
+        Cores(0)
+
+
+def test_a_host_s_cpu_costs_set_its_pace_and_shared_cores_slow_every_host():
+    from boundedloss.net.cpu import CpuCosts
+
+    costs = CpuCosts(byte_out=1e-9, byte_in=1e-9, message_main=1e-3, message_io=1e-3)
+    payload = np.zeros(1 << 20, dtype=np.uint8)
+
+    def exchange(cpu: CpuCosts | None, shared: int | None) -> float:
+        net = FakeNetwork(seed=0, path=PathProfile(delay=1e-6), shared_cores=shared)
+        rt = SimRuntime(net)
+        eps = [SimEndpoint(rt, _address(r), session=SESSION, profile=NodeProfile(cpu=cpu))
+               for r in range(4)]
+        for r in range(4):  # each host sends to the next and receives from the one before
+            ep, nxt, prev = eps[r], eps[(r + 1) % 4], eps[(r - 1) % 4]
+            rt.spawn(lambda ep=ep, nxt=nxt: ep.send(nxt.address, payload,
+                                                   message_id=1).result())
+            rt.spawn(lambda ep=ep, prev=prev: ep.receive(prev.address, message_id=1,
+                                                        nbytes=payload.nbytes).result())
+        return rt.run()
+
+    free = exchange(None, None)
+    own = exchange(costs, None)
+    shared = exchange(costs, 2)
+    # each host sends and takes in 1 MB: at least ~2.1 ms of its own CPU, and 2 cores
+    # for 4 hosts take about twice as long
+    assert free < 1e-3 < 2.1e-3 < own < shared
+    assert 1.6 < shared / own < 2.4

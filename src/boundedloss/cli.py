@@ -811,14 +811,32 @@ SIM_SYSTEMS = ("reliable", "mlt", "ltp", "dblp")
               help="The links' MTU; a chunk's datagram fills one packet.")
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="Authenticate every datagram, as a job does.")
+@click.option("--cpu", default="none", show_default=True,
+              type=click.Choice(["none", "this-machine", "cluster-node"]),
+              help="What computing costs: nothing; this machine's measured costs with "
+                   "every rank on its 2 cores; the same costs with a core per rank.")
+@click.option("--like-testbed", is_flag=True,
+              help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
+                   "--delay-us, --queue-datagrams and --cpu), to compare row by row.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               callback=_json_file, help="Write the rows here (a JSON list).")
-def sim(workers, systems, topologies, losses, elements, rounds, link_gbps, delay_us,
-        queue_datagrams, mtu, auth, seed, json_path) -> None:
+@click.pass_context
+def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, delay_us,
+        queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
-    collectives over a simulated network, in virtual time (computing costs nothing)."""
-    from .sim import SimJob, run_sweep
+    collectives over a simulated network, in virtual time."""
+    from .sim import LIKE_TESTBED, SimJob, run_sweep
+
+    if like_testbed:
+        given = [f"--{name.replace('_', '-')}" for name in LIKE_TESTBED
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"--like-testbed sets {', '.join(given)}: give one or "
+                                   "the other")
+        link_gbps, delay_us, queue_datagrams, cpu = (
+            LIKE_TESTBED["link_gbps"], LIKE_TESTBED["delay_us"],
+            LIKE_TESTBED["queue_datagrams"], LIKE_TESTBED["cpu"])
 
     workers_t = _parse_list(workers, int, "--workers")
     if any(not 2 <= w <= 1024 for w in workers_t):
@@ -838,13 +856,13 @@ def sim(workers, systems, topologies, losses, elements, rounds, link_gbps, delay
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
     jobs = [SimJob(workers=w, system=str(s), topology=t, loss=p, elements=elements,
                    rounds=rounds, seed=seed, link_gbps=link_gbps, delay_us=delay_us,
-                   queue_datagrams=queue_datagrams, mtu=mtu, auth=auth)
+                   queue_datagrams=queue_datagrams, mtu=mtu, auth=auth, cpu=cpu)
             for w in workers_t for t in topologies_t for p in losses_t for s in systems]
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
-                    f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams "
-                    "(virtual time; computing takes none)")
+                    f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams, "
+                    f"CPU {cpu} (virtual time)")
     for col in ("workers", "system", "topology", "loss", "p50 ms", "p99 ms", "mean ms",
                 "datagrams", "queue drops", "wall s"):
         t.add_column(col, justify="right")

@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import wire
 from ..protocol.mux import TransferMux
+from .cpu import Cores, CpuCosts
 from .loss import LossModel
 
 
@@ -43,6 +44,8 @@ class NodeProfile:
     down_bps: float | None = None
     queue_datagrams: int | None = None  # downlink queue limit (None: unbounded)
     loss: LossModel | None = None
+    #: what the host's CPU spends on each datagram and message (None: nothing)
+    cpu: CpuCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ Route = Callable[[Datagram], Sequence[float]]
 """Decides a datagram's fate: the delays (seconds after it departed, each >= 0) after
 which a copy of it reaches the destination; empty if it is lost."""
 
-_ARRIVE, _DELIVER, _WAKE, _CALL = 0, 1, 2, 3
+_ARRIVE, _DELIVER, _WAKE, _CALL, _TAKE = 0, 1, 2, 3, 4
 
 
 class _Node:
@@ -96,6 +99,9 @@ class _Node:
         self.queue: deque[float] = deque()  # delivery times of datagrams in the downlink
         self.timer_at = math.inf
         self.poll_at = math.inf
+        self.cores: Cores | None = None  # where its CPU work runs (with costs)
+        self.io_free = 0.0  # when its I/O thread is next free
+        self.main_free = 0.0  # when its main thread is next free
 
 
 class FakeNetwork:
@@ -114,8 +120,11 @@ class FakeNetwork:
     POLL_BATCH = 64
 
     def __init__(self, seed: int = 0, path: PathProfile | None = None,
-                 route: Route | None = None):
+                 route: Route | None = None, shared_cores: int | None = None):
+        """``shared_cores``: the hosts with CPU costs share this many cores (one
+        machine running every rank); None: each such host has a core of its own."""
         self.now = 0.0
+        self._shared = None if shared_cores is None else Cores(shared_cores)
         self._rng = np.random.default_rng(seed)
         self._nodes: dict = {}
         self._paths: dict = {}
@@ -133,8 +142,23 @@ class FakeNetwork:
         driver above the core hands on what finished there)."""
         if address in self._nodes:
             raise ValueError(f"address {address!r} is taken")
-        self._nodes[address] = _Node(address, mux, profile or NodeProfile(), serviced)
+        node = self._nodes[address] = _Node(address, mux, profile or NodeProfile(), serviced)
+        if node.profile.cpu is not None:
+            node.cores = self._shared or Cores(1)
         return mux
+
+    def charge(self, address, *, main: float = 0.0, io: float = 0.0) -> float:
+        """Work, ready now, for the host at ``address``: ``main`` seconds on its main
+        thread and ``io`` on its I/O thread (which then sends and takes in that much
+        later). When the main thread's is done (now, for a host without CPU costs)."""
+        node = self._nodes[address]
+        if node.cores is None:
+            return self.now
+        if io > 0:
+            node.io_free = node.cores.run(max(self.now, node.io_free), io, self.now)
+        if main > 0:
+            node.main_free = node.cores.run(max(self.now, node.main_free), main, self.now)
+        return max(self.now, node.main_free)
 
     def detach(self, address) -> None:
         """Remove the node at ``address``: what is on its way to it is lost (counted
@@ -228,6 +252,14 @@ class FakeNetwork:
         if kind == _ARRIVE:
             self._arrive(node, src, data)
         elif kind == _DELIVER:
+            cpu = node.profile.cpu
+            if cpu is None:
+                node.mux.datagram_received(data, src, t)
+                self._service(node)
+            else:  # its I/O thread takes it in once free, and is busy that long
+                node.io_free = node.cores.run(max(t, node.io_free), cpu.receive(len(data)), t)
+                self._push(node.io_free, _TAKE, node, src, data)
+        elif kind == _TAKE:
             node.mux.datagram_received(data, src, t)
             self._service(node)
         else:  # _WAKE
@@ -258,17 +290,22 @@ class FakeNetwork:
         """Send what the node's core has (as its uplink allows) and arm its timer."""
         now = self.now
         mux = node.mux
-        if node.up_free <= now:
+        cpu = node.profile.cpu
+        if node.up_free <= now and node.io_free <= now:
             up = node.profile.up_bps
             t = max(node.up_free, now)
             for parts, peer in mux.poll(now, self.POLL_BATCH):
                 data = b"".join(parts)
+                if cpu is not None:  # the I/O thread sends it, then the link carries it
+                    node.io_free = node.cores.run(  # type: ignore[union-attr]
+                        max(now, node.io_free), cpu.send(len(data)), now)
+                    t = max(t, node.io_free)
                 if up is not None:
                     t += len(data) * 8 / up
                 self._transmit(node, peer, data, t)
             node.up_free = t
         if mux.has_output():
-            wake = max(node.up_free, now)
+            wake = max(node.up_free, node.io_free, now)
             if wake < node.poll_at:
                 node.poll_at = wake
                 self._push(wake, _WAKE, node)

@@ -144,6 +144,14 @@ class SimRuntime:
         """Unwind the programs that have not finished (their threads end)."""
         self._unwind()
 
+    def sleep_until(self, t: float) -> None:
+        """Called by a program: wait until the virtual clock reaches ``t``."""
+        if t <= self.network.now:
+            return
+        alarm: Future = SimFuture(self)
+        self.network.call_at(t, lambda: alarm.set_result(None))
+        alarm.result()
+
     # ----------------------------------------------------------- for futures
     def wait(self, future: Future, timeout: float | None) -> None:
         """Called by a program: hand the turn back until ``future`` is done or
@@ -224,10 +232,31 @@ class SimEndpoint(Endpoint):
         self._start_api()
         # (a wake costs an event, not a thread's hand-over: every posted timer wakes it)
         self.sleeps_until = math.inf
-        runtime.network.attach(self._address, self.mux, profile, serviced=self._serviced)
+        self._profile = profile or NodeProfile()
+        runtime.network.attach(self._address, self.mux, self._profile, serviced=self._serviced)
 
     def clock(self) -> float:
         return self.runtime.network.now
+
+    def send_many(self, messages, **kwargs) -> list[Future]:
+        messages = list(messages)
+        self._spend(len(messages))
+        return super().send_many(messages, **kwargs)
+
+    def _receive(self, messages: list[tuple], message_id: int, round_id: int,
+                 policy) -> list[Future]:
+        self._spend(len(messages))
+        return super()._receive(messages, message_id, round_id, policy)
+
+    def _spend(self, messages: int) -> None:
+        """What ``messages`` posted cost the host's CPU (its profile's ``cpu``): the
+        caller goes on once its main thread's share is done."""
+        cpu = self._profile.cpu
+        if cpu is None or messages == 0:
+            return
+        done = self.runtime.network.charge(self._address, main=messages * cpu.message_main,
+                                           io=messages * cpu.message_io)
+        self.runtime.sleep_until(done)
 
     @property
     def address(self) -> tuple[str, int]:

@@ -17,13 +17,16 @@ last rank left it.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
+from ..net.cpu import CpuCosts
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
 from ..net.loss import Bernoulli
 from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
@@ -35,6 +38,41 @@ from ..protocol.auth import TRAILER_BYTES
 #: the simulated job's session token and key (a simulation authenticates as a job does)
 SESSION = 0x5EED_0000_0000_0001
 KEY = bytes(range(32))
+
+
+@dataclass(frozen=True)
+class CpuPreset:
+    """A host's CPU costs, and whether the hosts share one machine's cores."""
+
+    costs: CpuCosts | None
+    shared_cores: int | None  # None: every host has a core of its own
+
+
+#: What a rank's CPU spends, measured on this machine (2 cores) with
+#: ``python tools/round_cpu.py --system reliable --topology allreduce --auth on
+#: --rounds 60`` (4 ranks, 4 MB, MTU 9,000), per rank and round: the send runs 8.97 ms
+#: for 6.29 MB out (sealing, sendmsg, the kernel's forwarding), taking in 3.33 ms for
+#: 6.29 MB, the I/O thread's Python 2.42 ms and the main thread's 2.00 ms for 12
+#: messages.
+MEASURED_COSTS = CpuCosts(byte_out=8.97e-3 / 6.29e6, byte_in=3.33e-3 / 6.29e6,
+                          message_io=2.42e-3 / 12, message_main=2.00e-3 / 12)
+
+CPU_PRESETS = {
+    #: computing takes no time: the network's and the protocol's figures alone
+    "none": CpuPreset(None, None),
+    #: every rank on this machine's 2 cores, as the kernel testbed runs them
+    "this-machine": CpuPreset(MEASURED_COSTS, 2),
+    #: a cluster node: a rank to itself on a core as fast as this machine's
+    "cluster-node": CpuPreset(MEASURED_COSTS, None),
+}
+
+
+#: ``boundedloss sim --like-testbed``: the kernel testbed as ``bench kernel-loss`` runs
+#: it - veths with no rate limit (the CPU is the limit: the preset's costs include the
+#: kernel's forwarding), the switch ports' pfifo of 1,000 packets, every rank on this
+#: machine's 2 cores
+LIKE_TESTBED = {"link_gbps": 100.0, "delay_us": 10.0, "queue_datagrams": 1000,
+                "cpu": "this-machine"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +90,7 @@ class SimJob:
     #: the links' MTU: a chunk's datagram fills one packet (9,000: the testbed's)
     mtu: int = 9000
     auth: bool = True
+    cpu: str = "none"  # a CPU_PRESETS name
 
 
 @dataclass(frozen=True)
@@ -74,6 +113,7 @@ class SimRow:
     #: the figures' source: virtual time; wall_s is what simulating it took here
     wall_s: float
     seed: int
+    cpu: str = "none"
 
 
 class _Barrier:
@@ -103,9 +143,11 @@ def _percentile(values: list[float], q: float) -> float:
 def run_job(job: SimJob) -> SimRow:
     """Simulate ``job``; its row."""
     wall0 = time.perf_counter()
+    cpu = CPU_PRESETS[job.cpu]
     net = FakeNetwork(seed=job.seed, path=PathProfile(
         delay=job.delay_us * 1e-6,
-        loss=Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None))
+        loss=Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None),
+        shared_cores=cpu.shared_cores)
     runtime = SimRuntime(net)
     bps = job.link_gbps * 1e9
     config = TransportConfig(chunk_bytes=largest_chunk(
@@ -114,7 +156,8 @@ def run_job(job: SimJob) -> SimRow:
     endpoints = [SimEndpoint(runtime, peer, session=SESSION, config=config,
                              auth_key=KEY if job.auth else None,
                              profile=NodeProfile(up_bps=bps, down_bps=bps,
-                                                 queue_datagrams=job.queue_datagrams))
+                                                 queue_datagrams=job.queue_datagrams,
+                                                 cpu=cpu.costs))
                  for peer in peers]
     barrier = _Barrier(runtime, job.workers)
     starts = np.zeros((job.workers, job.rounds))
@@ -135,7 +178,7 @@ def run_job(job: SimJob) -> SimRow:
             coll.close()
 
     for r in range(job.workers):
-        runtime.spawn(lambda r=r: rank_main(r), name=f"rank {r}")
+        runtime.spawn(functools.partial(rank_main, r), name=f"rank {r}")
     try:
         runtime.run()
     finally:
@@ -151,14 +194,16 @@ def run_job(job: SimJob) -> SimRow:
         mean_ms=round(float(np.mean(latencies)), 3), max_ms=round(float(max(latencies)), 3),
         sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
         path_losses=net.counts["path_loss"], wall_s=round(time.perf_counter() - wall0, 3),
-        seed=job.seed)
+        seed=job.seed, cpu=job.cpu)
 
 
-def run_sweep(jobs: list[SimJob], progress=lambda message: None) -> list[SimRow]:
+def run_sweep(jobs: list[SimJob],
+              progress: Callable[[str], None] | None = None) -> list[SimRow]:
     """Simulate each of ``jobs`` in turn (``progress`` is told which)."""
     rows = []
     for i, job in enumerate(jobs, 1):
-        progress(f"simulating {i}/{len(jobs)}: {job.workers} workers, {job.system}, "
-                 f"{job.topology}, {job.loss:.1%} loss")
+        if progress is not None:
+            progress(f"simulating {i}/{len(jobs)}: {job.workers} workers, {job.system}, "
+                     f"{job.topology}, {job.loss:.1%} loss")
         rows.append(run_job(job))
     return rows
