@@ -1,4 +1,5 @@
-"""PyTorch integration: ``boundedloss.torch.register(ddp_model, policy="dblp")``."""
+"""PyTorch integration: ``boundedloss.torch.register(ddp_model, policy="dblp")``, or an
+FSDP2 model in its place (``register(fully_shard(model), policy="dblp")``)."""
 
 from .hook import (
     HOOK_MAX_OPEN_RECEIVES,

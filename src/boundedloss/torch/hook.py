@@ -2,13 +2,16 @@
 function, every tunable and per-bucket memory in one documented, picklable state).
 
     state = boundedloss.torch.register(ddp_model, policy="dblp")
+    state = boundedloss.torch.register(fully_shard(model), policy="dblp")  # FSDP2
 
 ``register`` is collective: every rank calls it after ``init_process_group``. It binds a
 UDP endpoint on the address this rank uses to reach the others, publishes it on
 torch.distributed's store, agrees on a random 64-bit session token (carried in every
 datagram) and on the key that authenticates every datagram, builds the collective and
-registers :func:`comm_hook`. The Gloo process group stays the control plane
-(rendezvous, the end-of-epoch phase agreement) and the reliable baseline.
+registers :func:`comm_hook` - or, on an FSDP2 model, installs the bounded-loss
+reduce-scatter and all-gather on each of its FSDP modules (``fsdp.py``). The Gloo
+process group stays the control plane (rendezvous, the end-of-epoch phase agreement)
+and the reliable baseline.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import warnings
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +39,7 @@ from ..collective import (
     LossGuards,
     MemoryKey,
     RoundStats,
+    TransposeAllreduce,
     widen,
 )
 from ..collective.base import is_bfloat16
@@ -47,6 +51,7 @@ from ..policy._params import non_negative_int
 from ..protocol import TransportConfig, TransportError
 from ..protocol.auth import TRAILER_BYTES
 from ..protocol.path import PeerPath
+from .fsdp import FSDP_TOPOLOGY, check_modules, fsdp_modules, install, is_all_gather_slot
 from .rendezvous import (
     agree_chunk_bytes,
     agree_session,
@@ -55,6 +60,7 @@ from .rendezvous import (
     local_ip,
     rendezvous_auth,
 )
+from .tensors import MESSAGE_DTYPES, as_message, as_tensor
 
 _REGISTRATIONS = 0  # distinct store keys when a process registers more than once
 
@@ -123,6 +129,8 @@ class BoundedLossState:
 
     policy: Policy
     aggregator: Aggregator
+    #: the collective ("ps", "allreduce"; "fsdp": an FSDP2 model's reduce-scatter and
+    #: all-gather)
     topology: str = "ps"
     #: the endpoint's settings (chunk size, receive deadline, PROBE copies, ...)
     transport: TransportConfig = field(default_factory=hook_transport)
@@ -177,16 +185,26 @@ class BoundedLossState:
         self._lock = threading.Lock()
         self._staging = {}
 
+    @property
+    def sharded(self) -> bool:
+        """Registered on an FSDP2 model: each rank reduces a shard of the gradient."""
+        return self.topology == FSDP_TOPOLOGY
+
     def _learned(self) -> tuple[dict[MemoryKey, np.ndarray], dict[int, dict[str, Any]],
                                 dict[int, dict[str, Any]]]:
-        """The collective's memory, the guard's state and the paths: the live ones once
-        registered, else what was kept."""
+        """The collective's memory (an FSDP2 job's all-gathered parameters left out: see
+        ``fsdp.is_all_gather_slot``), the guard's state and the paths: the live ones
+        once registered, else what was kept."""
         coll, endpoint = self.collective, self.endpoint
         if coll is None or endpoint is None:
-            return dict(self.memory), dict(self.guards), dict(self.paths)
-        paths = {r: endpoint.path_state(peer) for r, peer in enumerate(coll.peers)
-                 if r != coll.rank}
-        return dict(coll.memory), coll.guard.state_dict(), paths
+            memory, guards, paths = dict(self.memory), dict(self.guards), dict(self.paths)
+        else:
+            memory, guards = dict(coll.memory), coll.guard.state_dict()
+            paths = {r: endpoint.path_state(peer) for r, peer in enumerate(coll.peers)
+                     if r != coll.rank}
+        if self.sharded:
+            memory = {k: v for k, v in memory.items() if not is_all_gather_slot(k)}
+        return memory, guards, paths
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -199,7 +217,9 @@ class BoundedLossState:
         DBLP's phase, detector and history); the round counter per bucket (``rounds``),
         ``epoch``, the learning rates last seen (``last_lrs``) and this epoch's squared
         gradient norms so far (``round_sq``); the collective's per-bucket memory
-        (``memory``: previous aggregates for stale fill, as tensors); the loss guard's
+        (``memory``: previous aggregates for stale fill, as tensors; an FSDP2 job's
+        all-gathered parameters are the model's checkpoint's, and the first all-gather
+        after a load is received reliably); the loss guard's
         per-bucket state (``guard``); and what the endpoint learned of each peer's
         path (``paths``, by peer rank - addresses change on a restart: round trip and
         delivery rates). Also the job's shape (``topology``, ``hadamard``,
@@ -274,11 +294,14 @@ class BoundedLossState:
     def bound(self) -> float | None:
         return self.policy.bound
 
-    def record(self, stats: RoundStats, grad_sq: float) -> None:
+    def record(self, stats: RoundStats, grad_sq: float | None,
+               collective: str | None = None) -> None:
         """Log one collective call (a bucket of a round); ``grad_sq`` is its result's
-        squared L2 norm, summed per round into the epoch's gradient norm."""
+        squared L2 norm - of a gradient; None for parameters - summed per round into the
+        epoch's gradient norm. ``collective`` (an FSDP2 job's "reduce_scatter" or
+        "all_gather") is logged with it."""
         bound = self.bound
-        entry = {
+        entry: dict[str, Any] = {
             "round": stats.round_id,
             "bucket": stats.bucket,
             "epoch": self.epoch,
@@ -296,9 +319,13 @@ class BoundedLossState:
                                 else round(stats.first_pass_loss, 6)),
             "guarded": stats.guarded,
         }
+        if collective is not None:
+            entry["collective"] = collective
         with self._lock:
             self.round_log.append(entry)
-            self._round_sq[stats.round_id] = self._round_sq.get(stats.round_id, 0.0) + grad_sq
+            if grad_sq is not None:
+                self._round_sq[stats.round_id] = (self._round_sq.get(stats.round_id, 0.0)
+                                                  + grad_sq)
 
     # ------------------------------------------------------------ epoch ends
     def epoch_end(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -307,10 +334,20 @@ class BoundedLossState:
         Feeds the policy (DBLP's critical-regime detector) the epoch's mean gradient L2
         norm - rank 0's measurement, broadcast over the Gloo control plane so that every
         rank switches phase at the same round - and tells it about learning-rate
-        changes. Returns what was decided, for the log."""
+        changes. (On an FSDP2 model each rank holds a shard of each round's gradient:
+        the ranks' squared norms are summed per round first.) Returns what was decided,
+        for the log."""
         with self._lock:
-            norms = [v ** 0.5 for v in self._round_sq.values()]
+            round_sq = dict(self._round_sq)
             self._round_sq.clear()
+        if self.sharded and dist.is_initialized():
+            parts: list[Any] = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(parts, round_sq, group=self.process_group)
+            round_sq = {}
+            for part in parts:
+                for r, sq in part.items():
+                    round_sq[r] = round_sq.get(r, 0.0) + sq
+        norms = [v ** 0.5 for v in round_sq.values()]
         local = float(np.mean(norms)) if norms else 0.0
         box = [local]
         if dist.is_initialized():
@@ -428,34 +465,12 @@ def _memory_tensor(values: np.ndarray) -> torch.Tensor:
 
 def _memory_array(t: Any) -> np.ndarray:
     """A memory slot back as the collective keeps it (bfloat16 as BFLOAT16 words)."""
-    if not isinstance(t, torch.Tensor) or t.dtype not in (*_NATIVE_DTYPES, torch.bfloat16):
+    if not isinstance(t, torch.Tensor) or t.dtype not in MESSAGE_DTYPES:
         raise ValueError(f"memory values must be float tensors, got {t!r:.60}")
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().copy().view(BFLOAT16)
     return t.numpy().copy()
-
-
-#: dtypes that travel as they are (numpy has them); bfloat16 travels as BFLOAT16 words;
-#: anything else as float32
-_NATIVE_DTYPES = (torch.float32, torch.float64, torch.float16)
-
-
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU bucket as the message the collective sends: 16-bit floats in their own
-    dtype (half the bytes; aggregated in float32), bfloat16 as its 16-bit words."""
-    if t.dtype in _NATIVE_DTYPES:
-        return t.numpy()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    return t.float().numpy()
-
-
-def _as_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """The collective's result as a tensor of the bucket's dtype."""
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
 
 
 def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are strings
@@ -471,8 +486,8 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
         try:
             flat = tensor.detach().reshape(-1)
             host = state.host_buffer(index, flat)
-            mean, stats = state.collective.allreduce_mean(_as_numpy(host), round_id, index)
-            host.copy_(_as_tensor(mean, host.dtype))
+            mean, stats = state.collective.allreduce_mean(as_message(host), round_id, index)
+            host.copy_(as_tensor(mean, host.dtype))
             if host is not flat:
                 flat.copy_(host)  # back to the bucket's own device, before DDP reads it
             wide = widen(mean)
@@ -487,13 +502,13 @@ def comm_hook(state, bucket):  # no annotations: DDP checks them, and ours are s
 
 
 def register(
-    ddp_model: torch.nn.parallel.DistributedDataParallel,
+    model: torch.nn.Module,
     policy: str | Policy = "dblp",
     *,
     aggregator: str | Aggregator = "unbiased",
-    topology: str = "ps",
+    topology: str | None = None,
     transport: TransportConfig | None = None,
-    stale_broadcast: bool = False,
+    stale_broadcast: bool | None = None,
     hadamard: bool = False,
     loss: LossModel | None = None,
     process_group: Any = None,
@@ -503,7 +518,17 @@ def register(
     freeze: bool = True,
     **policy_kw: Any,
 ) -> BoundedLossState:
-    """Make ``ddp_model`` exchange gradients over the bounded-loss transport.
+    """Make ``model`` - a ``DistributedDataParallel`` one, or one sharded with FSDP2's
+    ``fully_shard`` - exchange gradients (and an FSDP2 model's parameters) over the
+    bounded-loss transport.
+
+    DDP: a comm hook averages each bucket over ``topology`` ("ps", the default, or
+    "allreduce"); the results travel back reliably unless ``stale_broadcast``. FSDP2:
+    every FSDP module in ``model`` gets a bounded-loss reduce-scatter (each shard's mean
+    over the contributions that arrived) and all-gather (a missing piece of a parameter
+    shard keeps its last value; ``stale_broadcast=False`` receives every shard
+    reliably instead) - see ``boundedloss.torch.fsdp``; ``topology`` and ``hadamard``
+    do not apply there. float32, float16 and bfloat16 (``MixedPrecisionPolicy``) alike.
 
     Collective: call on every rank. ``transport`` sets the endpoint (default:
     :func:`hook_transport`, i.e. ``TransportConfig``'s defaults with the hook's own,
@@ -550,12 +575,32 @@ def register(
     if policy_kw and not isinstance(policy, str):
         raise TypeError(f"policy keywords {sorted(policy_kw)} given with a policy object; "
                         "configure the object instead")
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+    modules = [] if isinstance(model, torch.nn.parallel.DistributedDataParallel) else (
+        fsdp_modules(model))
+    if modules:
+        if topology not in (None, FSDP_TOPOLOGY):
+            raise ValueError(f"topology={topology!r} does not apply to an FSDP2 model: its "
+                             "gradients are reduce-scattered and its parameters all-gathered")
+        if hadamard:
+            raise ValueError("hadamard=True does not apply to an FSDP2 model: each rank "
+                             "reduces a shard, and a shard of the transform cannot be decoded")
+        topology = FSDP_TOPOLOGY
+        stale_broadcast = True if stale_broadcast is None else stale_broadcast
+    else:
+        topology = "ps" if topology is None else topology
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, "
+                             f"got {topology!r}")
+        if not hasattr(model, "register_comm_hook"):
+            raise TypeError("register() takes a DistributedDataParallel model or one sharded "
+                            f"with FSDP2's fully_shard, got {type(model).__name__}")
+        stale_broadcast = bool(stale_broadcast)
     if not dist.is_initialized():
         raise RuntimeError("boundedloss.torch.register needs torch.distributed initialised first")
     rank = dist.get_rank(process_group)
     world = dist.get_world_size(process_group)
+    if modules:
+        check_modules(modules, world)
     store = default_store()
     _REGISTRATIONS += 1
     prefix = f"boundedloss/{_REGISTRATIONS}"
@@ -573,6 +618,9 @@ def register(
             hadamard=hadamard, guard=default_guard(the_policy) if guard is None else guard,
         )
     else:
+        if state.sharded != bool(modules):
+            raise ValueError(f"a state of a job on topology {state.topology!r} cannot be "
+                             f"registered on {'an FSDP2' if modules else 'a DDP'} model")
         if guard is not None:
             state.guard = guard
         if state.world_size is not None and state.world_size != world:
@@ -595,7 +643,8 @@ def register(
     except TransportError:
         endpoint.close()
         raise
-    collective = TOPOLOGIES[state.topology](
+    make = TransposeAllreduce if state.sharded else TOPOLOGIES[state.topology]
+    collective = make(
         endpoint, rank, peers, policy=state.policy, aggregator=state.aggregator,
         stale_broadcast=state.stale_broadcast, hadamard=state.hadamard, session=session,
         guard=state.guard,
@@ -610,8 +659,13 @@ def register(
     state.process_group = process_group
     state.endpoint = endpoint
     state.collective = collective
-    state.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="boundedloss-hook")
-    ddp_model.register_comm_hook(state, comm_hook)
+    if modules:
+        install(modules, state)  # (FSDP calls them synchronously: no executor)
+    else:
+        state.executor = ThreadPoolExecutor(max_workers=4,
+                                            thread_name_prefix="boundedloss-hook")
+        cast(torch.nn.parallel.DistributedDataParallel, model).register_comm_hook(
+            state, comm_hook)
     if freeze:
         freeze_heap()
     return state
