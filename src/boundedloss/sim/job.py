@@ -57,6 +57,23 @@ class CpuPreset:
 MEASURED_COSTS = CpuCosts(byte_out=8.97e-3 / 6.29e6, byte_in=3.33e-3 / 6.29e6,
                           message_io=2.42e-3 / 12, message_main=2.00e-3 / 12)
 
+
+def costs_from_round_cpu(figures: dict) -> CpuCosts:
+    """A rank's costs from ``tools/round_cpu.py --json``'s figures for a transpose
+    allreduce (its world, elements and per-step milliseconds a rank and round)."""
+    if figures["topology"] != "allreduce":
+        raise ValueError("costs are read from a transpose allreduce's figures")
+    n, steps = figures["ranks"], figures["steps_ms"]
+    moved = 2 * (n - 1) * 4 * figures["elements"] / n  # bytes out, and in, a rank-round
+    messages = 2 * 2 * (n - 1)  # receives and sends, both halves
+    core = steps["    core: handed back"] + steps["    core: handed back (plain)"]
+    taking = steps["receive (recvmmsg, take)"] - core
+    sending = steps["send runs (tags, sendmsg)"]
+    io_rest = steps["I/O thread, all"] - taking - sending
+    return CpuCosts(byte_out=1e-3 * sending / moved, byte_in=1e-3 * taking / moved,
+                    message_io=1e-3 * io_rest / messages,
+                    message_main=1e-3 * steps["collective call"] / messages)
+
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
     "none": CpuPreset(None, None),
@@ -91,6 +108,8 @@ class SimJob:
     mtu: int = 9000
     auth: bool = True
     cpu: str = "none"  # a CPU_PRESETS name
+    #: costs that replace the preset's (a calibration's own measurement)
+    cpu_costs: CpuCosts | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,7 @@ def run_job(job: SimJob) -> SimRow:
     """Simulate ``job``; its row."""
     wall0 = time.perf_counter()
     cpu = CPU_PRESETS[job.cpu]
+    costs = job.cpu_costs or cpu.costs
     net = FakeNetwork(seed=job.seed, path=PathProfile(
         delay=job.delay_us * 1e-6,
         loss=Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None),
@@ -157,7 +177,7 @@ def run_job(job: SimJob) -> SimRow:
                              auth_key=KEY if job.auth else None,
                              profile=NodeProfile(up_bps=bps, down_bps=bps,
                                                  queue_datagrams=job.queue_datagrams,
-                                                 cpu=cpu.costs))
+                                                 cpu=costs))
                  for peer in peers]
     barrier = _Barrier(runtime, job.workers)
     starts = np.zeros((job.workers, job.rounds))

@@ -1,0 +1,108 @@
+"""The simulator against the kernel testbed, row by row, measured in one run.
+
+1. A rank's CPU costs on this machine, now: ``tools/round_cpu.py`` (reliable, the
+   transpose allreduce, authenticated, 4 ranks, lossless) - the one setting the
+   simulator is fitted to.
+2. The testbed's rounds: ``boundedloss bench kernel-loss`` (4 ranks, ``--systems``,
+   both topologies, ``--losses``, ``--mtu``).
+3. Step 1 again (this machine's speed drifts: the costs are the mean of both, and
+   their spread is printed).
+4. The same rows simulated: ``sim --like-testbed`` with the costs of steps 1 and 3.
+
+Prints testbed and simulated p50/p99 side by side with their ratios, and writes every
+figure (``--json``). Rows other than reliable's lossless allreduce are settings the
+costs were not measured on.
+
+    python tools/sim_calibrate.py --json calibration.json
+    python tools/sim_calibrate.py --mtu 1500 --json calibration-1500.json
+
+(root, or a user namespace of its own, as ``boundedloss testbed``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+
+
+def measure_costs(a: argparse.Namespace, out: Path) -> dict:
+    subprocess.run([sys.executable, str(TOOLS / "round_cpu.py"), "--system", "reliable",
+                    "--topology", "allreduce", "--auth", "on", "--rounds", str(a.cost_rounds),
+                    "--elements", str(a.elements), "--json", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default="reliable,dblp")
+    ap.add_argument("--losses", default="0,0.01,0.05")
+    ap.add_argument("--mtu", type=int, default=9000)
+    ap.add_argument("--rounds", type=int, default=60, help="testbed and simulated rounds")
+    ap.add_argument("--cost-rounds", type=int, default=60)
+    ap.add_argument("--elements", type=int, default=1 << 20)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+
+    from boundedloss.net.cpu import CpuCosts
+    from boundedloss.sim import SimJob, run_job
+    from boundedloss.sim.job import LIKE_TESTBED, costs_from_round_cpu
+
+    with tempfile.TemporaryDirectory() as tmp:
+        before = measure_costs(a, Path(tmp, "cpu1.json"))
+        subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
+                        "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
+                        "--losses", a.losses, "--rounds", str(a.rounds), "--mtu", str(a.mtu),
+                        "--elements", str(a.elements), "--no-bare",
+                        "--json", str(Path(tmp, "testbed.json"))],
+                       check=True, stdout=subprocess.DEVNULL)
+        testbed = json.loads(Path(tmp, "testbed.json").read_text())
+        after = measure_costs(a, Path(tmp, "cpu2.json"))
+    measured = [costs_from_round_cpu(f) for f in (before, after)]
+    costs = CpuCosts(**{f.name: (getattr(measured[0], f.name) + getattr(measured[1], f.name)) / 2
+                        for f in dataclasses.fields(CpuCosts)})
+    print("costs (before, after, used):")
+    for f in dataclasses.fields(CpuCosts):
+        values = [getattr(c, f.name) for c in (*measured, costs)]
+        unit, scale = ("ns/B", 1e9) if f.name.startswith("byte") else ("us", 1e6)
+        print(f"  {f.name:13s} " + "  ".join(f"{scale * v:8.3f}" for v in values) + f" {unit}")
+
+    rows = []
+    print(f"{'system':>9} {'topology':>9} {'loss':>5} | {'testbed p50':>11} {'sim p50':>8} "
+          f"{'ratio':>6} | {'testbed p99':>11} {'sim p99':>8} {'ratio':>6}")
+    for t in testbed:
+        job = SimJob(workers=4, system=t["system"], topology=t["topology"], loss=t["loss"],
+                     elements=a.elements, rounds=a.rounds, mtu=a.mtu,
+                     link_gbps=LIKE_TESTBED["link_gbps"], delay_us=LIKE_TESTBED["delay_us"],
+                     queue_datagrams=LIKE_TESTBED["queue_datagrams"],
+                     cpu=LIKE_TESTBED["cpu"], cpu_costs=costs)
+        s = run_job(job)
+        row = {"system": t["system"], "topology": t["topology"], "loss": t["loss"],
+               "testbed_p50_ms": t["p50_ms"], "sim_p50_ms": s.p50_ms,
+               "p50_ratio": round(s.p50_ms / t["p50_ms"], 3),
+               "testbed_p99_ms": t["p99_ms"], "sim_p99_ms": s.p99_ms,
+               "p99_ratio": round(s.p99_ms / t["p99_ms"], 3),
+               "fitted": t["system"] == "reliable" and t["topology"] == "allreduce"
+               and t["loss"] == 0}
+        rows.append(row)
+        print(f"{row['system']:>9} {row['topology']:>9} {row['loss']:>5.0%} | "
+              f"{row['testbed_p50_ms']:11.1f} {row['sim_p50_ms']:8.1f} {row['p50_ratio']:6.2f} | "
+              f"{row['testbed_p99_ms']:11.1f} {row['sim_p99_ms']:8.1f} {row['p99_ratio']:6.2f}"
+              + ("  (fitted)" if row["fitted"] else ""))
+    if a.json:
+        a.json.write_text(json.dumps({
+            "mtu": a.mtu, "rounds": a.rounds, "elements": a.elements,
+            "costs": dataclasses.asdict(costs),
+            "costs_measured": [dataclasses.asdict(c) for c in measured],
+            "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
