@@ -32,6 +32,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
@@ -39,6 +40,18 @@ def mixed_precision(dtype_name):
     if dtype_name == "bfloat16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     return MixedPrecisionPolicy()
+
+
+def cpu_mesh():
+    """The ranks' CPUs (fully_shard would take a GPU where there is one)."""
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def finish(state):
+    """Close after every rank's last step (as train does): a rank that closes its
+    endpoint while a peer still waits for the STOP of its last send fails that peer."""
+    dist.barrier()
+    state.close()
 
 
 # ------------------------------------------------------------------ lossless
@@ -59,10 +72,10 @@ class Net(torch.nn.Module):
 def sharded_net(dtype_name):
     torch.manual_seed(0)
     net = Net()
-    mp_policy = mixed_precision(dtype_name)
-    fully_shard(net.first, mp_policy=mp_policy)
-    fully_shard(net.second, mp_policy=mp_policy)
-    fully_shard(net, mp_policy=mp_policy)
+    mp_policy, mesh = mixed_precision(dtype_name), cpu_mesh()
+    fully_shard(net.first, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(net.second, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(net, mesh=mesh, mp_policy=mp_policy)
     return net
 
 
@@ -125,7 +138,7 @@ def lossless(rank, world, dtype_name, bl, transport):
                      (3, "all_gather"), (4, "reduce_scatter"), (5, "all_gather")}, kinds
     assert state.rounds[0] == state.rounds[2] == state.rounds[4] == 4, state.rounds
     assert all(e["delivered_fraction"] == 1.0 for e in state.round_log)
-    state.close()
+    finish(state)
     return f"worst gradient difference {worst:.3g}"
 
 
@@ -154,11 +167,11 @@ class Probes(torch.nn.Module):
 
 def sharded_probes(dtype_name):
     net = Probes()
-    mp_policy = mixed_precision(dtype_name)
+    mp_policy, mesh = mixed_precision(dtype_name), cpu_mesh()
     # (one all-gather a step per module, so that the last value seen is forward's)
-    fully_shard(net.a, mp_policy=mp_policy, reshard_after_forward=False)
-    fully_shard(net.b, mp_policy=mp_policy, reshard_after_forward=False)
-    fully_shard(net, mp_policy=mp_policy)
+    fully_shard(net.a, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(net.b, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(net, mesh=mesh, mp_policy=mp_policy)
     return net
 
 
@@ -234,7 +247,7 @@ def lossy(rank, world, dtype_name, bl, transport):
     # the first all-gather of each module (nothing kept yet) was received reliably
     first = [e for e in log if e["collective"] == "all_gather" and e["round"] == 0]
     assert len(first) == 2 and all(e["delivered_fraction"] == 1.0 for e in first), first
-    state.close()
+    finish(state)
     return f"gradient elements lost {grads:.3f}, parameter elements stale {params:.3f}"
 
 
@@ -259,7 +272,7 @@ def state_dict(rank, world, dtype_name, bl, transport):
     assert sorted(loaded["memory"]) == [2, 4], sorted(loaded["memory"])
     assert all(set(roles) == {"shard"} for roles in loaded["memory"].values())
     assert any(k[0] % 2 for k in state.collective.memory), "no all-gather memory kept live"
-    state.close()
+    finish(state)
 
     twin = sharded_probes(dtype_name)
     again = bl.register(twin, "mlt", p=0.3, transport=transport,
@@ -286,7 +299,7 @@ def state_dict(rank, world, dtype_name, bl, transport):
     gathers = [e for e in log if e["collective"] == "all_gather"]
     assert all(e["delivered_fraction"] == 1.0 and e["bound"] == 0.3 for e in gathers)
     assert all(e["close_reasons"] == ["complete"] for e in gathers), gathers
-    again.close()
+    finish(again)
     return "round trip"
 
 
