@@ -228,7 +228,7 @@ def test_boundedloss_sim_prints_rows_and_the_same_seed_writes_the_same_json(tmp_
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "1"], "world sizes must be 2 to 1024"),
-    (["--systems", "gloo"], "need a TCP model"),
+    (["--systems", "nccl"], "unknown"),
     (["--topology", "ring"], "'ring': choose from"),
     (["--losses", "1.5"], "loss rates must be in [0, 1)"),
 ])
@@ -280,3 +280,112 @@ def test_a_host_s_cpu_costs_set_its_pace_and_shared_cores_slow_every_host():
     # for 4 hosts take about twice as long
     assert free < 1e-3 < 2.1e-3 < own < shared
     assert 1.6 < shared / own < 2.4
+
+
+def _tcp_world(world: int, loss: float = 0.0, seed: int = 0, rate: float = 10e9):
+    from boundedloss.sim.baselines import SimTcp
+
+    net = FakeNetwork(seed=seed, path=PathProfile(
+        delay=5e-6, loss=Bernoulli(loss, seed=seed) if loss else None))
+    rt = SimRuntime(net)
+    profile = NodeProfile(up_bps=rate, down_bps=rate, queue_datagrams=1024)
+    return net, rt, [SimTcp(rt, _address(r), 9000, profile) for r in range(world)]
+
+
+def test_the_tcp_model_carries_a_stream_at_the_link_rate_and_recovers_every_loss():
+    net, rt, (a, b) = _tcp_world(2, loss=0.05)
+    nbytes = 3_000_001  # (a short last segment)
+    sent = rt.spawn(lambda: a.send(b.address, nbytes).result())
+    got = rt.spawn(lambda: b.recv(a.address, nbytes).result())
+    end = rt.run()
+    sent.result(), got.result()
+    conn = b.stack.connection(a.address)
+    assert conn.received_bytes == nbytes and not conn.ooo
+    assert a.stack.retransmits > 0 and net.counts["path_loss"] > 0
+    assert end > nbytes * 8 / 10e9  # (no faster than the link)
+    # lossless, it runs at the link's rate plus slow start's few round trips
+    _, rt2, (a2, b2) = _tcp_world(2)
+    rt2.spawn(lambda: a2.send(b2.address, nbytes).result())
+    rt2.spawn(lambda: b2.recv(a2.address, nbytes).result())
+    assert nbytes * 8 / 10e9 < rt2.run() < 1.2 * nbytes * 8 / 10e9 + 1e-3
+    assert a2.stack.retransmits == 0 and a2.stack.timeouts == 0
+
+
+def test_a_lost_tail_is_recovered_by_a_probe_before_the_retransmission_timeout():
+    from boundedloss.sim.tcp import MIN_RTO
+
+    net, rt, (a, b) = _tcp_world(2)
+    dropped: list[int] = []
+
+    def lose_the_last_two_segments_once(d):
+        segment = int.from_bytes(d.data[49:53], "little")
+        if d.src == a.address and len(d.data) > 1000 and segment in (38, 39) \
+                and segment not in dropped:
+            dropped.append(segment)
+            return ()
+        return net.default_route(d)
+
+    net.route = lose_the_last_two_segments_once
+    nbytes = 40 * b.stack.mss
+    rt.spawn(lambda: a.send(b.address, nbytes).result())
+    rt.spawn(lambda: b.recv(a.address, nbytes).result())
+    end = rt.run()
+    # no ACK comes back for either: the probe (segment 39 again) brings one, and RACK
+    # then finds 38 lost - milliseconds, not the 200 ms timeout
+    assert sorted(dropped) == [38, 39] and a.stack.probes == 1 and a.stack.timeouts == 0
+    assert end < MIN_RTO / 10
+
+
+def test_a_lone_lost_last_segment_waits_for_the_timeout_as_linux_s_does():
+    from boundedloss.sim.tcp import MIN_RTO
+
+    net, rt, (a, b) = _tcp_world(2)
+
+    def lose_the_last_segment_once(d):
+        if d.src == a.address and len(d.data) > 1000 and a.stack.timeouts == 0 and \
+                int.from_bytes(d.data[49:53], "little") == 39:
+            return ()
+        return net.default_route(d)
+
+    net.route = lose_the_last_segment_once
+    nbytes = 40 * b.stack.mss
+    rt.spawn(lambda: a.send(b.address, nbytes).result())
+    rt.spawn(lambda: b.recv(a.address, nbytes).result())
+    # (one segment outstanding: the probe would wait as long as the timeout does)
+    assert MIN_RTO < rt.run() < 1.1 * MIN_RTO
+    assert a.stack.timeouts == 1
+
+
+def test_a_ring_allreduce_over_tcp_takes_2_n_minus_1_steps_of_a_chunk_each():
+    from boundedloss.sim.baselines import ring_allreduce
+
+    n, nbytes, rate = 4, 4 << 20, 10e9
+    _, rt, tcp = _tcp_world(n, rate=rate)
+    for r in range(n):
+        rt.spawn(lambda r=r: ring_allreduce(tcp, r, nbytes))
+    end = rt.run()
+    ideal = 2 * (n - 1) * (nbytes / n) * 8 / rate  # each link busy every step
+    assert ideal < end < 1.3 * ideal
+    assert all(t.stack.retransmits == 0 for t in tcp)
+
+
+def test_boundedloss_sim_runs_gloo_and_tcp_ps_on_their_own_topologies(tmp_path):
+    from boundedloss.cli import main
+
+    path = tmp_path / "sim.json"
+    assert main(["sim", "--workers", "3", "--systems", "gloo,tcp-ps,reliable",
+                 "--topology", "allreduce", "--losses", "0,0.02", "--elements", "100000",
+                 "--rounds", "3", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert {(r["system"], r["topology"], r["loss"]) for r in rows} == {
+        (s, t, p) for s, t in (("gloo", "gloo"), ("tcp-ps", "ps"), ("reliable", "allreduce"))
+        for p in (0.0, 0.02)}
+    assert all(r["p50_ms"] > 0 for r in rows)
+
+
+def test_a_baseline_with_cpu_costs_is_refused_in_one_line(capsys):
+    from boundedloss.cli import main
+
+    assert main(["sim", "--systems", "gloo", "--cpu", "this-machine"]) == 2
+    err = capsys.readouterr().err
+    assert "no CPU costs" in err and err.count("\n") == 1

@@ -783,16 +783,17 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
                               if burst_every is not None else ()))
 
 
-#: the systems a simulation can run: our policies (gloo and tcp-ps need a TCP model)
-SIM_SYSTEMS = ("reliable", "mlt", "ltp", "dblp")
+#: the systems a simulation can run: our policies, and the baselines over its TCP model
+SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 
 
 @cli.command("sim")
 @click.option("--workers", default="4,16,64", show_default=True,
               help="World sizes to simulate, comma-separated (2 to 1024).")
-@click.option("--systems", type=PolicyParam(many=True), default="reliable,dblp",
+@click.option("--systems", type=PolicyParam(many=True), default="gloo,reliable,dblp",
               show_default=True,
-              help=f"Our policies, comma-separated ({', '.join(SIM_SYSTEMS)}, or NAME:VALUE).")
+              help=f"Comma-separated: {', '.join(SIM_SYSTEMS)} (gloo's ring allreduce and "
+                   "tcp-ps over the simulator's TCP model), or a policy as NAME:VALUE.")
 @click.option("--topology", "topologies", default="ps,allreduce", show_default=True,
               help=f"Collectives, comma-separated: {', '.join(TOPOLOGIES)}.")
 @click.option("--losses", default="0,0.01", show_default=True,
@@ -827,6 +828,7 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, SimJob, run_sweep
+    from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
 
     if like_testbed:
         given = [f"--{name.replace('_', '-')}" for name in LIKE_TESTBED
@@ -837,15 +839,22 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
         link_gbps, delay_us, queue_datagrams, cpu = (
             LIKE_TESTBED["link_gbps"], LIKE_TESTBED["delay_us"],
             LIKE_TESTBED["queue_datagrams"], LIKE_TESTBED["cpu"])
+        if ctx.get_parameter_source("systems") is click.core.ParameterSource.DEFAULT:
+            systems = tuple(s for s in systems if s.name not in BASELINE_TOPOLOGY)
 
     workers_t = _parse_list(workers, int, "--workers")
     if any(not 2 <= w <= 1024 for w in workers_t):
         raise click.BadParameter("world sizes must be 2 to 1024", param_hint="--workers")
-    not_ours = [str(s) for s in systems if s.name not in SIM_SYSTEMS]
-    if not_ours:
+    unknown = [str(s) for s in systems if s.name not in SIM_SYSTEMS]
+    if unknown:
+        raise click.BadParameter(f"{unknown[0]!r}: the simulator runs {', '.join(SIM_SYSTEMS)}",
+                                 param_hint="--systems")
+    baselines = [str(s) for s in systems if s.name in BASELINE_TOPOLOGY]
+    if baselines and cpu != "none":
         raise click.BadParameter(
-            f"{not_ours[0]!r}: the simulator runs our policies ({', '.join(SIM_SYSTEMS)}); "
-            "gloo and tcp-ps need a TCP model it does not have yet", param_hint="--systems")
+            f"{baselines[0]} runs over the simulator's TCP model, which has no CPU costs: "
+            "compare it with --cpu none (with --like-testbed, leave it out)",
+            param_hint="--systems")
     topologies_t = _parse_list(topologies, str.strip, "--topology")
     bad = [t for t in topologies_t if t not in TOPOLOGIES]
     if bad:
@@ -854,10 +863,15 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
-    jobs = [SimJob(workers=w, system=str(s), topology=t, loss=p, elements=elements,
+    # (a baseline has its own topology - gloo's ring, tcp-ps's server - and one row per
+    # world and loss, as bench kernel-loss gives it)
+    arms = [(str(s), BASELINE_TOPOLOGY[s.name]) for s in systems if s.name in BASELINE_TOPOLOGY]
+    arms += [(str(s), t) for t in topologies_t for s in systems
+             if s.name not in BASELINE_TOPOLOGY]
+    jobs = [SimJob(workers=w, system=s, topology=t, loss=p, elements=elements,
                    rounds=rounds, seed=seed, link_gbps=link_gbps, delay_us=delay_us,
                    queue_datagrams=queue_datagrams, mtu=mtu, auth=auth, cpu=cpu)
-            for w in workers_t for t in topologies_t for p in losses_t for s in systems]
+            for w in workers_t for p in losses_t for s, t in arms]
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "

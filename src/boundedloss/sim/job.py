@@ -1,14 +1,16 @@
 """One simulated data-parallel exchange: ``workers`` ranks, each a program on a
 :class:`~..net.simulated.SimRuntime`, run the product's own collective (the
-parameter server or the transpose allreduce, under a policy of ours) over a
+parameter server or the transpose allreduce, under a policy of ours - DBLP in its
+relaxed phase, as ``bench kernel-loss`` runs it) or a baseline over the TCP model
+(``baselines.py``: gloo's ring allreduce, ``tcp-ps``) over a
 :class:`~..net.fake.FakeNetwork`, for ``rounds`` rounds of an ``elements``-float
 gradient.
 
 The network: every host has an uplink and a downlink of ``link_gbps`` (a star through
 one switch - a rack), a drop-tail queue of ``queue_datagrams`` at the switch's port
 toward each host (its downlink), a one-way delay of ``delay_us`` on every path, and
-random loss of ``loss`` on every path. Computing takes no virtual time: a round's
-figure is the network's and the protocol's alone.
+random loss of ``loss`` on every path. Computing takes no virtual time unless the job
+names a CPU preset (``CPU_PRESETS``): then every host's work is charged to its cores.
 
 Rounds are timed as ``bench kernel-loss`` times them: every rank waits at a barrier
 before each round, and a round lasts from when the last rank entered it to when the
@@ -34,6 +36,7 @@ from ..net.udp import largest_chunk
 from ..policy import parse_policy
 from ..protocol import TransportConfig
 from ..protocol.auth import TRAILER_BYTES
+from .baselines import EXCHANGES, SimTcp
 
 #: the simulated job's session token and key (a simulation authenticates as a job does)
 SESSION = 0x5EED_0000_0000_0001
@@ -173,29 +176,50 @@ def run_job(job: SimJob) -> SimRow:
     config = TransportConfig(chunk_bytes=largest_chunk(
         job.mtu, TRAILER_BYTES if job.auth else 0))
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
-    endpoints = [SimEndpoint(runtime, peer, session=SESSION, config=config,
-                             auth_key=KEY if job.auth else None,
-                             profile=NodeProfile(up_bps=bps, down_bps=bps,
-                                                 queue_datagrams=job.queue_datagrams,
-                                                 cpu=costs))
-                 for peer in peers]
+    profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
+                          cpu=costs)
     barrier = _Barrier(runtime, job.workers)
     starts = np.zeros((job.workers, job.rounds))
     ends = np.zeros((job.workers, job.rounds))
-    collective = TOPOLOGIES[job.topology]
+    endpoints: list[SimEndpoint] = []
 
-    def rank_main(r: int) -> None:
-        coll = collective(endpoints[r], r, peers, policy=parse_policy(job.system).make(),
-                          aggregator=make_aggregator("unbiased"), session=SESSION)
-        x = np.random.default_rng([job.seed, r]).standard_normal(job.elements).astype(np.float32)
-        try:
+    if job.system in EXCHANGES:  # a baseline, over the TCP model
+        if costs is not None:
+            raise ValueError(f"{job.system} runs over a TCP model without CPU costs: "
+                             "simulate it with --cpu none")
+        tcp = [SimTcp(runtime, peer, job.mtu, profile) for peer in peers]
+        exchange = EXCHANGES[job.system]
+
+        def rank_main(r: int) -> None:
             for t in range(job.rounds):
                 barrier.wait()
                 starts[r, t] = runtime.now
-                coll.allreduce_mean(x, t)
+                exchange(tcp, r, 4 * job.elements)
                 ends[r, t] = runtime.now
-        finally:
-            coll.close()
+    else:
+        endpoints = [SimEndpoint(runtime, peer, session=SESSION, config=config,
+                                 auth_key=KEY if job.auth else None, profile=profile)
+                     for peer in peers]
+        collective = TOPOLOGIES[job.topology]
+
+        def rank_main(r: int) -> None:
+            policy = parse_policy(job.system).make()
+            # steady gradient norms after warm-up, as bench kernel-loss has it: DBLP in
+            # its relaxed phase (the other policies take no notice of epoch ends)
+            policy.epoch_end(1.0)
+            policy.epoch_end(1.0)
+            coll = collective(endpoints[r], r, peers, policy=policy,
+                              aggregator=make_aggregator("unbiased"), session=SESSION)
+            x = np.random.default_rng([job.seed, r]).standard_normal(
+                job.elements).astype(np.float32)
+            try:
+                for t in range(job.rounds):
+                    barrier.wait()
+                    starts[r, t] = runtime.now
+                    coll.allreduce_mean(x, t)
+                    ends[r, t] = runtime.now
+            finally:
+                coll.close()
 
     for r in range(job.workers):
         runtime.spawn(functools.partial(rank_main, r), name=f"rank {r}")

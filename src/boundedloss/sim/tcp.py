@@ -1,0 +1,352 @@
+"""A TCP model for the simulator's baselines (gloo, tcp-ps): one host's stack as a
+core of a :class:`~..net.fake.FakeNetwork` node, so that its segments cross the same
+links, queues and loss as our datagrams.
+
+What it models, as Linux does by default: a byte stream per peer cut into segments of
+one packet (the MTU less 52 bytes of IP and TCP headers with timestamps); an initial
+window of 10 segments; slow start and congestion avoidance (Reno growth); an ACK for
+every segment, carrying the cumulative acknowledgement and the segment it answers (a
+one-block SACK; the sender keeps the scoreboard); loss detected once 3 segments above
+a hole are SACKed, then fast retransmit and recovery (the window halved once per
+window of data); a tail loss probe after max(2 x SRTT, 10 ms) with nothing ACKed; the
+retransmission timeout at max(200 ms, SRTT + 4 x RTTVAR) (Linux's minimum), doubled on
+each expiry, with the window back to one segment; slow start again after an idle RTO.
+RACK as Linux runs it: a segment (first sent or sent again) is lost once one sent
+more than SRTT/4 after it has been delivered. Not modelled: delayed ACKs, the receive
+window (it never limits), Nagle, RACK's reordering timer, and any CPU cost.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+
+#: IPv4 and TCP headers with the timestamp option: what a segment carries besides data
+TCP_OVERHEAD = 52
+INITIAL_WINDOW = 10
+MIN_RTO = 0.2
+INITIAL_RTO = 1.0
+MAX_RTO = 120.0
+DUP_THRESHOLD = 3
+#: a tail loss probe waits 2 x SRTT and this (Linux's two jiffies), or the minimum
+#: RTO when a single segment is outstanding
+PTO_EXTRA = 0.002
+
+# a segment: 48 bytes of zeros where our header keeps its round (loss models that look
+# for one find round 0), then kind, segment index, cumulative ACK and the timestamp echo
+_PAD = bytes(48)
+_HEAD = struct.Struct("<BIIdQ")
+_DATA, _ACK = 1, 2
+_ZEROS = bytes(65536)
+
+
+class _Connection:
+    """The sending half toward one peer, and the receiving half from it."""
+
+    def __init__(self, peer: Hashable, mss: int):
+        self.peer = peer
+        self.mss = mss
+        # sending
+        self.sizes: list[int] = []  # every segment's payload bytes, in stream order
+        self.una = 0  # first segment not yet acknowledged
+        self.nxt = 0  # next new segment to send
+        self.sacked: set[int] = set()
+        self.lost: deque[int] = deque()  # marked lost, to be sent again
+        self.lost_set: set[int] = set()
+        self.retransmitted: set[int] = set()  # sent again and not yet acknowledged
+        #: when each unacknowledged segment last went: (time, transmission number - the
+        #: order among copies sent at one instant)
+        self.sent_at: dict[int, tuple[float, int]] = {}
+        self.sent_order: deque[tuple[float, int, int]] = deque()  # (time, number, segment)
+        self.transmissions = 0
+        self.cwnd = float(INITIAL_WINDOW)
+        self.ssthresh = math.inf
+        self.recover: int | None = None  # in fast recovery until this is acknowledged
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.rto = INITIAL_RTO
+        self.backoff = 1
+        self.rto_at: float | None = None
+        self.pto_at: float | None = None
+        self.reo_at: float | None = None  # RACK's reordering timer
+        self.rack_sent = (-math.inf, -1)  # the latest delivered segment's sent_at
+        self.last_sent = 0.0
+        self.sends: deque[tuple[int, Future]] = deque()  # (end segment, future)
+        # receiving
+        self.rcv_nxt = 0
+        self.ooo: set[int] = set()
+        self.received_bytes = 0
+        self.rcv_sizes: dict[int, int] = {}
+        self.recvs: deque[tuple[int, Future]] = deque()  # (bytes received by then, future)
+        self.wanted = 0  # bytes the posted receives add up to
+
+    # ------------------------------------------------------------- sending side
+    def pipe(self) -> int:
+        """Segments thought to be in the network (RFC 6675's estimate)."""
+        return (self.nxt - self.una) - len(self.sacked) - len(self.lost_set)
+
+    def next_segment(self) -> int | None:
+        if self.lost:
+            return self.lost[0]
+        if self.nxt < len(self.sizes):
+            return self.nxt
+        return None
+
+    def deadline(self) -> float | None:
+        ds = [d for d in (self.rto_at, self.pto_at, self.reo_at) if d is not None]
+        return min(ds) if ds else None
+
+    def pto(self) -> float:
+        assert self.srtt is not None
+        return 2 * self.srtt + (MIN_RTO if self.nxt - self.una == 1 else PTO_EXTRA)
+
+
+class TcpHost:
+    """One host's TCP stack: connections by peer, driven by a FakeNetwork as its core.
+    ``send``/``recv`` return futures (a send's resolves once all of it is
+    acknowledged; a receive's once that many more bytes have arrived in order);
+    ``serviced`` is called after the network has run the stack."""
+
+    def __init__(self, mtu: int, make_future: Callable[[], Future]):
+        self.mss = mtu - TCP_OVERHEAD
+        self._make_future = make_future
+        self._conns: dict[Hashable, _Connection] = {}
+        self._acks: list = []  # ACKs to send, as (parts, peer)
+        self.retransmits = 0
+        self.timeouts = 0
+        self.probes = 0
+        self.now = 0.0  # (the network's clock, as of the last call)
+
+    def connection(self, peer: Hashable) -> _Connection:
+        conn = self._conns.get(peer)
+        if conn is None:
+            conn = self._conns[peer] = _Connection(peer, self.mss)
+        return conn
+
+    # ---------------------------------------------------------------- the API
+    def send(self, peer: Hashable, nbytes: int) -> Future:
+        conn = self.connection(peer)
+        if conn.una == conn.nxt and not conn.lost and self.now - conn.last_sent > conn.rto:
+            conn.cwnd = min(conn.cwnd, float(INITIAL_WINDOW))  # slow start after idle
+        whole, rest = divmod(nbytes, self.mss)
+        conn.sizes.extend([self.mss] * whole + ([rest] if rest else []))
+        fut = self._make_future()
+        conn.sends.append((len(conn.sizes), fut))
+        self._settle_sends(conn)
+        return fut
+
+    def recv(self, peer: Hashable, nbytes: int) -> Future:
+        conn = self.connection(peer)
+        conn.wanted += nbytes
+        fut = self._make_future()
+        conn.recvs.append((conn.wanted, fut))
+        self._settle_recvs(conn)
+        return fut
+
+    # ------------------------------------------------ the core, for the network
+    def datagram_received(self, data: bytes, peer: Hashable, now: float) -> None:
+        self.now = now
+        kind, index, ack, echo, number = _HEAD.unpack_from(data, len(_PAD))
+        conn = self.connection(peer)
+        if kind == _DATA:
+            self._data(conn, index, len(data) - len(_PAD) - _HEAD.size, (echo, number))
+        else:
+            self._ack(conn, index, ack, (echo, number), now)
+
+    def poll(self, now: float, limit: int = 64) -> list:
+        self.now = now
+        out, self._acks = self._acks[:limit], self._acks[limit:]
+        for conn in self._conns.values():
+            while len(out) < limit and conn.pipe() < int(conn.cwnd):
+                i = conn.next_segment()
+                if i is None:
+                    break
+                self._transmit(conn, i, now, out)
+        return out
+
+    def has_output(self) -> bool:
+        return bool(self._acks) or any(
+            c.next_segment() is not None and c.pipe() < int(c.cwnd) for c in self._conns.values())
+
+    def next_deadline(self) -> float | None:
+        ds = [d for d in (c.deadline() for c in self._conns.values()) if d is not None]
+        return min(ds) if ds else None
+
+    def timer_fired(self, now: float) -> None:
+        self.now = now
+        for conn in self._conns.values():
+            if conn.rto_at is not None and now >= conn.rto_at:
+                self._timeout(conn, now)
+            elif conn.pto_at is not None and now >= conn.pto_at:
+                self._probe(conn, now)
+            elif conn.reo_at is not None and now >= conn.reo_at:
+                conn.reo_at = None
+                self._rack(conn, conn.rack_sent, reordering_waited=True)
+
+    # -------------------------------------------------------------- internals
+    def _transmit(self, conn: _Connection, i: int, now: float, out: list) -> None:
+        if conn.lost and conn.lost[0] == i:
+            conn.lost.popleft()
+            conn.lost_set.discard(i)
+            conn.retransmitted.add(i)
+            self.retransmits += 1
+        else:
+            conn.nxt += 1
+        size = conn.sizes[i]
+        conn.transmissions += 1
+        conn.sent_at[i] = (now, conn.transmissions)
+        conn.sent_order.append((now, conn.transmissions, i))
+        out.append(((_PAD, _HEAD.pack(_DATA, i, 0, now, conn.transmissions), _ZEROS[:size]),
+                    conn.peer))
+        conn.last_sent = now
+        if conn.rto_at is None:
+            conn.rto_at = now + conn.rto * conn.backoff
+        if conn.srtt is not None:  # (re-armed with every segment sent, as Linux does)
+            conn.pto_at = now + conn.pto()
+
+    def _data(self, conn: _Connection, i: int, size: int, echo: tuple[float, int]) -> None:
+        if i >= conn.rcv_nxt and i not in conn.ooo:
+            conn.ooo.add(i)
+            conn.rcv_sizes[i] = size
+            while conn.rcv_nxt in conn.ooo:
+                conn.ooo.discard(conn.rcv_nxt)
+                conn.received_bytes += conn.rcv_sizes.pop(conn.rcv_nxt)
+                conn.rcv_nxt += 1
+            self._settle_recvs(conn)
+        self._acks.append(((_PAD, _HEAD.pack(_ACK, i, conn.rcv_nxt, *echo)), conn.peer))
+
+    def _ack(self, conn: _Connection, sacked: int, cumulative: int,
+             echo: tuple[float, int], now: float) -> None:
+        if cumulative > conn.una:
+            newly = cumulative - conn.una
+            for j in range(conn.una, cumulative):
+                conn.sacked.discard(j)
+                conn.retransmitted.discard(j)
+                conn.sent_at.pop(j, None)
+                if j in conn.lost_set:
+                    conn.lost_set.discard(j)
+                    conn.lost.remove(j)
+            conn.una = cumulative
+            self._rtt_sample(conn, now - echo[0])
+            conn.backoff = 1
+            if conn.recover is not None and conn.una >= conn.recover:
+                conn.recover = None
+                conn.cwnd = conn.ssthresh
+            elif conn.recover is None:
+                if conn.cwnd < conn.ssthresh:
+                    conn.cwnd += newly
+                else:
+                    conn.cwnd += newly / conn.cwnd
+            outstanding = conn.una < conn.nxt
+            conn.rto_at = now + conn.rto if outstanding else None
+            conn.pto_at = (now + conn.pto()
+                           if outstanding and conn.srtt is not None else None)
+            self._settle_sends(conn)
+        if conn.una <= sacked < conn.nxt and sacked not in conn.sacked:
+            conn.sacked.add(sacked)
+            conn.retransmitted.discard(sacked)
+            if sacked in conn.lost_set:
+                conn.lost_set.discard(sacked)
+                conn.lost.remove(sacked)
+        self._detect_loss(conn)
+        self._rack(conn, echo)
+
+    def _detect_loss(self, conn: _Connection) -> None:
+        """A hole with DUP_THRESHOLD SACKed segments above it is lost."""
+        if len(conn.sacked) < DUP_THRESHOLD:
+            return
+        above = sorted(conn.sacked)[-DUP_THRESHOLD]  # the third-highest SACKed segment
+        newly_lost = [j for j in range(conn.una, above) if j not in conn.sacked
+                      and j not in conn.lost_set and j not in conn.retransmitted]
+        if newly_lost:
+            self._mark_lost(conn, newly_lost)
+
+    def _rack(self, conn: _Connection, delivered: tuple[float, int], *,
+              reordering_waited: bool = False) -> None:
+        """RACK: a segment is lost once one sent more than a reordering window
+        (SRTT/4) after it has been delivered - a first transmission or a retransmission
+        alike, so a lost tail or a lost retransmission is found without the timeout.
+        One sent before the delivered one but within the window is lost once a round
+        trip and the window have passed (the reordering timer)."""
+        if conn.srtt is None:
+            return
+        conn.rack_sent = max(conn.rack_sent, delivered)
+        window = conn.srtt / 4
+        latest_time, latest_number = conn.rack_sent
+        order = conn.sent_order
+        lost = []
+        while order and order[0][1] < latest_number and (
+                reordering_waited or order[0][0] + window < latest_time):
+            sent, number, i = order.popleft()
+            if self._outstanding(conn, i, (sent, number)):
+                lost.append(i)
+        if lost:
+            self._mark_lost(conn, lost)
+        while order and not self._outstanding(conn, order[0][2], order[0][:2]):
+            order.popleft()
+        if order and order[0][1] < latest_number:
+            conn.reo_at = order[0][0] + conn.srtt + window
+        else:
+            conn.reo_at = None
+
+    @staticmethod
+    def _outstanding(conn: _Connection, i: int, sent: tuple[float, int]) -> bool:
+        """Is segment ``i``'s copy sent at ``sent`` neither delivered nor given up?"""
+        return (i >= conn.una and i not in conn.sacked and i not in conn.lost_set
+                and conn.sent_at.get(i) == sent)
+
+    def _mark_lost(self, conn: _Connection, segments: list[int]) -> None:
+        if conn.recover is None:  # the window halves once per window of data
+            conn.ssthresh = max(conn.cwnd / 2, 2.0)
+            conn.cwnd = conn.ssthresh
+            conn.recover = conn.nxt
+        for i in segments:
+            conn.retransmitted.discard(i)
+        conn.lost.extend(segments)
+        conn.lost_set.update(segments)
+
+    def _timeout(self, conn: _Connection, now: float) -> None:
+        if conn.una >= conn.nxt:
+            conn.rto_at = conn.pto_at = None
+            return
+        self.timeouts += 1
+        conn.ssthresh = max(conn.pipe() / 2, 2.0)
+        conn.cwnd = 1.0
+        conn.recover = None
+        conn.backoff = min(conn.backoff * 2, int(MAX_RTO / MIN_RTO))
+        conn.retransmitted.clear()
+        conn.lost = deque(j for j in range(conn.una, conn.nxt) if j not in conn.sacked)
+        conn.lost_set = set(conn.lost)
+        conn.rto_at = now + min(MAX_RTO, conn.rto * conn.backoff)
+        conn.pto_at = None
+
+    def _probe(self, conn: _Connection, now: float) -> None:
+        """A tail loss probe: the last segment sent goes again (its ACK, or the SACKs
+        it brings, starts recovery without waiting for the timeout)."""
+        conn.pto_at = None
+        if conn.una >= conn.nxt:
+            return
+        self.probes += 1
+        last = conn.nxt - 1
+        if last not in conn.sacked and last not in conn.lost_set:
+            conn.lost.appendleft(last)
+            conn.lost_set.add(last)
+
+    def _rtt_sample(self, conn: _Connection, rtt: float) -> None:
+        if conn.srtt is None:
+            conn.srtt, conn.rttvar = rtt, rtt / 2
+        else:
+            conn.rttvar = 0.75 * conn.rttvar + 0.25 * abs(conn.srtt - rtt)
+            conn.srtt = 0.875 * conn.srtt + 0.125 * rtt
+        conn.rto = min(MAX_RTO, max(MIN_RTO, conn.srtt + 4 * conn.rttvar))
+
+    def _settle_sends(self, conn: _Connection) -> None:
+        while conn.sends and conn.sends[0][0] <= conn.una:
+            conn.sends.popleft()[1].set_result(None)
+
+    def _settle_recvs(self, conn: _Connection) -> None:
+        while conn.recvs and conn.recvs[0][0] <= conn.received_bytes:
+            conn.recvs.popleft()[1].set_result(None)
