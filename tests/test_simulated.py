@@ -389,3 +389,25 @@ def test_a_baseline_with_cpu_costs_is_refused_in_one_line(capsys):
     assert main(["sim", "--systems", "gloo", "--cpu", "this-machine"]) == 2
     err = capsys.readouterr().err
     assert "no CPU costs" in err and err.count("\n") == 1
+
+
+def test_a_program_unwound_while_its_cleanup_waits_ends_its_thread():
+    _, rt, _, _ = _pair()
+    never: SimFuture = SimFuture(rt)
+
+    def waits_in_its_cleanup():
+        try:
+            never.result()
+        finally:
+            SimFuture(rt).result()  # (as a collective's close() waits on its sends)
+
+    stuck = rt.spawn(waits_in_its_cleanup)
+
+    def fail():
+        raise ValueError("a bug in a program")
+
+    rt.spawn(fail)
+    with pytest.raises(ValueError):
+        rt.run()
+    stuck.thread.join(5)
+    assert stuck.done and not stuck.thread.is_alive()

@@ -86,6 +86,7 @@ class Program:
             self.error = e
         finally:
             self.done = True
+            self._runtime.finished += 1
             self.finished.set_result(None)
             self._runtime.give_back()
 
@@ -99,6 +100,7 @@ class SimRuntime:
         self._ready: deque[Program] = deque()
         self._back = threading.Semaphore(0)
         self.local = threading.local()  # (each program's thread: its Program)
+        self.finished = 0  # programs that have ended
 
     @property
     def now(self) -> float:
@@ -121,11 +123,11 @@ class SimRuntime:
         try:
             while True:
                 while self._ready:
-                    self._run_program(self._ready.popleft())
-                    failed = next((p for p in self._programs if p.error is not None), None)
-                    if failed is not None:
-                        raise failed.error  # type: ignore[misc]
-                if all(p.done for p in self._programs):
+                    program = self._ready.popleft()
+                    self._run_program(program)
+                    if program.error is not None:  # (only the one that ran can have failed)
+                        raise program.error
+                if self.finished == len(self._programs):
                     return network.now
                 next_time = network.next_time()
                 if next_time is None:
@@ -160,6 +162,8 @@ class SimRuntime:
         if program is None:
             raise RuntimeError("a simulated future is waited on from outside the "
                                "simulation (wait in a program, or after run())")
+        if program.aborted:
+            raise _Abort  # (unwinding: its cleanup may not wait any more)
         if future.done():
             return
         program.waiting = future
