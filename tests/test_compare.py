@@ -436,7 +436,7 @@ def test_incast_on_the_kernel_testbed(tmp_path):
                              workers=3, steps_per_epoch=3)
     row, tcp = rows
     assert row["network"] == "kernel" and runs["ltp"][0].summary["rounds"] == 3
-    grad_mb = 4 * 85_002 / 1e6  # DigitsMLP(hidden=256): 64-256-256-10
+    grad_mb = 4 * 85_002 / 1e6  # ImageMLP(hidden=256): 64-256-256-10
     # 2 workers x 3 rounds of pushes (LTP may close early: at least half of each)
     assert row["bottleneck_sent_mb"] > 2 * 3 * grad_mb / 2
     assert 0 <= row["bottleneck_drop_fraction"] < 1

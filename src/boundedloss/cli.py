@@ -20,7 +20,7 @@ from .bench import write_json
 from .checks import FiniteFloatRange
 from .collective import TOPOLOGIES
 from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
-from .experiments.train import DEVICES, MODELS, PRECISIONS, TrainConfig
+from .experiments.train import DEVICES, IMAGE_DATA, MODELS, PRECISIONS, TrainConfig
 from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
 from .protocol import RECOVERY_MODES, probe_copies_for
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
@@ -451,7 +451,10 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--workers", default=TRAIN_DEFAULTS.workers, show_default=True,
               type=click.IntRange(2, 64), help="Local worker processes (ignored under torchrun).")
 @click.option("--model", type=click.Choice(list(MODELS)), default=TRAIN_DEFAULTS.model,
-              show_default=True, help="mlp/cnn on sklearn digits; charlm on stdlib text.")
+              show_default=True, help="mlp/cnn on images (--data); charlm on stdlib text.")
+@click.option("--data", type=click.Choice(list(IMAGE_DATA)), default=None,
+              help="The images mlp/cnn train on (default: digits, sklearn's 8x8); "
+                   "fashion-mnist: 28x28, from Debian's dataset-fashion-mnist package.")
 @click.option("--epochs", default=TRAIN_DEFAULTS.epochs, show_default=True,
               type=click.IntRange(1, 10_000))
 @click.option("--seed", default=TRAIN_DEFAULTS.seed, show_default=True, type=int)
@@ -509,8 +512,8 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
                    "float32 or bfloat16 (every policy, gloo too).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
               type=click.Path(file_okay=False), callback=_out_folder)
-def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator, hadamard,
-          stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
+def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggregator,
+          hadamard, stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
           device, precision, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook (starts local workers,
@@ -529,8 +532,8 @@ def train(policy, topology, workers, model, epochs, seed, loss_spec, aggregator,
         raise click.BadParameter(f"{policy} runs over TCP: in-process loss cannot reach it "
                                  "(use the kernel testbed)", param_hint="--loss")
     cfg = TrainConfig(policy=str(policy), topology=topology, workers=workers, model=model,
-                      epochs=epochs, seed=seed, loss=loss_spec, out=out, aggregator=aggregator,
-                      batch_size=batch_size, lr=lr, chunk_bytes=chunk_bytes,
+                      data=data, epochs=epochs, seed=seed, loss=loss_spec, out=out,
+                      aggregator=aggregator, batch_size=batch_size, lr=lr, chunk_bytes=chunk_bytes,
                       receive_deadline=deadline, hadamard=hadamard,
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,

@@ -32,7 +32,7 @@ from ..aggregate import AGGREGATORS, HadamardDispersion, element_mask, random_ch
 from ..wire import DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
-    from ..workloads.digits import DigitsData, DigitsMLP
+    from ..workloads.images import ImageData, ImageMLP
 
 #: what a run measures unless told otherwise (``boundedloss bench aggregate``'s defaults)
 DEFAULT_LOSSES = (0.0, 0.01, 0.10, 0.30)
@@ -102,15 +102,16 @@ class AggregateRow:
     patterns: int
 
 
-def _warm_model(seed: int, hidden: int, steps: int = 30) -> tuple[DigitsMLP, DigitsData]:
+def _warm_model(seed: int, hidden: int, steps: int = 30) -> tuple[ImageMLP, ImageData]:
     # (torch here, not at the top: the command line imports this module for its defaults)
     import torch
 
-    from ..workloads.digits import DigitsMLP, load_digits_split
+    from ..workloads.digits import load_digits_split
+    from ..workloads.images import ImageMLP
 
     torch.manual_seed(seed)
     data = load_digits_split(seed)
-    model = DigitsMLP(hidden=hidden, depth=2)
+    model = ImageMLP(hidden=hidden, depth=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = torch.nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(seed)

@@ -8,7 +8,8 @@ that one rank. Rank 0 writes, under ``out``:
 - ``rounds.jsonl``  one line per training round (iteration): step time, communication
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
-- ``summary.json``  the configuration, final metric, wall time, the device rank 0 ran
+- ``summary.json``  the configuration, what it trained on (``data``), final metric,
+  wall time, the device rank 0 ran
   on (and the GPU's name under cuda), the parameters' dtype (and so DDP's gradient
   buckets'), the parameter count, whether the UDP
   endpoints used segmentation offload, the most copies a PROBE went in, the data
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from ..collective import LossGuard
     from ..emulate import Testbed
     from ..protocol import TransportConfig
+    from ..workloads.images import ImageData
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class TrainConfig:
     topology: str = "ps"
     workers: int = 3
     model: str = "mlp"
+    #: the images mlp and cnn train on (``IMAGE_DATA``; None: digits); charlm takes none
+    data: str | None = None
     epochs: int = 8
     seed: int = 0
     loss: str = "none"
@@ -105,6 +109,7 @@ class TrainConfig:
                                      ("--precision", self.precision, PRECISIONS)):
             if value not in names:
                 raise ValueError(f"{option} must be one of {', '.join(names)}")
+        self._check_data()
         if self.workers < 2:
             raise ValueError("--workers must be >= 2")
         if self.epochs < 1:
@@ -117,6 +122,24 @@ class TrainConfig:
             raise ValueError(f"--resume: {self.resume} is not a directory")
         if self.device == "cuda":
             self._check_cuda()
+
+    def _check_data(self) -> None:
+        if self.data is None:
+            return
+        if self.model not in IMAGE_MODELS:
+            raise ValueError(f"--data is for --model {' or '.join(IMAGE_MODELS)}; "
+                             f"{self.model} trains on the standard library's text")
+        if self.data not in IMAGE_DATA:
+            raise ValueError(f"--data must be one of {', '.join(IMAGE_DATA)}")
+        try:
+            IMAGE_DATA[self.data].check()
+        except FileNotFoundError as e:
+            raise ValueError(f"--data {self.data}: {e}") from None
+
+    @property
+    def data_name(self) -> str:
+        """What this run trains on: an ``IMAGE_DATA`` name, or charlm's text."""
+        return "stdlib-text" if self.model not in IMAGE_MODELS else self.data or "digits"
 
     def _check_cuda(self) -> None:
         if parse_policy(self.policy).name == TCP_PS:
@@ -210,43 +233,81 @@ def _charlm(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Worklo
     return Workload(charlm.CharLM(), batches, evaluate, "perplexity")
 
 
-def _digits(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workload:
-    import torch
+@dataclass(frozen=True)
+class ImageSource:
+    """An image data set ``--data`` names."""
 
+    #: seed -> the train and test split (the seed fixes a split the data does not)
+    load: Callable[[int], ImageData]
+    #: raises ``FileNotFoundError`` (one line, saying what to install) if it is missing
+    check: Callable[[], None]
+
+
+def _digits_data(seed: int) -> ImageData:
     from ..workloads import digits
 
-    split = digits.load_digits_split(cfg.seed)
-    data = digits.DigitsData(*(where.put(t) for t in (split.x_train, split.y_train,
-                                                      split.x_test, split.y_test)))
-    model: torch.nn.Module = (digits.DigitsMLP(hidden=256) if cfg.model == "mlp"
-                              else digits.DigitsCNN(16))
+    return digits.load_digits_split(seed)
+
+
+def _fashion_mnist_data(seed: int) -> ImageData:
+    from ..workloads import fashion_mnist
+
+    return fashion_mnist.load_fashion_mnist()
+
+
+def _fashion_mnist_check() -> None:
+    from ..workloads import fashion_mnist
+
+    fashion_mnist.check_installed()
+
+
+#: ``--data`` names: the images mlp and cnn train on
+IMAGE_DATA: dict[str, ImageSource] = {
+    "digits": ImageSource(_digits_data, check=lambda: None),  # (ships with scikit-learn)
+    "fashion-mnist": ImageSource(_fashion_mnist_data, check=_fashion_mnist_check),
+}
+#: the CNN's channels per image side: Fashion-MNIST's 28x28 with digits' 16 would cost
+#: 4x the arithmetic per step
+CNN_CHANNELS = {8: 16, 28: 8}
+
+
+def _images(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workload:
+    import torch
+
+    from ..workloads import images
+
+    split = IMAGE_DATA[cfg.data_name].load(cfg.seed)
+    data = images.ImageData(*(where.put(t) for t in (split.x_train, split.y_train,
+                                                     split.x_test, split.y_test)))
+    model: torch.nn.Module = (
+        images.ImageMLP(data.side, hidden=256) if cfg.model == "mlp"
+        else images.ImageCNN(data.side, CNN_CHANNELS.get(data.side, 16)))
     n = len(data.y_train)
     per_rank = n // world
     steps = cfg.steps_per_epoch or max(1, per_rank // cfg.batch_size)
 
     def batches(epoch: int) -> Iterator[Batch]:
+        # every rank shuffles alike and takes its own share of the epoch's order
         order = np.random.default_rng([cfg.seed, epoch]).permutation(n)
         mine = order[rank * per_rank:(rank + 1) * per_rank]
         for s in range(steps):
             idx = torch.from_numpy(mine[(s * cfg.batch_size) % per_rank:][: cfg.batch_size])
             yield data.x_train[idx], data.y_train[idx]
 
-    @torch.no_grad()
     def evaluate(m: torch.nn.Module) -> float:
-        m.eval()
-        acc = (m(data.x_test).argmax(1) == data.y_test).float().mean().item()
-        m.train()
-        return acc
+        return images.accuracy(m, data.x_test, data.y_test)
 
     return Workload(model, batches, evaluate, "accuracy")
 
 
-#: ``--model`` names: mlp/cnn on sklearn's digits, charlm on the standard library's text
+#: ``--model`` names: mlp/cnn on images (``--data``), charlm on the standard library's text
 MODELS: dict[str, Callable[[TrainConfig, int, int, Placement], Workload]] = {
-    "mlp": _digits,
-    "cnn": _digits,
+    "mlp": _images,
+    "cnn": _images,
     "charlm": _charlm,
 }
+#: the models that take ``--data``
+IMAGE_MODELS = tuple(name for name, build in MODELS.items() if build is _images)
 
 
 def _build(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workload:
@@ -512,7 +573,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             drops = {k: v for k, v in counted.items() if k in DROP_REASONS and v}
             state.close()
     params = list(work.model.parameters())
-    summary = {"config": {**asdict(cfg), "workers": world}, "metric_name": work.metric_name,
+    summary = {"config": {**asdict(cfg), "workers": world}, "data": cfg.data_name,
+               "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
                "device": str(where.device),
                "gpu": torch.cuda.get_device_name(where.device) if on_gpu else None,

@@ -1,4 +1,5 @@
-"""scikit-learn's bundled handwritten digits (1,797 8x8 images) and models for them.
+"""scikit-learn's bundled handwritten digits (1,797 8x8 images; the models that train
+on them are in :mod:`.images`).
 
 Real data that ships with an installed package: no download at run time. The split is
 fixed by a seed so that every rank of a job, and every policy of a comparison, sees the
@@ -7,20 +8,13 @@ same train and test sets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class DigitsData:
-    x_train: torch.Tensor  # (n, 1, 8, 8) float32, scaled to [0, 1]
-    y_train: torch.Tensor  # (n,) int64
-    x_test: torch.Tensor
-    y_test: torch.Tensor
+from .images import ImageData
 
 
 def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
@@ -47,46 +41,17 @@ def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
     return bunch.images, bunch.target
 
 
-def load_digits_split(seed: int = 0, test_fraction: float = 0.25) -> DigitsData:
+def load_digits_split(seed: int = 0, test_fraction: float = 0.25) -> ImageData:
     images, target = bundled_digits()
     x = (images.astype(np.float32) / 16.0)[:, None, :, :]
     y = target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(y))
     n_test = int(round(len(y) * test_fraction))
     test, train = order[:n_test], order[n_test:]
-    return DigitsData(
+    return ImageData(
         torch.from_numpy(x[train]), torch.from_numpy(y[train]),
         torch.from_numpy(x[test]), torch.from_numpy(y[test]),
     )
-
-
-class DigitsMLP(nn.Module):
-    def __init__(self, hidden: int = 256, depth: int = 2):
-        super().__init__()
-        layers: list[nn.Module] = [nn.Flatten()]
-        width = 64
-        for _ in range(depth):
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
-            width = hidden
-        layers.append(nn.Linear(width, 10))
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-class DigitsCNN(nn.Module):
-    def __init__(self, channels: int = 32):
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
-            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.BatchNorm2d(2 * channels),
-            nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(2 * channels * 16, 128), nn.ReLU(), nn.Linear(128, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 def flat_gradient(model: nn.Module) -> np.ndarray:
@@ -96,7 +61,7 @@ def flat_gradient(model: nn.Module) -> np.ndarray:
 
 
 def worker_gradients(
-    model: nn.Module, data: DigitsData, workers: int, batch: int, seed: int
+    model: nn.Module, data: ImageData, workers: int, batch: int, seed: int
 ) -> list[np.ndarray]:
     """One real minibatch gradient per worker: each draws its own batch of the train
     set, as data-parallel workers do."""
