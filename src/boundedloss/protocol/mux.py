@@ -10,6 +10,7 @@ allocate nothing; a receive must be posted (``start_receive``) to be accepted.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
@@ -114,6 +115,16 @@ class TransferMux:
         self._finished: list[SendResult | ReceiveResult] = []  # since pop_finished
         self._transfer_ids = itertools.count(1)
         self._turn = 0  # rotates which sender polls first, so none always goes first
+        # Timers: a heap of (deadline, order, transfer), at most as late as each open
+        # transfer's next deadline - a transfer's deadline moves earlier only in a call
+        # through the mux, which pushes it again (_rearm); moved later (an ACK the
+        # compiled path took), its entry is found stale at the top and pushed again.
+        self._timers: list[tuple[float, int, MessageSender | MessageReceiver]] = []
+        self._timer_order = itertools.count()
+        self._armed: dict[int, float] = {}  # transfer_id -> the deadline pushed last
+        #: sends a poll would leave as they are (MessageSender.quiescent), by transfer_id:
+        #: polls and has_output pass them by
+        self._quiet: set[int] = set()
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
 
@@ -138,6 +149,7 @@ class TransferMux:
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
             self.data_path.send_opened(sender)
         self._senders[key] = sender
+        self._rearm(sender)
         return sender
 
     def start_receive(self, peer, round_id: int, message_id: int, now: float, *,
@@ -166,15 +178,18 @@ class TransferMux:
         if receiver.result is None and receiver.nbytes is not None and self.data_path:
             self.data_path.receive_opened(receiver)
         self._reap_receive(receiver, now)
+        self._rearm(receiver)
         return receiver
 
     def cancel_send(self, sender: MessageSender, now: float) -> None:
         sender.cancel(now)
         self._reap_send(sender)
+        self._rearm(sender)
 
     def cancel_receive(self, receiver: MessageReceiver, now: float) -> None:
         receiver.cancel(now, self.outbox)
         self._reap_receive(receiver, now)
+        self._rearm(receiver)
 
     # --------------------------------------------------------------- incoming
     def datagram_received(self, data, peer, now: float) -> None:
@@ -234,6 +249,8 @@ class TransferMux:
                     rx.probe_received(idx, flags, now, self.outbox)
             if rx.result is not None:
                 self._reap_receive(rx, now)
+            else:
+                self._rearm(rx)
         else:  # BITMAP / STOP / ACK: for one of our sends
             tx = self._senders.get(key)
             if tx is None:
@@ -250,6 +267,7 @@ class TransferMux:
             else:
                 tx.stop_received(idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
                 self._reap_send(tx)
+            self._rearm(tx)
 
     def run_received(self, data, size: int, peer, now: float, keep=None) -> None:
         """Datagrams that arrived back to back in ``data``, every one ``size`` bytes (a
@@ -316,6 +334,8 @@ class TransferMux:
                 break
         if rx.result is not None:
             self._reap_receive(rx, now)
+        else:
+            self._rearm(rx)
         return True
 
     def _answer_closed(self, key, kind: int, now: float) -> None:
@@ -334,32 +354,79 @@ class TransferMux:
 
     # ----------------------------------------------------------------- timers
     def next_deadline(self) -> float | None:
-        best = None
-        for rx in self._receivers.values():
-            d = rx.next_deadline()
-            if d is not None and (best is None or d < best):
-                best = d
-        for tx in self._senders.values():
-            d = tx.next_deadline()
-            if d is not None and (best is None or d < best):
-                best = d
-        return best
+        timers = self._timers
+        while timers:
+            at, _, transfer = timers[0]
+            due = transfer.next_deadline()
+            if due == at:
+                return at
+            heapq.heappop(timers)  # stale: moved later, or the transfer is done
+            if due is not None and self._armed.get(transfer.transfer_id) != due:
+                self._push_timer(transfer, due)
+        return None
 
     def timer_fired(self, now: float) -> None:
-        for rx in list(self._receivers.values()):
-            d = rx.next_deadline()
-            if d is not None and d <= now:
-                rx.timer_fired(now, self.outbox)
-                self._reap_receive(rx, now)
-        for tx in list(self._senders.values()):
-            d = tx.next_deadline()
-            if d is not None and d <= now:
-                tx.timer_fired(now)
-                self._reap_send(tx)
+        timers = self._timers
+        due: dict[int, MessageSender | MessageReceiver] = {}
+        while timers and timers[0][0] <= now:
+            _, _, transfer = heapq.heappop(timers)
+            d = transfer.next_deadline()
+            if d is None:
+                continue
+            if d <= now:
+                due[transfer.transfer_id] = transfer
+            elif self._armed.get(transfer.transfer_id) != d:
+                self._push_timer(transfer, d)
+        # (receives first, then sends, each in the order they were started)
+        for _, transfer in sorted(due.items()):
+            if isinstance(transfer, MessageReceiver):
+                transfer.timer_fired(now, self.outbox)
+                self._reap_receive(transfer, now)
+                self._rearm(transfer)
+        for _, transfer in sorted(due.items()):
+            if isinstance(transfer, MessageSender):
+                transfer.timer_fired(now)
+                self._reap_send(transfer)
+                self._rearm(transfer)
+
+    def _rearm(self, transfer: MessageSender | MessageReceiver) -> None:
+        """``transfer`` may have a new deadline, and a send may have fallen quiet or woken
+        (a call through the mux changed it)."""
+        if type(transfer) is MessageSender:
+            if transfer.result is None and transfer.quiescent():
+                self._quiet.add(transfer.transfer_id)
+            else:
+                self._quiet.discard(transfer.transfer_id)
+        d = transfer.next_deadline()
+        if d is None:
+            self._armed.pop(transfer.transfer_id, None)
+        elif self._armed.get(transfer.transfer_id) != d:
+            self._push_timer(transfer, d)
+
+    def _push_timer(self, transfer: MessageSender | MessageReceiver, at: float) -> None:
+        self._armed[transfer.transfer_id] = at
+        heapq.heappush(self._timers, (at, next(self._timer_order), transfer))
+        if len(self._timers) > 64 + 4 * (len(self._senders) + len(self._receivers)):
+            self._rebuild_timers()
+
+    def _rebuild_timers(self) -> None:
+        """The heap again from the open transfers alone (its stale entries gone)."""
+        self._armed.clear()
+        self._timers = []
+        transfers: list[MessageSender | MessageReceiver] = [
+            *self._receivers.values(), *self._senders.values()]
+        for transfer in transfers:
+            d = transfer.next_deadline()
+            if d is not None:
+                self._armed[transfer.transfer_id] = d
+                self._timers.append((d, next(self._timer_order), transfer))
+        heapq.heapify(self._timers)
 
     # --------------------------------------------------------------- outgoing
     def has_output(self) -> bool:
-        return bool(self.outbox) or any(tx.has_data() for tx in self._senders.values())
+        quiet = self._quiet
+        return bool(self.outbox) or any(tx.has_data() for tx in self._senders.values()
+                                        if tx.transfer_id not in quiet)
 
     def poll(self, now: float, limit: int = 1024, *, runs: bool = False) -> list:
         """Up to ``limit`` datagrams to send now, as ``(parts, peer)`` with ``parts`` a
@@ -386,7 +453,10 @@ class TransferMux:
         if not senders:
             return out
         self._turn = (self._turn + 1) % len(senders)
-        senders = senders[self._turn :] + senders[: self._turn]
+        quiet = self._quiet
+        # (the quiet ones' polls would do nothing: the others go in the same order)
+        senders = [tx for tx in senders[self._turn :] + senders[: self._turn]
+                   if tx.transfer_id not in quiet]
         batch = max(self.config.send_batch, RUN_TURN) if runs else self.config.send_batch
         progressed = True
         while progressed and n < limit:
@@ -396,6 +466,7 @@ class TransferMux:
                 if room <= 0:
                     break
                 sent = tx.poll(now, room, out, runs=runs)
+                self._rearm(tx)  # (a probe's timer, a shut window's, pacing's)
                 if sent:
                     n += sent
                     progressed = True

@@ -279,6 +279,14 @@ class MessageSender:
             self.acks.loss_limit = self.recovery.loss_limit()
 
     # ----------------------------------------------------------------- outgoing
+    def quiescent(self) -> bool:
+        """Nothing to send and nothing a poll would change until a datagram or a timer
+        reaches this send through the core: its PROBE awaits an answer, with nothing
+        queued and no more copies due (a window the compiled path's ACKs open has
+        nothing to let out)."""
+        return (self._state is SendState.AWAITING_REPLY and len(self._queue) == 0
+                and not self.recovery.more_copies_due)
+
     def has_data(self) -> bool:
         state = self._state
         if state is SendState.DONE:
