@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import time
 
 import numpy as np
 import pytest
@@ -80,8 +80,8 @@ def test_the_same_seed_gives_the_same_run_to_the_bit(topology):
 
     first, again = run(), run()
     assert first == again
-    # a bounded policy under 5% loss did give something up, or recovered it: the run
-    # is not trivially lossless
+    # the run is not trivially lossless: 5% loss met the first passes
+    assert any(loss for rank in first[1] for _, _, loss in rank)
     other_end, _, _ = _world(topology, 4, loss=0.05, policy="dblp", seed=2)
     assert other_end != first[0]
 
@@ -110,14 +110,12 @@ def _pair(loss: float = 0.0, seed: int = 3):
     return net, rt, a, b
 
 
-def test_a_message_crosses_in_virtual_time_in_milliseconds_of_wall_time():
+def test_a_message_crosses_a_lossy_simulated_network_whole_in_virtual_time():
     net, rt, a, b = _pair(loss=0.05)
     payload = np.arange(1 << 18, dtype=np.float32)
     sent = rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
     got = rt.spawn(lambda: b.receive(a.address, message_id=1, nbytes=payload.nbytes).result())
-    t0 = time.perf_counter()
     end = rt.run()
-    assert time.perf_counter() - t0 < 5  # (a loose guard: it takes ~50 ms)
     res = got.result()
     assert res.complete and res.close_reason == CloseReason.COMPLETE
     assert np.array_equal(res.data.view(np.float32), payload)
@@ -312,13 +310,13 @@ def test_the_tcp_model_carries_a_stream_at_the_link_rate_and_recovers_every_loss
 
 
 def test_a_lost_tail_is_recovered_by_a_probe_before_the_retransmission_timeout():
-    from boundedloss.sim.tcp import MIN_RTO
+    from boundedloss.sim.tcp import MIN_RTO, segment_index
 
     net, rt, (a, b) = _tcp_world(2)
     dropped: list[int] = []
 
     def lose_the_last_two_segments_once(d):
-        segment = int.from_bytes(d.data[49:53], "little")
+        segment = segment_index(d.data)
         if d.src == a.address and len(d.data) > 1000 and segment in (38, 39) \
                 and segment not in dropped:
             dropped.append(segment)
@@ -337,13 +335,13 @@ def test_a_lost_tail_is_recovered_by_a_probe_before_the_retransmission_timeout()
 
 
 def test_a_lone_lost_last_segment_waits_for_the_timeout_as_linux_s_does():
-    from boundedloss.sim.tcp import MIN_RTO
+    from boundedloss.sim.tcp import MIN_RTO, segment_index
 
     net, rt, (a, b) = _tcp_world(2)
 
     def lose_the_last_segment_once(d):
         if d.src == a.address and len(d.data) > 1000 and a.stack.timeouts == 0 and \
-                int.from_bytes(d.data[49:53], "little") == 39:
+                segment_index(d.data) == 39:
             return ()
         return net.default_route(d)
 
@@ -411,3 +409,99 @@ def test_a_program_unwound_while_its_cleanup_waits_ends_its_thread():
         rt.run()
     stuck.thread.join(5)
     assert stuck.done and not stuck.thread.is_alive()
+
+
+def test_a_lost_probe_leaves_the_tail_to_the_timeout_one_probe_a_tail():
+    from boundedloss.sim.tcp import MIN_RTO, segment_index
+
+    net, rt, (a, b) = _tcp_world(2)
+
+    def lose_the_tail_until_the_timeout(d):
+        if d.src == a.address and len(d.data) > 1000 and a.stack.timeouts == 0 and \
+                segment_index(d.data) in (38, 39):
+            return ()
+        return net.default_route(d)
+
+    net.route = lose_the_tail_until_the_timeout
+    nbytes = 40 * b.stack.mss
+    rt.spawn(lambda: a.send(b.address, nbytes).result())
+    rt.spawn(lambda: b.recv(a.address, nbytes).result())
+    end = rt.run()
+    assert a.stack.probes == 1 and a.stack.timeouts == 1
+    assert MIN_RTO < end < 1.2 * MIN_RTO
+
+
+def test_a_segment_takes_as_many_bytes_of_the_link_as_the_packet_it_stands_for():
+    from boundedloss.net.udp import IPV4_UDP_OVERHEAD
+    from boundedloss.sim.tcp import TCP_OVERHEAD
+
+    net, rt, (a, b) = _tcp_world(2)
+    sizes = []
+
+    def measure(d):
+        sizes.append(len(d.data))
+        return net.default_route(d)
+
+    net.route = measure
+    rt.spawn(lambda: a.send(b.address, 3 * a.stack.mss).result())
+    rt.spawn(lambda: b.recv(a.address, 3 * a.stack.mss).result())
+    rt.run()
+    # a full segment is an MTU-sized packet, counted as our datagrams are (no IP/UDP)
+    assert max(sizes) == 9000 - IPV4_UDP_OVERHEAD
+    assert a.stack.mss + TCP_OVERHEAD == 9000
+
+
+def test_a_detached_host_s_undelivered_datagrams_keep_the_counts_balanced():
+    from boundedloss.net.cpu import CpuCosts
+
+    payload = np.zeros(200_000, dtype=np.uint8)
+    for cpu in (None, CpuCosts(datagram_in=1e-3)):
+        net = FakeNetwork(seed=0, path=PathProfile(delay=1e-6))
+        rt = SimRuntime(net)
+        a = SimEndpoint(rt, _address(0), session=SESSION,
+                        config=TransportConfig(peer_timeout=0.05),
+                        profile=NodeProfile(up_bps=1e8))  # (16 ms for the message)
+        b = SimEndpoint(rt, _address(1), session=SESSION, profile=NodeProfile(cpu=cpu))
+        sent = rt.spawn(functools.partial(
+            lambda a, b: a.send(b.address, payload, message_id=1).result(), a, b))
+        net.call_at(3e-3, b.close)  # (with datagrams still waiting for its I/O thread)
+        rt.run()
+        c = net.counts
+        assert c["sent"] + c["duplicated"] == (c["no_route"] + c["path_loss"] + c["queue_drop"]
+                                               + c["node_loss"] + c["delivered"])
+        assert c["no_route"] > 0 and sent.result().status == SendStatus.PEER_SILENT
+
+
+def test_a_closed_endpoint_with_cpu_costs_refuses_a_post_as_any_closed_one():
+    from boundedloss.net.cpu import CpuCosts
+    from boundedloss.protocol import TransportError
+
+    net = FakeNetwork(seed=0)
+    rt = SimRuntime(net)
+    a = SimEndpoint(rt, _address(0), session=SESSION,
+                    profile=NodeProfile(cpu=CpuCosts(message_main=1e-3)))
+    a.close()
+
+    def post():
+        with pytest.raises(TransportError, match="closed"):
+            a.receive(_address(1), message_id=1, nbytes=10)
+
+    rt.spawn(post)
+    rt.run()
+
+
+def test_a_wait_that_ended_leaves_no_timer_behind_to_hold_off_a_deadlock():
+    _, rt, _, _ = _pair()
+    done: SimFuture = SimFuture(rt)
+    never: SimFuture = SimFuture(rt)
+
+    def program():
+        rt.network.call_at(0.001, lambda: done.set_result(None))
+        done.result(timeout=1000.0)  # (its 1,000 s timeout must not linger)
+        never.result()
+
+    rt.spawn(program)
+    with pytest.raises(SimDeadlock):
+        rt.run()
+    assert rt.now < 1.0
+    rt.close()

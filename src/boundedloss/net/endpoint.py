@@ -153,8 +153,8 @@ class Endpoint(abc.ABC):
                 self.mux.cancel_receive, now)
             self._resolve(self.mux.pop_finished())
             # The driver need not run for a receive it would not act on before it
-            # wakes anyway (every wake is a pass of its loop, and a GIL handover): only
-            # for something to send, or a timer of a receive due sooner.
+            # wakes anyway (a wake costs it a pass of its loop): only for something to
+            # send, or a timer of a receive due sooner.
             wake = bool(self.mux.outbox)
             for rx in posted:
                 due = rx.next_deadline()

@@ -174,9 +174,17 @@ class FakeNetwork:
             node.poll_at = self.now
             self._push(self.now, _WAKE, node)
 
-    def call_at(self, t: float, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` when the virtual clock reaches ``t`` (now, if ``t`` has passed)."""
-        self._push(max(t, self.now), _CALL, None, None, fn)
+    def call_at(self, t: float, fn: Callable[[], None]) -> list:
+        """Call ``fn()`` when the virtual clock reaches ``t`` (now, if ``t`` has passed);
+        the handle :meth:`cancel` takes."""
+        handle = [fn]
+        self._push(max(t, self.now), _CALL, None, None, handle)
+        return handle
+
+    @staticmethod
+    def cancel(handle: list) -> None:
+        """The call ``handle`` stands for will not happen."""
+        handle[0] = None
 
     def set_path(self, src, dst, profile: PathProfile) -> None:
         self._paths[(src, dst)] = profile
@@ -234,19 +242,23 @@ class FakeNetwork:
 
     def next_time(self) -> float | None:
         """When the next event happens (None: none is waiting)."""
-        return self._events[0][0] if self._events else None
+        events = self._events
+        while events and events[0][2] == _CALL and events[0][5][0] is None:
+            heapq.heappop(events)  # (a cancelled call)
+        return events[0][0] if events else None
 
     def step(self) -> None:
         """Process the next event (there must be one)."""
         t, _, kind, node, src, data = heapq.heappop(self._events)
         self.now = t
         if kind == _CALL:
-            data()
+            if data[0] is not None:
+                data[0]()
             return
         if node.detached:
             if kind != _WAKE:
                 self.counts["no_route"] += 1
-                if kind == _DELIVER:
+                if kind in (_DELIVER, _TAKE):  # (counted delivered when it arrived)
                     self.counts["delivered"] -= 1
             return
         if kind == _ARRIVE:

@@ -86,7 +86,7 @@ class Program:
             self.error = e
         finally:
             self.done = True
-            self._runtime.finished += 1
+            self._runtime.ended += 1
             self.finished.set_result(None)
             self._runtime.give_back()
 
@@ -100,7 +100,7 @@ class SimRuntime:
         self._ready: deque[Program] = deque()
         self._back = threading.Semaphore(0)
         self.local = threading.local()  # (each program's thread: its Program)
-        self.finished = 0  # programs that have ended
+        self.ended = 0  # programs that have ended
 
     @property
     def now(self) -> float:
@@ -127,7 +127,7 @@ class SimRuntime:
                     self._run_program(program)
                     if program.error is not None:  # (only the one that ran can have failed)
                         raise program.error
-                if self.finished == len(self._programs):
+                if self.ended == len(self._programs):
                     return network.now
                 next_time = network.next_time()
                 if next_time is None:
@@ -168,9 +168,16 @@ class SimRuntime:
             return
         program.waiting = future
         if timeout is not None:
-            self.network.call_at(self.network.now + max(0.0, timeout),
-                                 lambda: self._wake(program, future))
-        future.add_done_callback(lambda _: self._wake(program, future))
+            alarm = self.network.call_at(self.network.now + max(0.0, timeout),
+                                         lambda: self._wake(program, future))
+
+            def done(_: Future) -> None:
+                self.network.cancel(alarm)  # (a stale timeout would hold off SimDeadlock)
+                self._wake(program, future)
+
+            future.add_done_callback(done)
+        else:
+            future.add_done_callback(lambda _: self._wake(program, future))
         self._back.release()
         program.turn.acquire()
         if program.aborted:
@@ -258,6 +265,7 @@ class SimEndpoint(Endpoint):
         cpu = self._profile.cpu
         if cpu is None or messages == 0:
             return
+        self._check_open()  # (a closed host has left the network: nothing to charge)
         done = self.runtime.network.charge(self._address, main=messages * cpu.message_main,
                                            io=messages * cpu.message_io)
         self.runtime.sleep_until(done)

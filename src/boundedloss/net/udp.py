@@ -256,6 +256,8 @@ class UdpEndpoint(Endpoint):
         return Future()
 
     def _stop_driver(self) -> None:
+        # (the thread ends and the sockets close before close() fails what still waits:
+        # nothing can resolve a future after that)
         self._wake()
         self._thread.join(timeout=5)
         self.sock.close()

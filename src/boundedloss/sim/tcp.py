@@ -1,19 +1,24 @@
 """A TCP model for the simulator's baselines (gloo, tcp-ps): one host's stack as a
 core of a :class:`~..net.fake.FakeNetwork` node, so that its segments cross the same
-links, queues and loss as our datagrams.
+links, queues and loss as our datagrams - each as many bytes on the link as the
+packet it stands for, less the 28 bytes of IPv4 and UDP headers our datagrams' sizes
+leave out too.
 
-What it models, as Linux does by default: a byte stream per peer cut into segments of
+What it models, after Linux's defaults: a byte stream per peer cut into segments of
 one packet (the MTU less 52 bytes of IP and TCP headers with timestamps); an initial
-window of 10 segments; slow start and congestion avoidance (Reno growth); an ACK for
-every segment, carrying the cumulative acknowledgement and the segment it answers (a
-one-block SACK; the sender keeps the scoreboard); loss detected once 3 segments above
-a hole are SACKed, then fast retransmit and recovery (the window halved once per
-window of data); a tail loss probe after max(2 x SRTT, 10 ms) with nothing ACKed; the
-retransmission timeout at max(200 ms, SRTT + 4 x RTTVAR) (Linux's minimum), doubled on
-each expiry, with the window back to one segment; slow start again after an idle RTO.
-RACK as Linux runs it: a segment (first sent or sent again) is lost once one sent
-more than SRTT/4 after it has been delivered. Not modelled: delayed ACKs, the receive
-window (it never limits), Nagle, RACK's reordering timer, and any CPU cost.
+window of 10 segments; slow start, then one segment more per window of data
+acknowledged (Reno's growth: CUBIC, Linux's default, grows as Reno does where the
+bandwidth-delay product is a few segments, as in a rack), and on loss the window cut
+to 0.7 of itself as CUBIC cuts it, once per window of data; an ACK for every segment,
+carrying the cumulative acknowledgement and the segment it answers (the sender keeps
+the SACK scoreboard); a hole lost once 3 segments above it are SACKed, or, as RACK
+has it, once a segment sent more than SRTT/4 after it has been delivered (a segment
+sent just before a delivered one, once a round trip and that window have passed: the
+reordering timer); one tail loss probe per tail (the last segment again, 2 x SRTT +
+2 ms after the last send, + 200 ms with a single segment out), not in recovery; the
+retransmission timeout at max(200 ms, SRTT + 4 x RTTVAR), doubled on each expiry, with
+the window back to one segment; slow start again after an idle RTO. Not modelled:
+delayed ACKs, the receive window (it never limits), Nagle, and any CPU cost.
 """
 
 from __future__ import annotations
@@ -31,14 +36,20 @@ MIN_RTO = 0.2
 INITIAL_RTO = 1.0
 MAX_RTO = 120.0
 DUP_THRESHOLD = 3
+#: CUBIC's multiplicative decrease
+BETA = 0.7
+#: our datagrams' sizes leave out IPv4's and UDP's headers: a segment's leave out as much
+IPV4_UDP_OVERHEAD = 28
 #: a tail loss probe waits 2 x SRTT and this (Linux's two jiffies), or the minimum
 #: RTO when a single segment is outstanding
 PTO_EXTRA = 0.002
 
 # a segment: 48 bytes of zeros where our header keeps its round (loss models that look
-# for one find round 0), then kind, segment index, cumulative ACK and the timestamp echo
+# for one find round 0), then kind, segment index, cumulative ACK, payload bytes, and
+# the echo of when it was sent (time, transmission number); then zeros to its size
 _PAD = bytes(48)
-_HEAD = struct.Struct("<BIIdQ")
+_HEAD = struct.Struct("<BIIIdQ")
+_HEAD_BYTES = len(_PAD) + _HEAD.size
 _DATA, _ACK = 1, 2
 _ZEROS = bytes(65536)
 
@@ -72,6 +83,7 @@ class _Connection:
         self.rto_at: float | None = None
         self.pto_at: float | None = None
         self.reo_at: float | None = None  # RACK's reordering timer
+        self.probe_out: int | None = None  # a tail loss probe went: until this is ACKed
         self.rack_sent = (-math.inf, -1)  # the latest delivered segment's sent_at
         self.last_sent = 0.0
         self.sends: deque[tuple[int, Future]] = deque()  # (end segment, future)
@@ -149,10 +161,10 @@ class TcpHost:
     # ------------------------------------------------ the core, for the network
     def datagram_received(self, data: bytes, peer: Hashable, now: float) -> None:
         self.now = now
-        kind, index, ack, echo, number = _HEAD.unpack_from(data, len(_PAD))
+        kind, index, ack, size, echo, number = _HEAD.unpack_from(data, len(_PAD))
         conn = self.connection(peer)
         if kind == _DATA:
-            self._data(conn, index, len(data) - len(_PAD) - _HEAD.size, (echo, number))
+            self._data(conn, index, size, (echo, number))
         else:
             self._ack(conn, index, ack, (echo, number), now)
 
@@ -199,13 +211,13 @@ class TcpHost:
         conn.transmissions += 1
         conn.sent_at[i] = (now, conn.transmissions)
         conn.sent_order.append((now, conn.transmissions, i))
-        out.append(((_PAD, _HEAD.pack(_DATA, i, 0, now, conn.transmissions), _ZEROS[:size]),
-                    conn.peer))
+        pad = max(0, size + TCP_OVERHEAD - IPV4_UDP_OVERHEAD - _HEAD_BYTES)
+        out.append(((_PAD, _HEAD.pack(_DATA, i, 0, size, now, conn.transmissions),
+                     _ZEROS[:pad]), conn.peer))
         conn.last_sent = now
         if conn.rto_at is None:
             conn.rto_at = now + conn.rto * conn.backoff
-        if conn.srtt is not None:  # (re-armed with every segment sent, as Linux does)
-            conn.pto_at = now + conn.pto()
+        self._arm_probe(conn, now)
 
     def _data(self, conn: _Connection, i: int, size: int, echo: tuple[float, int]) -> None:
         if i >= conn.rcv_nxt and i not in conn.ooo:
@@ -216,7 +228,7 @@ class TcpHost:
                 conn.received_bytes += conn.rcv_sizes.pop(conn.rcv_nxt)
                 conn.rcv_nxt += 1
             self._settle_recvs(conn)
-        self._acks.append(((_PAD, _HEAD.pack(_ACK, i, conn.rcv_nxt, *echo)), conn.peer))
+        self._acks.append(((_PAD, _HEAD.pack(_ACK, i, conn.rcv_nxt, 0, *echo)), conn.peer))
 
     def _ack(self, conn: _Connection, sacked: int, cumulative: int,
              echo: tuple[float, int], now: float) -> None:
@@ -240,10 +252,12 @@ class TcpHost:
                     conn.cwnd += newly
                 else:
                     conn.cwnd += newly / conn.cwnd
+            if conn.probe_out is not None and conn.una >= conn.probe_out:
+                conn.probe_out = None  # (the tail it probed is answered)
             outstanding = conn.una < conn.nxt
             conn.rto_at = now + conn.rto if outstanding else None
-            conn.pto_at = (now + conn.pto()
-                           if outstanding and conn.srtt is not None else None)
+            conn.pto_at = None
+            self._arm_probe(conn, now)
             self._settle_sends(conn)
         if conn.una <= sacked < conn.nxt and sacked not in conn.sacked:
             conn.sacked.add(sacked)
@@ -298,9 +312,17 @@ class TcpHost:
         return (i >= conn.una and i not in conn.sacked and i not in conn.lost_set
                 and conn.sent_at.get(i) == sent)
 
+    def _arm_probe(self, conn: _Connection, now: float) -> None:
+        """The tail loss probe's timer, from the last send or ACK: while data is out,
+        not in recovery or after a timeout, and no probe of this tail is out yet."""
+        if (conn.srtt is not None and conn.una < conn.nxt and conn.recover is None
+                and conn.probe_out is None and conn.backoff == 1):
+            conn.pto_at = now + conn.pto()
+
     def _mark_lost(self, conn: _Connection, segments: list[int]) -> None:
-        if conn.recover is None:  # the window halves once per window of data
-            conn.ssthresh = max(conn.cwnd / 2, 2.0)
+        if conn.recover is None:  # the window is cut once per window of data
+            conn.pto_at = None
+            conn.ssthresh = max(conn.cwnd * BETA, 2.0)
             conn.cwnd = conn.ssthresh
             conn.recover = conn.nxt
         for i in segments:
@@ -313,7 +335,7 @@ class TcpHost:
             conn.rto_at = conn.pto_at = None
             return
         self.timeouts += 1
-        conn.ssthresh = max(conn.pipe() / 2, 2.0)
+        conn.ssthresh = max(conn.cwnd * BETA, 2.0)
         conn.cwnd = 1.0
         conn.recover = None
         conn.backoff = min(conn.backoff * 2, int(MAX_RTO / MIN_RTO))
@@ -330,6 +352,7 @@ class TcpHost:
         if conn.una >= conn.nxt:
             return
         self.probes += 1
+        conn.probe_out = conn.nxt
         last = conn.nxt - 1
         if last not in conn.sacked and last not in conn.lost_set:
             conn.lost.appendleft(last)
@@ -350,3 +373,8 @@ class TcpHost:
     def _settle_recvs(self, conn: _Connection) -> None:
         while conn.recvs and conn.recvs[0][0] <= conn.received_bytes:
             conn.recvs.popleft()[1].set_result(None)
+
+
+def segment_index(data: bytes) -> int:
+    """The index of the segment a DATA segment's bytes carry (for routes and tests)."""
+    return _HEAD.unpack_from(data, len(_PAD))[1]
