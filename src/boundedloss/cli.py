@@ -830,7 +830,7 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
         queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
-    from .sim import LIKE_TESTBED, SimJob, run_sweep
+    from .sim import LIKE_TESTBED, plan_jobs, run_sweep
     from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
 
     if like_testbed:
@@ -866,15 +866,10 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
-    # (a baseline has its own topology - gloo's ring, tcp-ps's server - and one row per
-    # world and loss, as bench kernel-loss gives it)
-    arms = [(str(s), BASELINE_TOPOLOGY[s.name]) for s in systems if s.name in BASELINE_TOPOLOGY]
-    arms += [(str(s), t) for t in topologies_t for s in systems
-             if s.name not in BASELINE_TOPOLOGY]
-    jobs = [SimJob(workers=w, system=s, topology=t, loss=p, elements=elements,
-                   rounds=rounds, seed=seed, link_gbps=link_gbps, delay_us=delay_us,
-                   queue_datagrams=queue_datagrams, mtu=mtu, auth=auth, cpu=cpu)
-            for w in workers_t for p in losses_t for s, t in arms]
+    jobs = plan_jobs(workers_t, tuple(str(s) for s in systems), topologies_t, losses_t,
+                     elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
+                     delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
+                     auth=auth, cpu=cpu)
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "

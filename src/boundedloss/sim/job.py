@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from ..policy import parse_policy
 from ..protocol import TransportConfig
 from ..protocol.auth import TRAILER_BYTES
 from .baselines import EXCHANGES, SimTcp
+from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
 
 #: the simulated job's session token and key (a simulation authenticates as a job does)
 SESSION = 0x5EED_0000_0000_0001
@@ -239,6 +241,17 @@ def run_job(job: SimJob) -> SimRow:
         sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
         path_losses=net.counts["path_loss"], wall_s=round(time.perf_counter() - wall0, 3),
         seed=job.seed, cpu=job.cpu)
+
+
+def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
+              losses: Sequence[float], **settings: Any) -> list[SimJob]:
+    """The jobs of a sweep, world by world and loss by loss: each of our ``systems`` on
+    each of ``topologies``, and each baseline once, on its own topology (gloo's ring,
+    tcp-ps's server), as bench kernel-loss gives it; ``settings``: the rest of SimJob."""
+    arms = [(s, BASELINE_TOPOLOGY[s]) for s in systems if s in BASELINE_TOPOLOGY]
+    arms += [(s, t) for t in topologies for s in systems if s not in BASELINE_TOPOLOGY]
+    return [SimJob(workers=w, system=s, topology=t, loss=p, **settings)
+            for w in workers for p in losses for s, t in arms]
 
 
 def run_sweep(jobs: list[SimJob],
