@@ -200,8 +200,8 @@ class BoundedAllGather(_BoundedComm, _AllGather):
             on_host = flat_out.device.type == "cpu" and output_tensor.is_contiguous()
             full, stats = coll.all_gather(mine, round_id, self.bucket,
                                           out=as_message(flat_out) if on_host else None)
-            if not on_host:
-                flat_out.copy_(as_tensor(full, flat_out.dtype))
+            if not on_host:  # (into output itself: a non-contiguous one's reshape is a copy)
+                output_tensor.copy_(as_tensor(full, flat_out.dtype).view(output_tensor.shape))
             state.record(stats, None, collective="all_gather")
         except BaseException as e:
             state.failure = e
