@@ -370,14 +370,15 @@ def test_a_ring_allreduce_over_tcp_takes_2_n_minus_1_steps_of_a_chunk_each():
 def test_boundedloss_sim_runs_gloo_and_tcp_ps_on_their_own_topologies(tmp_path):
     from boundedloss.cli import main
 
-    path = tmp_path / "sim.json"
-    assert main(["sim", "--workers", "3", "--systems", "gloo,tcp-ps,reliable",
+    path, plot = tmp_path / "sim.json", tmp_path / "scaling.png"
+    assert main(["sim", "--workers", "2,3", "--systems", "gloo,tcp-ps,reliable",
                  "--topology", "allreduce", "--losses", "0,0.02", "--elements", "100000",
-                 "--rounds", "3", "--json", str(path)]) == 0
+                 "--rounds", "3", "--json", str(path), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads(path.read_text())
-    assert {(r["system"], r["topology"], r["loss"]) for r in rows} == {
-        (s, t, p) for s, t in (("gloo", "gloo"), ("tcp-ps", "ps"), ("reliable", "allreduce"))
-        for p in (0.0, 0.02)}
+    assert {(r["workers"], r["system"], r["topology"], r["loss"]) for r in rows} == {
+        (w, s, t, p) for s, t in (("gloo", "gloo"), ("tcp-ps", "ps"), ("reliable", "allreduce"))
+        for p in (0.0, 0.02) for w in (2, 3)}
     assert all(r["p50_ms"] > 0 for r in rows)
 
 

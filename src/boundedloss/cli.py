@@ -55,6 +55,13 @@ def _json_file(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
+def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file must be writable before a run starts, not after it ends."""
+    if value is not None:
+        _check(checks.writable_file, value, param.opts[0])
+    return value
+
+
 def _out_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None:
         _check(checks.writable_folder, value, "--out")
@@ -825,9 +832,12 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               callback=_json_file, help="Write the rows here (a JSON list).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              callback=_output_file,
+              help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, delay_us,
-        queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path) -> None:
+        queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
@@ -886,6 +896,13 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
     if json_path is not None:
         write_json(rows, json_path)
         console.print(f"rows written to {json_path}")
+    if plot_path is not None:
+        from pathlib import Path
+
+        from .sim.plot import plot_scaling
+
+        plot_scaling(rows, Path(plot_path))
+        console.print(f"plot written to {plot_path}")
 
 
 from .emulate.cli import testbed  # noqa: E402 - `boundedloss testbed ...`

@@ -175,8 +175,9 @@ def run_job(job: SimJob) -> SimRow:
         shared_cores=cpu.shared_cores)
     runtime = SimRuntime(net)
     bps = job.link_gbps * 1e9
-    config = TransportConfig(chunk_bytes=largest_chunk(
-        job.mtu, TRAILER_BYTES if job.auth else 0))
+    # (every peer's receive of both phases, posted a round ahead, as the hook allows)
+    config = TransportConfig(chunk_bytes=largest_chunk(job.mtu, TRAILER_BYTES if job.auth else 0),
+                             max_open_receives=max(256, 4 * job.workers))
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           cpu=costs)

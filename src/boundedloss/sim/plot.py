@@ -1,0 +1,37 @@
+"""`boundedloss sim --plot`: round time against the number of workers, log-log, one
+panel per loss rate, a line per system and topology (p50 solid, p99 dashed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..experiments.report import _plt
+from .job import SimRow
+
+
+def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
+    plt = _plt()
+    losses = sorted({r.loss for r in rows})
+    fig, axes = plt.subplots(1, len(losses), figsize=(5.5 * len(losses), 4.2), squeeze=False)
+    for ax, loss in zip(axes[0], losses):
+        arms = sorted({(r.system, r.topology) for r in rows if r.loss == loss})
+        for i, (system, topology) in enumerate(arms):
+            mine = sorted((r for r in rows if (r.system, r.topology, r.loss)
+                           == (system, topology, loss)), key=lambda r: r.workers)
+            n = [r.workers for r in mine]
+            color = f"C{i % 10}"
+            ax.plot(n, [r.p50_ms for r in mine], "o-", color=color,
+                    label=f"{system} ({topology}) p50")
+            ax.plot(n, [r.p99_ms for r in mine], "x--", color=color, alpha=0.6,
+                    label=f"{system} ({topology}) p99")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers")
+        ax.set_ylabel("round ms (virtual)")
+        ax.set_title(f"{loss:.1%} random loss")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
