@@ -453,8 +453,9 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 @click.option("--policy", type=PolicyParam(), default=TRAIN_DEFAULTS.policy, show_default=True,
               help="gloo: DDP's own allreduce over TCP (the reliable baseline); baseline: "
                    "MLT at DBLP's P_low. " + POLICY_HELP.replace("Each NAME", "NAME"))
-@click.option("--topology", type=click.Choice(list(TOPOLOGIES)), default=TRAIN_DEFAULTS.topology,
-              show_default=True, help="Parameter server (rank 0) or transpose allreduce.")
+@click.option("--topology", type=click.Choice(list(TOPOLOGIES)), default=None,
+              help="Parameter server (rank 0) or transpose allreduce (default: ps; not "
+                   "with --sharded).")
 @click.option("--workers", default=TRAIN_DEFAULTS.workers, show_default=True,
               type=click.IntRange(2, 64), help="Local worker processes (ignored under torchrun).")
 @click.option("--model", type=click.Choice(list(MODELS)), default=TRAIN_DEFAULTS.model,
@@ -473,9 +474,10 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
               help="What a lost chunk becomes.")
 @click.option("--hadamard/--no-hadamard", default=TRAIN_DEFAULTS.hadamard, show_default=True,
               help="Randomized Hadamard dispersion of every message.")
-@click.option("--stale-broadcast/--reliable-broadcast", default=TRAIN_DEFAULTS.stale_broadcast,
-              show_default=True,
-              help="Broadcast results under the bound, lost values keep their last value.")
+@click.option("--stale-broadcast/--reliable-broadcast", default=None,
+              help="Broadcast results (--sharded: all-gather parameters) under the bound, "
+                   "lost values keep their last value. Default: reliable; stale with "
+                   "--sharded.")
 @click.option("--chunk-bytes", default=TRAIN_DEFAULTS.chunk_bytes, show_default=True,
               type=click.IntRange(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES))
 @click.option("--deadline", default=TRAIN_DEFAULTS.receive_deadline, show_default=True,
@@ -517,14 +519,19 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
               default=TRAIN_DEFAULTS.precision, show_default=True,
               help="The model's parameters and inputs, and so DDP's gradient buckets: "
                    "float32 or bfloat16 (every policy, gloo too).")
+@click.option("--sharded", is_flag=True, default=TRAIN_DEFAULTS.sharded,
+              help="FSDP2 (fully_shard) instead of DDP: gloo is FSDP2's own collectives, "
+                   "our policies its reduce-scatter and all-gather; bf16 is its mixed "
+                   "precision over float32 master parameters. Not with --topology, "
+                   "--hadamard, --checkpoint-every, --resume or tcp-ps.")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
               type=click.Path(file_okay=False), callback=_out_folder)
 def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggregator,
           hadamard, stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
-          device, precision, out) -> None:
-    """Data-parallel training with the bounded-loss DDP hook (starts local workers,
-    or runs as one rank under torchrun)."""
+          device, precision, sharded, out) -> None:
+    """Data-parallel training with the bounded-loss DDP hook, or FSDP2 with --sharded
+    (starts local workers, or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
     from .net.loss import parse_loss_spec
     from .protocol.auth import AuthenticationError
@@ -545,7 +552,7 @@ def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggre
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
                       checkpoint_every=checkpoint_every, resume=resume, auth=auth,
-                      device=device, precision=precision)
+                      device=device, precision=precision, sharded=sharded)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
@@ -573,7 +580,7 @@ def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggre
         ran_on = summary["device"] + (f" ({summary['gpu']})" if summary["gpu"] else "")
         console.print(f"final {summary['metric_name']}: [bold]{summary['final_metric']:.4f}[/] "
                       f"in {summary['wall_s']:.1f} s ({summary['rounds']} rounds, {precision} "
-                      f"on {escape(ran_on)}); logs in {out}/")
+                      f"on {escape(ran_on)}{', FSDP2' if sharded else ''}); logs in {out}/")
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         # one rank under torchrun: exits like every launched rank (see run_rank_and_exit)

@@ -1,4 +1,5 @@
-"""`boundedloss train`: data-parallel training with the bounded-loss DDP hook.
+"""`boundedloss train`: data-parallel training with the bounded-loss DDP hook, or with
+``sharded`` FSDP2 (``sharding.py``) and the hook's reduce-scatter and all-gather.
 
 Starts ``workers`` local processes (torch.distributed over Gloo on 127.0.0.1), or one per
 node of a kernel testbed (``run_training(cfg, testbed)``), or, when
@@ -8,10 +9,13 @@ that one rank. Rank 0 writes, under ``out``:
 - ``rounds.jsonl``  one line per training round (iteration): step time, communication
   latency, delivered fraction, retransmission rounds, bound in force, phase, why closed;
 - ``epochs.jsonl``  one line per epoch: test metric, gradient norm, phase, bound, lr;
-- ``summary.json``  the configuration, what it trained on (``data``), final metric,
+- ``summary.json``  the configuration (``topology`` and ``stale_broadcast`` as resolved:
+  ``fsdp`` when ``sharded``), whether it was ``sharded``, what it trained on (``data``),
+  final metric,
   wall time, the device rank 0 ran
   on (and the GPU's name under cuda), the parameters' dtype (and so DDP's gradient
-  buckets'), the parameter count, whether the UDP
+  buckets'), the dtype gradients travel in (``grad_dtype``), the parameter count,
+  whether the UDP
   endpoints used segmentation offload, the most copies a PROBE went in, the data
   path (``native``, or ``python (why)``) and how datagrams were authenticated
   (``auth``: ``secret``, ``random`` or ``off``; None under gloo), and what rank 0's
@@ -37,7 +41,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import IO, TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import numpy as np
 
@@ -66,7 +70,8 @@ if TYPE_CHECKING:
 class TrainConfig:
     #: a policy as the command line writes it (``dblp``, ``mlt:0.008``, ``gloo``, ...)
     policy: str = "dblp"
-    topology: str = "ps"
+    #: the DDP hook's collective (None: ``ps``; under ``sharded`` none applies)
+    topology: str | None = None
     workers: int = 3
     model: str = "mlp"
     #: the images mlp and cnn train on (``IMAGE_DATA``; None: digits); charlm takes none
@@ -81,7 +86,9 @@ class TrainConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     receive_deadline: float = 20.0
     hadamard: bool = False
-    stale_broadcast: bool = False
+    #: broadcast (or all-gather) results under the bound (None: the hook's default -
+    #: reliable for DDP, stale for an FSDP2 model's all-gather)
+    stale_broadcast: bool | None = None
     steps_per_epoch: int | None = None  # default: one pass over this rank's share
     die_at_round: int | None = None  # testing: rank 1 exits abruptly at this round
     probe_copies_max: int | None = None  # the transport's PROBE copies (None: its default)
@@ -96,6 +103,8 @@ class TrainConfig:
     device: str = "cpu"
     #: the dtype of the model's parameters and inputs, and so of the buckets (``PRECISIONS``)
     precision: str = "fp32"
+    #: FSDP2 (``fully_shard``) instead of DDP: ``sharding.py``
+    sharded: bool = False
 
     def validate(self) -> None:
         try:
@@ -103,7 +112,7 @@ class TrainConfig:
         except ValueError as e:
             raise ValueError(f"--policy: {e}") from None
         for option, value, names in (("--model", self.model, MODELS),
-                                     ("--topology", self.topology, TOPOLOGIES),
+                                     ("--topology", self.topology or "ps", TOPOLOGIES),
                                      ("--aggregator", self.aggregator, AGGREGATORS),
                                      ("--device", self.device, DEVICES),
                                      ("--precision", self.precision, PRECISIONS)):
@@ -122,6 +131,28 @@ class TrainConfig:
             raise ValueError(f"--resume: {self.resume} is not a directory")
         if self.device == "cuda":
             self._check_cuda()
+        if self.sharded:
+            self._check_sharded()
+
+    def _check_sharded(self) -> None:
+        given = [flag for flag, value in (
+            ("--topology", self.topology is not None), ("--hadamard", self.hadamard),
+            ("--checkpoint-every", self.checkpoint_every > 0),
+            ("--resume", self.resume is not None)) if value]
+        if given:
+            # (checkpoints: FSDP2's sharded state wants torch.distributed.checkpoint)
+            raise ValueError(f"{given[0]} does not apply with --sharded (FSDP2 reduce-scatters "
+                             "gradients and all-gathers parameters; no topology, Hadamard "
+                             "transform or checkpoints)")
+        if parse_policy(self.policy).name == TCP_PS:
+            raise ValueError(f"--policy {TCP_PS} is a DDP comm hook: not with --sharded")
+
+    @property
+    def topology_name(self) -> str:
+        """The collective the gradients take: ``fsdp`` under --sharded, else the topology."""
+        if self.sharded:
+            return "fsdp"
+        return "ps" if self.topology is None else self.topology
 
     def _check_data(self) -> None:
         if self.data is None:
@@ -170,7 +201,9 @@ class TrainConfig:
 #: ``--device`` names
 DEVICES = ("cpu", "cuda")
 #: ``--precision`` names -> the torch dtype (by name) of the model's parameters and
-#: floating inputs; DDP's gradient buckets take it, and the hook carries bfloat16 as is
+#: floating inputs; DDP's gradient buckets take it, and the hook carries bfloat16 as is.
+#: (Under --sharded the parameters stay float32 and FSDP2's mixed precision computes and
+#: reduce-scatters in it: ``sharding.py``.)
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -193,10 +226,11 @@ class Placement:
 def placement(cfg: TrainConfig, rank: int) -> Placement:
     """Rank ``rank``'s placement. Under cuda it is ``cuda:{r % device_count}`` with r its
     local rank (torchrun's LOCAL_RANK, else its rank): several ranks may share a GPU, as
-    the control plane is gloo and the hook stages buckets through host memory."""
+    the control plane is gloo and the hook stages buckets through host memory. Under
+    --sharded the model stays float32 (FSDP2's master parameters; it casts the inputs)."""
     import torch
 
-    dtype = getattr(torch, PRECISIONS[cfg.precision])
+    dtype = torch.float32 if cfg.sharded else getattr(torch, PRECISIONS[cfg.precision])
     if cfg.device == "cpu":
         return Placement(torch.device("cpu"), dtype)
     local = int(os.environ.get("LOCAL_RANK", rank))
@@ -321,8 +355,14 @@ def _build(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Workloa
 
 
 def _per_round(log: list[dict], round_id: int) -> dict:
+    """Round ``round_id``'s figures from the hook's round log: its buckets' slowest
+    latency, least delivered fraction, and so on. On an FSDP2 model a step's round is its
+    gradients' reduce-scatter (each module's ``round_id``-th); the all-gathers count their
+    own calls - two a step for a module resharded after forward, and the evaluation's."""
     entries = []
     for e in reversed(log):  # this round's entries are the last ones (a log grows by rounds)
+        if e.get("collective", "reduce_scatter") != "reduce_scatter":
+            continue
         if e["round"] < round_id:
             break
         if e["round"] == round_id:
@@ -408,8 +448,9 @@ def load_checkpoint(cfg: TrainConfig, rank: int, world: int, uses_hook: bool) ->
 
 def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None = None) -> dict:
     """Run one rank to the end; rank 0 writes the logs and returns the summary.
-    ``keep_alive``: a list that gets the DDP model (and with it the process group), for
-    a caller that ends the process without tearing them down (:func:`run_rank_and_exit`)."""
+    ``keep_alive``: a list that gets the DDP (or FSDP2) model (and with it the process
+    group), for a caller that ends the process without tearing them down
+    (:func:`run_rank_and_exit`)."""
     from datetime import timedelta
 
     import torch
@@ -425,8 +466,14 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     if on_gpu:
         torch.cuda.set_device(where.device)  # (for CUDA calls that name no device)
     work = _build(cfg, rank, world, where)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        work.model, device_ids=[where.device.index] if on_gpu else None)
+    ddp: torch.nn.Module  # (the model every step runs: DDP's, or the FSDP2-sharded one)
+    if cfg.sharded:
+        from .sharding import shard
+
+        ddp = shard(work.model, where.device, getattr(torch, PRECISIONS[cfg.precision]))
+    else:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            work.model, device_ids=[where.device.index] if on_gpu else None)
     if keep_alive is not None:
         keep_alive.append(ddp)
     spec = parse_policy(cfg.policy)
@@ -440,13 +487,14 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     if spec.name == TCP_PS:
         from ..torch.tcp_ps import register_tcp_ps
 
-        register_tcp_ps(ddp)
+        register_tcp_ps(cast(torch.nn.parallel.DistributedDataParallel, ddp))
     if spec.uses_transport:
         from .. import torch as bl_torch
 
         loss = parse_loss_spec(cfg.loss, seed=cfg.seed * 100 + rank).for_rank(rank)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            # (topology, Hadamard, stale_broadcast: None where unset, the hook decides)
             state = bl_torch.register(
                 ddp, spec.make(), aggregator=cfg.aggregator, topology=cfg.topology,
                 transport=cfg.transport(), hadamard=cfg.hadamard,
@@ -523,8 +571,10 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
                 progress.step(epoch, loss_v.item())
             sched.step()  # first, so that an LR change marks the coming epoch critical
             decided = state.epoch_end(opt) if state is not None else {}
-            if epochs_log is not None:
+            if epochs_log is not None or cfg.sharded:
+                # (a sharded forward all-gathers: every rank evaluates, rank 0 logs)
                 metric = work.evaluate(work.model)
+            if epochs_log is not None:
                 rec = {"epoch": epoch, work.metric_name: metric,
                        "lr": opt.param_groups[0]["lr"],
                        "wall_s": round(time.perf_counter() - t_start, 4),
@@ -573,14 +623,20 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             drops = {k: v for k, v in counted.items() if k in DROP_REASONS and v}
             state.close()
     params = list(work.model.parameters())
-    summary = {"config": {**asdict(cfg), "workers": world}, "data": cfg.data_name,
+    # (what the run resolved: its collective, and whether results crossed under the bound)
+    resolved = {"topology": cfg.topology_name,
+                "stale_broadcast": cfg.stale_broadcast if state is None else state.stale_broadcast}
+    summary = {"config": {**asdict(cfg), "workers": world, **resolved},
+               "sharded": cfg.sharded, "data": cfg.data_name,
                "metric_name": work.metric_name,
                "final_metric": metric, "wall_s": wall, "rounds": round_id, "world_size": world,
                "device": str(where.device),
                "gpu": torch.cuda.get_device_name(where.device) if on_gpu else None,
                "parameters": sum(p.numel() for p in params),
-               # (DDP's gradient buckets are of the parameters' dtype)
+               # (DDP's gradient buckets are of the parameters' dtype; FSDP2's
+               # reduce-scatter of its mixed precision's)
                "param_dtype": _dtype_name(params[0].dtype),
+               "grad_dtype": PRECISIONS[cfg.precision],
                "udp_segmentation_offload": offload, "probe_copies_max": copies,
                "data_path": data_path, "auth": auth, "datagrams_received": received,
                "datagrams_dropped": drops,
@@ -608,7 +664,7 @@ class _Progress:
                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                        transient=False)
         bar.start()
-        self.bar = bar, bar.add_task(f"{cfg.policy}/{cfg.topology}", total=cfg.epochs,
+        self.bar = bar, bar.add_task(f"{cfg.policy}/{cfg.topology_name}", total=cfg.epochs,
                                      completed=first_epoch, info="")
 
     def step(self, epoch: int, loss: float) -> None:
