@@ -1,4 +1,6 @@
-"""The DDP hook's CUDA path on a GPU: `boundedloss train --device cuda`, system by system.
+"""The DDP hook's CUDA path on a GPU: `boundedloss train --device cuda`, system by system
+(``--sharded``: FSDP2's instead of DDP's - gloo is then FSDP2's own collectives, ours its
+reduce-scatter and all-gather, and bf16 its mixed precision over float32 parameters).
 
 For each precision (``--precisions``, fp32 then bf16) and system (``--systems``: gloo,
 DDP's own allreduce, and our policies) runs ``boundedloss train --device cuda`` with
@@ -12,11 +14,12 @@ final test metric, training and process wall s - and writes it all as JSON (``--
 Needs no kernel testbed (no pyroute2, no namespaces).
 
     python3 tools/gpu_hook.py --json gpu-hook.json
+    python3 tools/gpu_hook.py --sharded --json gpu-hook-fsdp2.json
 
 The default (charlm, 4 workers, 6 epochs of 60 steps, 7 runs) is sized to finish in
 about 4 minutes on one H100 (each run spends ~20 s starting its ranks, CUDA and the
-rendezvous). A failed run is reported with its last lines; the others go on, and the
-exit status is then 1.
+rendezvous); ``--sharded``'s took 194 s on an H100 (torch 2.11). A failed run is
+reported with its last lines; the others go on, and the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ class Arm:
     system: str
     precision: str
     loss: str = "none"
+    #: FSDP2 (``train --sharded``) instead of DDP
+    sharded: bool = False
 
     @property
     def name(self) -> str:
         lossy = "" if self.loss == "none" else "-" + self.loss.replace(":", "").replace(",", "")
-        return f"{self.system.replace(':', '')}-{self.precision}{lossy}"
+        fsdp = "-fsdp2" if self.sharded else ""
+        return f"{self.system.replace(':', '')}-{self.precision}{lossy}{fsdp}"
 
 
 @dataclass(frozen=True)
@@ -85,9 +91,11 @@ def _percentile(values: list[float], q: float) -> float:
 def run(arm: Arm, a: argparse.Namespace, out: Path) -> Result:
     cmd = [sys.executable, "-m", "boundedloss.cli", "train", "--device", "cuda",
            "--precision", arm.precision, "--policy", arm.system, "--loss", arm.loss,
-           "--workers", str(a.workers), "--model", a.model, "--topology", a.topology,
+           "--workers", str(a.workers), "--model", a.model,
            "--epochs", str(a.epochs), "--steps-per-epoch", str(a.steps_per_epoch),
            "--seed", str(a.seed), "--out", str(out)]
+    # (FSDP2 has no topology: train refuses one with --sharded)
+    cmd += ["--sharded"] if arm.sharded else ["--topology", a.topology]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "120"})
@@ -108,10 +116,10 @@ def run(arm: Arm, a: argparse.Namespace, out: Path) -> Result:
 
 
 def arms(a: argparse.Namespace) -> list[Arm]:
-    planned = [Arm(s, p) for p in a.precisions for s in a.systems]
+    planned = [Arm(s, p, sharded=a.sharded) for p in a.precisions for s in a.systems]
     if a.lossy_policy != "none" and a.loss != "none":
         precision = "bf16" if "bf16" in a.precisions else a.precisions[0]
-        planned.append(Arm(a.lossy_policy, precision, a.loss))
+        planned.append(Arm(a.lossy_policy, precision, a.loss, sharded=a.sharded))
     return planned
 
 
@@ -120,24 +128,27 @@ def _ms(v: float | None) -> str:
 
 
 def print_table(results: list[Result]) -> None:
-    gloo = {r.arm.precision: r.step_p50_ms for r in results
+    gloo = {(r.arm.precision, r.arm.sharded): r.step_p50_ms for r in results
             if r.ok and r.arm.system == "gloo" and r.arm.loss == "none"}
-    head = (f"{'system':10s} {'precision':9s} {'network':26s} {'step p50':>9s} "
+    head = (f"{'system':10s} {'wrap':5s} {'precision':9s} {'network':26s} {'step p50':>9s} "
             f"{'p90':>8s} {'vs gloo':>8s} {'comm p50':>9s} {'metric':>18s} {'train s':>8s} "
             f"{'wall s':>7s}")
     print(head)
     print("-" * len(head))
     for r in results:
         network = "loopback" if r.arm.loss == "none" else f"loopback+{r.arm.loss}*"
+        wrap = "FSDP2" if r.arm.sharded else "DDP"
         if not r.ok:
-            print(f"{r.arm.system:10s} {r.arm.precision:9s} {network:26s} FAILED: {r.error}")
+            print(f"{r.arm.system:10s} {wrap:5s} {r.arm.precision:9s} {network:26s} "
+                  f"FAILED: {r.error}")
             continue
-        base = gloo.get(r.arm.precision)
-        # a ratio only against gloo at the same precision over the same (lossless) network
+        base = gloo.get((r.arm.precision, r.arm.sharded))
+        # a ratio only against gloo at the same precision and wrapping (DDP or FSDP2)
+        # over the same (lossless) network
         ratio = ("-" if r.arm.loss != "none" or base is None or r.arm.system == "gloo"
                  else f"{r.step_p50_ms / base:.2f}x")
         metric = f"{r.metric_name} {r.final_metric:.4f}"
-        print(f"{r.arm.system:10s} {r.arm.precision:9s} {network:26s} "
+        print(f"{r.arm.system:10s} {wrap:5s} {r.arm.precision:9s} {network:26s} "
               f"{_ms(r.step_p50_ms):>9s} {_ms(r.step_p90_ms):>8s} {ratio:>8s} "
               f"{_ms(r.comm_p50_ms):>9s} {metric:>18s} {r.train_s:8.1f} {r.wall_s:7.1f}")
     if any(r.arm.loss != "none" for r in results):
@@ -159,7 +170,10 @@ def main() -> int:
     ap.add_argument("--model", default="charlm",
                     help="charlm (a GRU language model: the shipped model with the most "
                          "GPU work a step), mlp or cnn")
-    ap.add_argument("--topology", default="ps", choices=["ps", "allreduce"])
+    ap.add_argument("--topology", default="ps", choices=["ps", "allreduce"],
+                    help="the DDP hook's collective (not with --sharded)")
+    ap.add_argument("--sharded", action="store_true",
+                    help="FSDP2 instead of DDP (train --sharded); rows and JSON say so")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--steps-per-epoch", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
