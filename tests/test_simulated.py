@@ -226,6 +226,9 @@ def test_boundedloss_sim_prints_rows_and_the_same_seed_writes_the_same_json(tmp_
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "1"], "world sizes must be 2 to 1024"),
+    (["--loss-model", "burst:rate=0.8,every=10"], "give them as time windows"),
+    (["--loss-model", "bottleneck:rate=100,queue=4"], "a bottleneck is the simulator's"),
+    (["--loss-model", "nonsense:1"], "bad loss spec part"),
     (["--systems", "nccl"], "unknown"),
     (["--topology", "ring"], "'ring': choose from"),
     (["--losses", "1.5"], "loss rates must be in [0, 1)"),
@@ -506,3 +509,19 @@ def test_a_wait_that_ended_leaves_no_timer_behind_to_hold_off_a_deadlock():
         rt.run()
     assert rt.now < 1.0
     rt.close()
+
+
+def test_boundedloss_sim_runs_a_loss_model_on_every_path_for_every_system(tmp_path):
+    from boundedloss.cli import main
+
+    path = tmp_path / "sim.json"
+    spec = "burst:rate=0.9,window=0.0005-0.004"
+    assert main(["sim", "--workers", "3", "--systems", "gloo,reliable", "--topology",
+                 "allreduce", "--losses", "0", "--loss-model", spec, "--elements", "100000",
+                 "--rounds", "3", "--json", str(path)]) == 0
+    rows = {(r["system"], r["loss_model"]): r for r in json.loads(path.read_text())}
+    assert set(rows) == {(s, m) for s in ("gloo", "reliable") for m in ("", spec)}
+    for system in ("gloo", "reliable"):  # the burst met both alike, and nothing else did
+        assert rows[(system, spec)]["path_loss_fraction"] > 0
+        assert rows[(system, "")]["path_loss_fraction"] == 0
+        assert rows[(system, spec)]["p99_ms"] > rows[(system, "")]["p99_ms"]

@@ -815,6 +815,10 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help=f"Collectives, comma-separated: {', '.join(TOPOLOGIES)}.")
 @click.option("--losses", default="0,0.01", show_default=True,
               help="Random loss on every path, comma-separated rates in [0, 1).")
+@click.option("--loss-model", "loss_models", multiple=True,
+              help="A loss spec on every path, rows of its own (repeatable): e.g. "
+                   "ge:rate=0.01,burst=8, or burst:rate=0.8,window=0.05-0.06 (bursts as "
+                   "time windows, in virtual seconds).")
 @click.option("--elements", default=1 << 20, show_default=True, type=click.IntRange(1, 1 << 28),
               help="float32 values exchanged per round.")
 @click.option("--rounds", default=5, show_default=True, type=click.IntRange(1, 100_000))
@@ -843,12 +847,14 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               callback=_output_file,
               help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
-def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, delay_us,
-        queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path, plot_path) -> None:
+def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
+        delay_us, queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path,
+        plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
     from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
+    from .sim.job import check_loss_model
 
     if like_testbed:
         given = [f"--{name.replace('_', '-')}" for name in LIKE_TESTBED
@@ -883,7 +889,13 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
+    for spec in loss_models:
+        try:
+            check_loss_model(spec)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--loss-model") from None
     jobs = plan_jobs(workers_t, tuple(str(s) for s in systems), topologies_t, losses_t,
+                     loss_models=tuple(loss_models),
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
                      auth=auth, cpu=cpu)
@@ -896,7 +908,8 @@ def sim(ctx, workers, systems, topologies, losses, elements, rounds, link_gbps, 
                 "datagrams", "queue drops", "wall s"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r.workers), r.system, r.topology, f"{r.loss:.1%}", f"{r.p50_ms:.2f}",
+        t.add_row(str(r.workers), r.system, r.topology, r.loss_model or f"{r.loss:.1%}",
+                  f"{r.p50_ms:.2f}",
                   f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", f"{r.sim_datagrams:,}",
                   f"{r.queue_drops:,}", f"{r.wall_s:.1f}")
     console.print(t)

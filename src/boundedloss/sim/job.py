@@ -31,7 +31,7 @@ from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
 from ..net.cpu import CpuCosts
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
-from ..net.loss import Bernoulli
+from ..net.loss import Bernoulli, Bottleneck, Combined, LossModel, Microburst, parse_loss_spec
 from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
 from ..net.udp import largest_chunk
 from ..policy import parse_policy
@@ -106,6 +106,9 @@ class SimJob:
     elements: int
     rounds: int
     seed: int = 0
+    #: a loss model for every path instead of ``loss``'s random loss, as a loss spec
+    #: (net.loss.parse_loss_spec: Gilbert-Elliott bursts, time windows of heavy loss)
+    loss_model: str = ""
     link_gbps: float = 10.0
     delay_us: float = 5.0
     queue_datagrams: int = 1024
@@ -138,6 +141,10 @@ class SimRow:
     wall_s: float
     seed: int
     cpu: str = "none"
+    #: the loss spec every path ran, if not ``loss``'s random loss; the share of the
+    #: datagrams sent that the paths lost
+    loss_model: str = ""
+    path_loss_fraction: float = 0.0
 
 
 class _Barrier:
@@ -170,9 +177,7 @@ def run_job(job: SimJob) -> SimRow:
     cpu = CPU_PRESETS[job.cpu]
     costs = job.cpu_costs or cpu.costs
     net = FakeNetwork(seed=job.seed, path=PathProfile(
-        delay=job.delay_us * 1e-6,
-        loss=Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None),
-        shared_cores=cpu.shared_cores)
+        delay=job.delay_us * 1e-6, loss=path_loss(job)), shared_cores=cpu.shared_cores)
     runtime = SimRuntime(net)
     bps = job.link_gbps * 1e9
     # (every peer's receive of both phases, posted a round ahead, as the hook allows)
@@ -241,18 +246,46 @@ def run_job(job: SimJob) -> SimRow:
         mean_ms=round(float(np.mean(latencies)), 3), max_ms=round(float(max(latencies)), 3),
         sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
         path_losses=net.counts["path_loss"], wall_s=round(time.perf_counter() - wall0, 3),
-        seed=job.seed, cpu=job.cpu)
+        seed=job.seed, cpu=job.cpu, loss_model=job.loss_model,
+        path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
-              losses: Sequence[float], **settings: Any) -> list[SimJob]:
-    """The jobs of a sweep, world by world and loss by loss: each of our ``systems`` on
-    each of ``topologies``, and each baseline once, on its own topology (gloo's ring,
-    tcp-ps's server), as bench kernel-loss gives it; ``settings``: the rest of SimJob."""
+              losses: Sequence[float], loss_models: Sequence[str] = (),
+              **settings: Any) -> list[SimJob]:
+    """The jobs of a sweep, world by world, loss by loss (random loss of each of
+    ``losses``, then each of ``loss_models``): each of our ``systems`` on each of
+    ``topologies``, and each baseline once, on its own topology (gloo's ring, tcp-ps's
+    server), as bench kernel-loss gives it; ``settings``: the rest of SimJob."""
     arms = [(s, BASELINE_TOPOLOGY[s]) for s in systems if s in BASELINE_TOPOLOGY]
     arms += [(s, t) for t in topologies for s in systems if s not in BASELINE_TOPOLOGY]
-    return [SimJob(workers=w, system=s, topology=t, loss=p, **settings)
-            for w in workers for p in losses for s, t in arms]
+    network = [(p, "") for p in losses] + [(0.0, m) for m in loss_models]
+    return [SimJob(workers=w, system=s, topology=t, loss=p, loss_model=m, **settings)
+            for w in workers for p, m in network for s, t in arms]
+
+
+def path_loss(job: SimJob) -> LossModel | None:
+    """What every path of ``job``'s network loses."""
+    if job.loss_model:
+        return check_loss_model(job.loss_model, seed=job.seed)
+    return Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None
+
+
+def check_loss_model(spec: str, seed: int = 0) -> LossModel:
+    """``spec`` as a path loss model every system meets alike: random, Gilbert-Elliott
+    and time-windowed bursts, not bursts keyed on our rounds (a TCP segment carries no
+    round) nor a bottleneck (the links and queues are that); ValueError, one line, if
+    not."""
+    model = parse_loss_spec(spec, seed=seed)
+    parts = model.models if isinstance(model, Combined) else [model]
+    for part in parts:
+        if isinstance(part, Bottleneck):
+            raise ValueError(f"{spec!r}: a bottleneck is the simulator's links and queues "
+                             "(--link-gbps, --queue-datagrams), not a path's loss")
+        if isinstance(part, Microburst) and (part.rounds or part.every):
+            raise ValueError(f"{spec!r}: bursts keyed on rounds meet our datagrams alone (a "
+                             "TCP segment carries no round): give them as time windows")
+    return model
 
 
 def run_sweep(jobs: list[SimJob],
@@ -262,6 +295,6 @@ def run_sweep(jobs: list[SimJob],
     for i, job in enumerate(jobs, 1):
         if progress is not None:
             progress(f"simulating {i}/{len(jobs)}: {job.workers} workers, {job.system}, "
-                     f"{job.topology}, {job.loss:.1%} loss")
+                     f"{job.topology}, {job.loss_model or f'{job.loss:.1%}'} loss")
         rows.append(run_job(job))
     return rows

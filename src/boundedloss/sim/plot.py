@@ -1,5 +1,6 @@
 """`boundedloss sim --plot`: round time against the number of workers, log-log, one
-panel per loss rate, a line per system and topology (p50 solid, p99 dashed)."""
+panel per loss (rate or model), a line per system and topology (p50 solid, p99
+dashed)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from .job import SimRow
 
 def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
     plt = _plt()
-    losses = sorted({r.loss for r in rows})
-    fig, axes = plt.subplots(1, len(losses), figsize=(5.5 * len(losses), 4.2), squeeze=False)
-    for ax, loss in zip(axes[0], losses):
-        arms = sorted({(r.system, r.topology) for r in rows if r.loss == loss})
+    networks = sorted({(r.loss_model, r.loss) for r in rows})
+    fig, axes = plt.subplots(1, len(networks), figsize=(5.5 * len(networks), 4.2),
+                             squeeze=False)
+    for ax, network in zip(axes[0], networks):
+        arms = sorted({(r.system, r.topology) for r in rows if (r.loss_model, r.loss) == network})
         for i, (system, topology) in enumerate(arms):
-            mine = sorted((r for r in rows if (r.system, r.topology, r.loss)
-                           == (system, topology, loss)), key=lambda r: r.workers)
+            mine = sorted((r for r in rows if (r.system, r.topology, r.loss_model, r.loss)
+                           == (system, topology, *network)), key=lambda r: r.workers)
             n = [r.workers for r in mine]
             color = f"C{i % 10}"
             ax.plot(n, [r.p50_ms for r in mine], "o-", color=color,
@@ -29,7 +31,7 @@ def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("workers")
         ax.set_ylabel("round ms (virtual)")
-        ax.set_title(f"{loss:.1%} random loss")
+        ax.set_title(network[0] or f"{network[1]:.1%} random loss", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
