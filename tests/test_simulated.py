@@ -525,3 +525,54 @@ def test_boundedloss_sim_runs_a_loss_model_on_every_path_for_every_system(tmp_pa
         assert rows[(system, spec)]["path_loss_fraction"] > 0
         assert rows[(system, "")]["path_loss_fraction"] == 0
         assert rows[(system, spec)]["p99_ms"] > rows[(system, "")]["p99_ms"]
+
+
+def test_a_link_to_the_spine_serialises_and_drops_beyond_its_queue():
+    from boundedloss.net.fabric import Link
+
+    link = Link(bps=8e6, queue=2)  # (a 1,000-byte datagram takes 1 ms)
+    assert link.offer(0.0, 1000) == pytest.approx(0.001)
+    assert link.offer(0.0, 1000) == pytest.approx(0.002)
+    assert link.offer(0.0, 1000) is None  # two wait already
+    assert link.offer(0.0015, 1000) == pytest.approx(0.003)  # the first has left
+
+
+def test_traffic_between_racks_shares_the_spine_and_traffic_within_does_not():
+    from boundedloss.sim import SimJob, run_job
+
+    def round_ms(racks: int, topology: str, system: str = "reliable") -> tuple[float, int]:
+        row = run_job(SimJob(workers=8, system=system, topology=topology, loss=0.0,
+                             elements=200_000, rounds=2, racks=racks, oversubscription=4.0))
+        c = row.sim_datagrams
+        assert c > 0
+        return row.p50_ms, row.fabric_drops
+
+    one, _ = round_ms(1, "allreduce")
+    two, _ = round_ms(2, "allreduce")
+    # half of every rank's shards cross a spine link of 4 hosts' links over 4: slower
+    assert two > 1.5 * one
+    # gloo's ring crosses the spine at two links of eight: barely slower
+    ring_one, _ = round_ms(1, "gloo", "gloo")
+    ring_two, _ = round_ms(2, "gloo", "gloo")
+    assert ring_two < 1.3 * ring_one
+
+
+def test_the_counts_balance_with_drops_at_the_spine():
+    from boundedloss.net.fabric import Fabric, FabricProfile
+
+    net = FakeNetwork(seed=0)
+    net.fabric = Fabric(FabricProfile(uplink_bps=1e8, queue_datagrams=4), racks=2)
+    rt = SimRuntime(net)
+    a = SimEndpoint(rt, _address(0), session=SESSION, profile=NodeProfile(up_bps=1e10))
+    b = SimEndpoint(rt, _address(1), session=SESSION)
+    net.fabric.place(a.address, 0)
+    net.fabric.place(b.address, 1)
+    payload = np.zeros(300_000, dtype=np.uint8)
+    rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
+    got = rt.spawn(lambda: b.receive(a.address, message_id=1, nbytes=payload.nbytes).result())
+    rt.run()
+    net.run(until=net.now + 1.0)  # (what is still on its way arrives)
+    c = net.counts
+    assert got.result().complete and c["fabric_drop"] > 0
+    assert c["sent"] + c["duplicated"] == (c["no_route"] + c["path_loss"] + c["fabric_drop"]
+                                           + c["queue_drop"] + c["node_loss"] + c["delivered"])

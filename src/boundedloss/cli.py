@@ -831,6 +831,11 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Drop-tail queue at the switch port toward each host, in datagrams.")
 @click.option("--mtu", default=9000, show_default=True, type=click.IntRange(576, 65535),
               help="The links' MTU; a chunk's datagram fills one packet.")
+@click.option("--racks", default=1, show_default=True, type=click.IntRange(1, 1024),
+              help="Racks under one spine, the workers spread evenly (1: one switch).")
+@click.option("--oversubscription", default=1.0, show_default=True,
+              type=FiniteFloatRange(1.0, 1e3),
+              help="A rack's hosts' links together over its uplink to the spine.")
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="Authenticate every datagram, as a job does.")
 @click.option("--cpu", default="none", show_default=True,
@@ -848,8 +853,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
-        delay_us, queue_datagrams, mtu, auth, cpu, like_testbed, seed, json_path,
-        plot_path) -> None:
+        delay_us, queue_datagrams, mtu, racks, oversubscription, auth, cpu, like_testbed,
+        seed, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
@@ -871,6 +876,9 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     workers_t = _parse_list(workers, int, "--workers")
     if any(not 2 <= w <= 1024 for w in workers_t):
         raise click.BadParameter("world sizes must be 2 to 1024", param_hint="--workers")
+    if min(workers_t) < racks:
+        raise click.BadParameter(f"{min(workers_t)} workers cannot fill {racks} racks",
+                                 param_hint="--racks")
     unknown = [str(s) for s in systems if s.name not in SIM_SYSTEMS]
     if unknown:
         raise click.BadParameter(f"{unknown[0]!r}: the simulator runs {', '.join(SIM_SYSTEMS)}",
@@ -898,12 +906,13 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      loss_models=tuple(loss_models),
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
-                     auth=auth, cpu=cpu)
+                     auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription)
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
+    fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
-                    f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams, "
-                    f"CPU {cpu} (virtual time)")
+                    f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams"
+                    f"{fabric}, CPU {cpu} (virtual time)")
     for col in ("workers", "system", "topology", "loss", "p50 ms", "p99 ms", "mean ms",
                 "datagrams", "queue drops", "wall s"):
         t.add_column(col, justify="right")
@@ -911,7 +920,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
         t.add_row(str(r.workers), r.system, r.topology, r.loss_model or f"{r.loss:.1%}",
                   f"{r.p50_ms:.2f}",
                   f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", f"{r.sim_datagrams:,}",
-                  f"{r.queue_drops:,}", f"{r.wall_s:.1f}")
+                  f"{r.queue_drops + r.fabric_drops:,}", f"{r.wall_s:.1f}")
     console.print(t)
     if json_path is not None:
         write_json(rows, json_path)

@@ -35,6 +35,7 @@ import numpy as np
 from .. import wire
 from ..protocol.mux import TransferMux
 from .cpu import Cores, CpuCosts
+from .fabric import Fabric
 from .loss import LossModel
 
 
@@ -83,7 +84,7 @@ Route = Callable[[Datagram], Sequence[float]]
 """Decides a datagram's fate: the delays (seconds after it departed, each >= 0) after
 which a copy of it reaches the destination; empty if it is lost."""
 
-_ARRIVE, _DELIVER, _WAKE, _CALL, _TAKE = 0, 1, 2, 3, 4
+_ARRIVE, _DELIVER, _WAKE, _CALL, _TAKE, _SPINE_UP, _SPINE_DOWN = 0, 1, 2, 3, 4, 5, 6
 
 
 class _Node:
@@ -110,11 +111,12 @@ class FakeNetwork:
     ``route`` (a constructor argument, or set any time) decides every datagram's fate;
     by default :meth:`default_route`. ``counts`` tallies datagrams: ``sent`` (each one
     that left an uplink), ``no_route`` (to an address nobody holds), ``path_loss``
-    (the route lost it), ``duplicated`` (extra copies the route made), ``queue_drop``
+    (the route lost it), ``duplicated`` (extra copies the route made), ``fabric_drop``
+    (lost at a full queue to or from the spine, with a ``fabric``), ``queue_drop``
     and ``node_loss`` (lost at the destination's downlink) and ``delivered`` (handed
     to the destination's core), so that
-    sent + duplicated = no_route + path_loss + queue_drop + node_loss + delivered
-    once nothing is in flight.
+    sent + duplicated = no_route + path_loss + fabric_drop + queue_drop + node_loss
+    + delivered once nothing is in flight.
     """
 
     POLL_BATCH = 64
@@ -133,6 +135,8 @@ class FakeNetwork:
         self._seq = 0
         self.counts: Counter[str] = Counter()
         self.route: Route = route if route is not None else self.default_route
+        #: racks and a spine (None: every host on one switch)
+        self.fabric: Fabric | None = None
 
     # ------------------------------------------------------------------ set-up
     def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None, *,
@@ -263,6 +267,8 @@ class FakeNetwork:
             return
         if kind == _ARRIVE:
             self._arrive(node, src, data)
+        elif kind == _SPINE_UP or kind == _SPINE_DOWN:
+            self._cross_spine(kind, node, src, *data)
         elif kind == _DELIVER:
             cpu = node.profile.cpu
             if cpu is None:
@@ -339,11 +345,31 @@ class FakeNetwork:
             self.counts["path_loss"] += 1
             return
         self.counts["duplicated"] += len(delays) - 1
+        spine = self.fabric is not None and self.fabric.crosses(src.address, peer)
         for delay in delays:
             if not delay >= 0:
                 raise ValueError(f"a route returned the delay {delay}: a copy must not "
                                  "arrive before it left")
-            self._push(depart + delay, _ARRIVE, dst, src.address, data)
+            if spine:  # (through its rack's uplink and the spine's downlink first)
+                self._push(depart, _SPINE_UP, dst, src.address, (data, delay))
+            else:
+                self._push(depart + delay, _ARRIVE, dst, src.address, data)
+
+    def _cross_spine(self, kind: int, dst: _Node, src, data: bytes, delay: float) -> None:
+        """A datagram at its rack's uplink (_SPINE_UP) or at the spine's downlink to the
+        destination's rack (_SPINE_DOWN): queued there, or dropped (``fabric_drop``)."""
+        fabric = self.fabric
+        assert fabric is not None
+        up = kind == _SPINE_UP
+        rack = fabric.rack(src if up else dst.address)
+        assert rack is not None
+        left = (fabric.up if up else fabric.down)[rack].offer(self.now, len(data))
+        if left is None:
+            self.counts["fabric_drop"] += 1
+        elif up:
+            self._push(left, _SPINE_DOWN, dst, src, (data, delay))
+        else:
+            self._push(left + delay, _ARRIVE, dst, src, data)
 
     def _arrive(self, node: _Node, src, data: bytes) -> None:
         now = self.now

@@ -7,8 +7,10 @@ relaxed phase, as ``bench kernel-loss`` runs it) or a baseline over the TCP mode
 gradient.
 
 The network: every host has an uplink and a downlink of ``link_gbps`` (a star through
-one switch - a rack), a drop-tail queue of ``queue_datagrams`` at the switch's port
-toward each host (its downlink), a one-way delay of ``delay_us`` on every path, and
+one switch - a rack; or ``racks`` of them under a spine, each rack's uplink its hosts'
+links together over ``oversubscription``), a drop-tail queue of ``queue_datagrams`` at
+the switch's port toward each host (its downlink) and at each spine link, a one-way
+delay of ``delay_us`` on every path, and
 random loss of ``loss`` on every path. Computing takes no virtual time unless the job
 names a CPU preset (``CPU_PRESETS``): then every host's work is charged to its cores.
 
@@ -30,6 +32,7 @@ import numpy as np
 from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
 from ..net.cpu import CpuCosts
+from ..net.fabric import Fabric, FabricProfile
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
 from ..net.loss import Bernoulli, Bottleneck, Combined, LossModel, Microburst, parse_loss_spec
 from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
@@ -116,6 +119,10 @@ class SimJob:
     mtu: int = 9000
     auth: bool = True
     cpu: str = "none"  # a CPU_PRESETS name
+    #: racks under one spine (1: one switch), the workers spread evenly, and how far a
+    #: rack's uplink falls short of its hosts' links together
+    racks: int = 1
+    oversubscription: float = 1.0
     #: costs that replace the preset's (a calibration's own measurement)
     cpu_costs: CpuCosts | None = None
 
@@ -145,6 +152,10 @@ class SimRow:
     #: datagrams sent that the paths lost
     loss_model: str = ""
     path_loss_fraction: float = 0.0
+    racks: int = 1
+    oversubscription: float = 1.0
+    #: datagrams lost at a full queue to or from the spine
+    fabric_drops: int = 0
 
 
 class _Barrier:
@@ -180,12 +191,21 @@ def run_job(job: SimJob) -> SimRow:
         delay=job.delay_us * 1e-6, loss=path_loss(job)), shared_cores=cpu.shared_cores)
     runtime = SimRuntime(net)
     bps = job.link_gbps * 1e9
+    if job.racks > 1:
+        if job.workers < job.racks:
+            raise ValueError(f"{job.workers} workers cannot fill {job.racks} racks")
+        per_rack = -(-job.workers // job.racks)
+        net.fabric = Fabric(FabricProfile(uplink_bps=per_rack * bps / job.oversubscription,
+                                          queue_datagrams=job.queue_datagrams), job.racks)
     # (every peer's receive of both phases, posted a round ahead, as the hook allows)
     config = TransportConfig(chunk_bytes=largest_chunk(job.mtu, TRAILER_BYTES if job.auth else 0),
                              max_open_receives=max(256, 4 * job.workers))
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           cpu=costs)
+    if net.fabric is not None:
+        for r, peer in enumerate(peers):
+            net.fabric.place(peer, r * job.racks // job.workers)
     barrier = _Barrier(runtime, job.workers)
     starts = np.zeros((job.workers, job.rounds))
     ends = np.zeros((job.workers, job.rounds))
@@ -247,7 +267,9 @@ def run_job(job: SimJob) -> SimRow:
         sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
         path_losses=net.counts["path_loss"], wall_s=round(time.perf_counter() - wall0, 3),
         seed=job.seed, cpu=job.cpu, loss_model=job.loss_model,
-        path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5))
+        path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
+        racks=job.racks, oversubscription=job.oversubscription,
+        fabric_drops=net.counts["fabric_drop"])
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
