@@ -599,3 +599,24 @@ def test_a_half_refuses_hadamard_dispersion():
             coll.all_gather(np.zeros(4, np.float32), 0)
     finally:
         ep.close()
+
+
+def test_a_failed_broadcast_leaves_the_later_ones_tracked_for_close():
+    """One broadcast failed: settling raises for it, and the bucket's later pending
+    broadcasts stay tracked, so that close() still waits for or cancels them."""
+    from concurrent.futures import Future
+
+    from boundedloss.collective.parameter_server import PendingBroadcast
+    from boundedloss.protocol import TransportError
+
+    sim = _Simulated()
+    [server, _] = _server_and_worker(sim, TransportConfig(chunk_bytes=1400), lambda d: False)
+    failed: Future = Future()
+    failed.set_exception(TransportError("the worker stopped answering"))
+    later: Future = Future()
+    # (the bucket's bookkeeping as two rounds of one worker left it)
+    server._broadcasts[0] = [PendingBroadcast(1, 1, failed),  # noqa: SLF001
+                             PendingBroadcast(2, 1, later)]
+    with pytest.raises(TransportError):
+        server._settle_broadcasts(0, before=2)  # noqa: SLF001
+    assert [p.future for p in server.unacknowledged_broadcasts(0)] == [later]

@@ -15,6 +15,7 @@ more. The sends finish in the background; a failed one is raised in a later roun
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -78,14 +79,20 @@ class ParameterServer(Collective):
         """Raise for a broadcast that failed; wait for those older than ``before``
         (a worker that pushed this round has last round's result, so those are only
         waiting for a STOP)."""
-        keep = []
-        for sent in self._broadcasts.pop(bucket, []):
-            if sent.future.done() or sent.round_id < before:
-                self._wait_sends([(sent.worker, sent.future)])
-            else:
-                keep.append(sent)
-        if keep:
-            self._broadcasts[bucket] = keep
+        pending = deque(self._broadcasts.pop(bucket, []))
+        keep: list[PendingBroadcast] = []
+        try:
+            while pending:
+                sent = pending.popleft()
+                if sent.future.done() or sent.round_id < before:
+                    self._wait_sends([(sent.worker, sent.future)])
+                else:
+                    keep.append(sent)
+        finally:
+            # (those after a failed one stay tracked: close() waits for or cancels them)
+            keep += pending
+            if keep:
+                self._broadcasts[bucket] = keep
 
     def close(self) -> None:
         """Let the last broadcasts be delivered - for at most ``CLOSE_SETTLE_S`` - then
