@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--elements", type=int, default=1 << 20)
     ap.add_argument("--ranks", type=int, default=4, help="world size (2 to 16)")
+    ap.add_argument("--mtu", type=int, default=1500,
+                    help="the testbed links' MTU (bench kernel-loss's default); chunks follow it")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
     if not 2 <= a.ranks <= 16:
@@ -176,7 +178,7 @@ def main() -> None:
 
     nodes = ["server", *(f"w{i}" for i in range(a.ranks - 1))]
     with tempfile.TemporaryDirectory() as tmp, \
-            Testbed(TestbedConfig(workers=a.ranks - 1)) as tb:
+            Testbed(TestbedConfig(workers=a.ranks - 1, mtu=a.mtu)) as tb:
         for node in nodes:
             tb.set_loss(a.loss, node, protocol="all")
         log = open(Path(tmp, "ranks.log"), "w")
@@ -219,6 +221,7 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps({
             "system": a.system, "topology": a.topology, "auth": a.auth, "loss": a.loss,
+            "mtu": a.mtu,
             "ranks": n_ranks, "rounds": a.rounds, "elements": a.elements, **split,
             "steps_ms": {step: sum(rk["ms"].get(step, 0.0) for rk in per_rank) / n_ranks
                          for step in ["I/O thread, all", *IO_STEPS, *MAIN_STEPS]},

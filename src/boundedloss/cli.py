@@ -859,7 +859,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
     from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
-    from .sim.job import check_loss_model
+    from .sim.job import LIKE_TESTBED_MTU, check_loss_model
 
     if like_testbed:
         given = [f"--{name.replace('_', '-')}" for name in LIKE_TESTBED
@@ -872,6 +872,8 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
             LIKE_TESTBED["queue_datagrams"], LIKE_TESTBED["cpu"])
         if ctx.get_parameter_source("systems") is click.core.ParameterSource.DEFAULT:
             systems = tuple(s for s in systems if s.name not in BASELINE_TOPOLOGY)
+        if ctx.get_parameter_source("mtu") is click.core.ParameterSource.DEFAULT:
+            mtu = LIKE_TESTBED_MTU
 
     workers_t = _parse_list(workers, int, "--workers")
     if any(not 2 <= w <= 1024 for w in workers_t):
