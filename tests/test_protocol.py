@@ -1480,3 +1480,29 @@ def test_a_peer_path_resumes_from_its_state_dict() -> None:
     with pytest.raises(ValueError, match="rttvar must be finite"):
         elsewhere.path("b").load_state_dict({**learned, "rttvar": math.inf})
     assert elsewhere.path("b").state_dict() == learned  # unchanged
+
+
+def test_the_mux_forgets_the_timers_of_finished_transfers():
+    """A long job's mux keeps no timer bookkeeping for transfers that have finished."""
+    import numpy as np
+
+    from boundedloss.net.fake import FakeNetwork, PathProfile
+    from boundedloss.policy import ReliablePolicy
+    from boundedloss.protocol import TransportConfig
+    from boundedloss.protocol.mux import TransferMux
+
+    net = FakeNetwork(seed=0, path=PathProfile(delay=1e-5))
+    a = net.attach("a", TransferMux(1, TransportConfig()))
+    b = net.attach("b", TransferMux(1, TransportConfig()))
+    payload = np.zeros(20_000, dtype=np.uint8)
+    for round_id in range(50):
+        tx = a.start_send("b", round_id, 1, payload, net.now)
+        rx = b.start_receive("a", round_id, 1, net.now, policy=ReliablePolicy(),
+                             nbytes=payload.nbytes)
+        net.run_until_done([tx, rx])
+        net.run(until=net.now + 1.0)
+    for mux in (a, b):
+        assert mux.open_sends == mux.open_receives == 0
+        assert len(getattr(mux, "_armed")) == 0  # noqa: B009
+        mux.next_deadline()
+        assert len(getattr(mux, "_timers")) == 0  # noqa: B009

@@ -249,8 +249,7 @@ class TransferMux:
                     rx.probe_received(idx, flags, now, self.outbox)
             if rx.result is not None:
                 self._reap_receive(rx, now)
-            else:
-                self._rearm(rx)
+            self._rearm(rx)
         else:  # BITMAP / STOP / ACK: for one of our sends
             tx = self._senders.get(key)
             if tx is None:
@@ -334,8 +333,7 @@ class TransferMux:
                 break
         if rx.result is not None:
             self._reap_receive(rx, now)
-        else:
-            self._rearm(rx)
+        self._rearm(rx)
         return True
 
     def _answer_closed(self, key, kind: int, now: float) -> None:
@@ -361,7 +359,9 @@ class TransferMux:
             if due == at:
                 return at
             heapq.heappop(timers)  # stale: moved later, or the transfer is done
-            if due is not None and self._armed.get(transfer.transfer_id) != due:
+            if due is None:
+                self._armed.pop(transfer.transfer_id, None)
+            elif self._armed.get(transfer.transfer_id) != due:
                 self._push_timer(transfer, due)
         return None
 
@@ -372,6 +372,7 @@ class TransferMux:
             _, _, transfer = heapq.heappop(timers)
             d = transfer.next_deadline()
             if d is None:
+                self._armed.pop(transfer.transfer_id, None)
                 continue
             if d <= now:
                 due[transfer.transfer_id] = transfer
