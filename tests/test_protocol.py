@@ -1506,3 +1506,27 @@ def test_the_mux_forgets_the_timers_of_finished_transfers():
         assert len(getattr(mux, "_armed")) == 0  # noqa: B009
         mux.next_deadline()
         assert len(getattr(mux, "_timers")) == 0  # noqa: B009
+
+
+def test_the_mux_s_next_deadline_is_the_earliest_even_across_a_rebuild_of_its_heap():
+    """Deadlines the compiled path moves later (its ACKs) while stale entries pile up,
+    then a send ends and the heap is rebuilt in the middle of next_deadline: it still
+    answers the earliest deadline of the open transfers, as a scan of them would."""
+    from boundedloss.protocol import TransportConfig
+    from boundedloss.protocol.mux import TransferMux
+
+    mux = TransferMux(1, TransportConfig())
+    a, b, c, d = (mux.start_send((f"10.0.0.{i}", 1), 0, 0, b"x" * 100, 0.0) for i in range(4))
+    rearm = getattr(mux, "_rearm")  # noqa: B009 - (as a call through the mux does)
+    c.acks.last_heard = 3.0
+    rearm(c)
+    b.acks.last_heard = 0.5
+    rearm(b)
+    t = 0.0
+    while len(getattr(mux, "_timers")) < 64 + 4 * 4:  # noqa: B009 - (up to a rebuild)
+        t += 0.001
+        a.acks.last_heard = t
+        rearm(a)
+    mux.cancel_send(d, 0.0)  # (one fewer open send: the next push rebuilds the heap)
+    a.acks.last_heard, b.acks.last_heard = 1.0, 0.7  # (the compiled path's ACKs)
+    assert mux.next_deadline() == min(s.next_deadline() for s in (a, b, c))

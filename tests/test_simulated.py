@@ -228,6 +228,7 @@ def test_boundedloss_sim_prints_rows_and_the_same_seed_writes_the_same_json(tmp_
     (["--workers", "1"], "world sizes must be 2 to 1024"),
     (["--loss-model", "burst:rate=0.8,every=10"], "give them as time windows"),
     (["--loss-model", "bottleneck:rate=100,queue=4"], "a bottleneck is the simulator's"),
+    (["--loss-model", "burst:rate=0.8,window=0.05-0.06,rank=3"], "leave out rank="),
     (["--loss-model", "nonsense:1"], "bad loss spec part"),
     (["--systems", "nccl"], "unknown"),
     (["--topology", "ring"], "'ring': choose from"),

@@ -85,7 +85,12 @@ class ParameterServer(Collective):
             while pending:
                 sent = pending.popleft()
                 if sent.future.done() or sent.round_id < before:
-                    self._wait_sends([(sent.worker, sent.future)])
+                    try:
+                        self._wait_sends([(sent.worker, sent.future)])
+                    except BaseException:
+                        if not sent.future.done():  # (its wait ran out: still going)
+                            keep.append(sent)
+                        raise
                 else:
                     keep.append(sent)
         finally:

@@ -174,11 +174,13 @@ class TransferMux:
             critical=critical, path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         self._receivers[key] = receiver
-        receiver.close_if_done(now, self.outbox)  # a plan that needs nothing is met at once
-        if receiver.result is None and receiver.nbytes is not None and self.data_path:
-            self.data_path.receive_opened(receiver)
-        self._reap_receive(receiver, now)
-        self._rearm(receiver)
+        try:
+            receiver.close_if_done(now, self.outbox)  # a plan that needs nothing is met
+            if receiver.result is None and receiver.nbytes is not None and self.data_path:
+                self.data_path.receive_opened(receiver)
+            self._reap_receive(receiver, now)
+        finally:
+            self._rearm(receiver)  # (its hard deadline, whatever happened)
         return receiver
 
     def cancel_send(self, sender: MessageSender, now: float) -> None:
@@ -411,17 +413,19 @@ class TransferMux:
             self._rebuild_timers()
 
     def _rebuild_timers(self) -> None:
-        """The heap again from the open transfers alone (its stale entries gone)."""
+        """The heap again from the open transfers alone (its stale entries gone) - in
+        place: a loop over it that pushed may go on with it."""
         self._armed.clear()
-        self._timers = []
+        timers = self._timers
+        timers.clear()
         transfers: list[MessageSender | MessageReceiver] = [
             *self._receivers.values(), *self._senders.values()]
         for transfer in transfers:
             d = transfer.next_deadline()
             if d is not None:
                 self._armed[transfer.transfer_id] = d
-                self._timers.append((d, next(self._timer_order), transfer))
-        heapq.heapify(self._timers)
+                timers.append((d, next(self._timer_order), transfer))
+        heapq.heapify(timers)
 
     # --------------------------------------------------------------- outgoing
     def has_output(self) -> bool:

@@ -308,6 +308,9 @@ def check_loss_model(spec: str, seed: int = 0) -> LossModel:
         if isinstance(part, Microburst) and (part.rounds or part.every):
             raise ValueError(f"{spec!r}: bursts keyed on rounds meet our datagrams alone (a "
                              "TCP segment carries no round): give them as time windows")
+        if isinstance(part, Microburst) and part.rank is not None:
+            raise ValueError(f"{spec!r}: a path's loss has no rank (every path runs the "
+                             "model): leave out rank=")
     return model
 
 
