@@ -294,6 +294,26 @@ def _tcp_world(world: int, loss: float = 0.0, seed: int = 0, rate: float = 10e9)
     return net, rt, [SimTcp(rt, _address(r), 9000, profile) for r in range(world)]
 
 
+def _forty_segments(lose) -> tuple:
+    """40 full segments from one host to another, each of the sender's DATA segments
+    (by index) that ``lose(index, sender_stack)`` names lost: the sender's stack and the
+    virtual time the stream ended."""
+    from boundedloss.sim.tcp import segment_index
+
+    net, rt, (a, b) = _tcp_world(2)
+
+    def route(d):
+        if d.src == a.address and len(d.data) > 1000 and lose(segment_index(d.data), a.stack):
+            return ()
+        return net.default_route(d)
+
+    net.route = route
+    nbytes = 40 * b.stack.mss
+    rt.spawn(lambda: a.send(b.address, nbytes).result())
+    rt.spawn(lambda: b.recv(a.address, nbytes).result())
+    return a.stack, rt.run()
+
+
 def test_the_tcp_model_carries_a_stream_at_the_link_rate_and_recovers_every_loss():
     net, rt, (a, b) = _tcp_world(2, loss=0.05)
     nbytes = 3_000_001  # (a short last segment)
@@ -314,49 +334,29 @@ def test_the_tcp_model_carries_a_stream_at_the_link_rate_and_recovers_every_loss
 
 
 def test_a_lost_tail_is_recovered_by_a_probe_before_the_retransmission_timeout():
-    from boundedloss.sim.tcp import MIN_RTO, segment_index
+    from boundedloss.sim.tcp import MIN_RTO
 
-    net, rt, (a, b) = _tcp_world(2)
     dropped: list[int] = []
 
-    def lose_the_last_two_segments_once(d):
-        segment = segment_index(d.data)
-        if d.src == a.address and len(d.data) > 1000 and segment in (38, 39) \
-                and segment not in dropped:
-            dropped.append(segment)
-            return ()
-        return net.default_route(d)
+    def the_last_two_once(index, stack):
+        if index in (38, 39) and index not in dropped:
+            dropped.append(index)
+            return True
+        return False
 
-    net.route = lose_the_last_two_segments_once
-    nbytes = 40 * b.stack.mss
-    rt.spawn(lambda: a.send(b.address, nbytes).result())
-    rt.spawn(lambda: b.recv(a.address, nbytes).result())
-    end = rt.run()
+    stack, end = _forty_segments(the_last_two_once)
     # no ACK comes back for either: the probe (segment 39 again) brings one, and RACK
     # then finds 38 lost - milliseconds, not the 200 ms timeout
-    assert sorted(dropped) == [38, 39] and a.stack.probes == 1 and a.stack.timeouts == 0
+    assert sorted(dropped) == [38, 39] and stack.probes == 1 and stack.timeouts == 0
     assert end < MIN_RTO / 10
 
-
 def test_a_lone_lost_last_segment_waits_for_the_timeout_as_linux_s_does():
-    from boundedloss.sim.tcp import MIN_RTO, segment_index
+    from boundedloss.sim.tcp import MIN_RTO
 
-    net, rt, (a, b) = _tcp_world(2)
-
-    def lose_the_last_segment_once(d):
-        if d.src == a.address and len(d.data) > 1000 and a.stack.timeouts == 0 and \
-                segment_index(d.data) == 39:
-            return ()
-        return net.default_route(d)
-
-    net.route = lose_the_last_segment_once
-    nbytes = 40 * b.stack.mss
-    rt.spawn(lambda: a.send(b.address, nbytes).result())
-    rt.spawn(lambda: b.recv(a.address, nbytes).result())
+    stack, end = _forty_segments(lambda index, stack: index == 39 and stack.timeouts == 0)
     # (one segment outstanding: the probe would wait as long as the timeout does)
-    assert MIN_RTO < rt.run() < 1.1 * MIN_RTO
-    assert a.stack.timeouts == 1
-
+    assert MIN_RTO < end < 1.1 * MIN_RTO
+    assert stack.timeouts == 1
 
 def test_a_ring_allreduce_over_tcp_takes_2_n_minus_1_steps_of_a_chunk_each():
     from boundedloss.sim.baselines import ring_allreduce
@@ -417,28 +417,15 @@ def test_a_program_unwound_while_its_cleanup_waits_ends_its_thread():
 
 
 def test_a_lost_probe_leaves_the_tail_to_the_timeout_one_probe_a_tail():
-    from boundedloss.sim.tcp import MIN_RTO, segment_index
+    from boundedloss.sim.tcp import MIN_RTO
 
-    net, rt, (a, b) = _tcp_world(2)
-
-    def lose_the_tail_until_the_timeout(d):
-        if d.src == a.address and len(d.data) > 1000 and a.stack.timeouts == 0 and \
-                segment_index(d.data) in (38, 39):
-            return ()
-        return net.default_route(d)
-
-    net.route = lose_the_tail_until_the_timeout
-    nbytes = 40 * b.stack.mss
-    rt.spawn(lambda: a.send(b.address, nbytes).result())
-    rt.spawn(lambda: b.recv(a.address, nbytes).result())
-    end = rt.run()
-    assert a.stack.probes == 1 and a.stack.timeouts == 1
+    stack, end = _forty_segments(lambda index, stack: index in (38, 39) and stack.timeouts == 0)
+    assert stack.probes == 1 and stack.timeouts == 1
     assert MIN_RTO < end < 1.2 * MIN_RTO
 
-
 def test_a_segment_takes_as_many_bytes_of_the_link_as_the_packet_it_stands_for():
-    from boundedloss.net.udp import IPV4_UDP_OVERHEAD
-    from boundedloss.sim.tcp import TCP_OVERHEAD
+    from boundedloss.net.udp import IPV4_UDP_OVERHEAD, largest_chunk
+    from boundedloss.wire import HEADER_BYTES
 
     net, rt, (a, b) = _tcp_world(2)
     sizes = []
@@ -451,9 +438,10 @@ def test_a_segment_takes_as_many_bytes_of_the_link_as_the_packet_it_stands_for()
     rt.spawn(lambda: a.send(b.address, 3 * a.stack.mss).result())
     rt.spawn(lambda: b.recv(a.address, 3 * a.stack.mss).result())
     rt.run()
-    # a full segment is an MTU-sized packet, counted as our datagrams are (no IP/UDP)
+    # a full segment is an MTU-sized packet, counted as our datagrams are (no IP/UDP):
+    # as many bytes as our full chunk's datagram at that MTU
     assert max(sizes) == 9000 - IPV4_UDP_OVERHEAD
-    assert a.stack.mss + TCP_OVERHEAD == 9000
+    assert max(sizes) == largest_chunk(9000) + HEADER_BYTES
 
 
 def test_a_detached_host_s_undelivered_datagrams_keep_the_counts_balanced():

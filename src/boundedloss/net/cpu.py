@@ -47,7 +47,6 @@ class Cores:
     def __init__(self, count: int):
         if count < 1:
             raise ValueError(f"a host needs at least one core, not {count}")
-        self.count = count
         # per core, its busy intervals (start, end), in order, none touching another
         self._busy: list[list[tuple[float, float]]] = [[] for _ in range(count)]
 

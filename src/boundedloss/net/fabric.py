@@ -53,7 +53,6 @@ class Fabric:
     def __init__(self, profile: FabricProfile, racks: int):
         if racks < 1:
             raise ValueError(f"a fabric has at least one rack, not {racks}")
-        self.profile = profile
         self.up = [Link(profile.uplink_bps, profile.queue_datagrams) for _ in range(racks)]
         self.down = [Link(profile.uplink_bps, profile.queue_datagrams) for _ in range(racks)]
         self._rack: dict[Hashable, int] = {}

@@ -240,10 +240,6 @@ class FakeNetwork:
                 raise RuntimeError(f"FakeNetwork: {max_events} events without finishing")
         return self.now
 
-    def pending(self) -> bool:
-        """Is an event waiting to be processed?"""
-        return bool(self._events)
-
     def next_time(self) -> float | None:
         """When the next event happens (None: none is waiting)."""
         events = self._events

@@ -54,13 +54,16 @@ class Program:
         self._fn = fn
         self._runtime = runtime
         self.turn = threading.Semaphore(0)  # released: it may run
-        self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
         self.aborted = False
         self.waiting: Future | None = None  # the future it waits on, if any
         self.finished: Future = SimFuture(runtime)  # resolved (None) once it has ended
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    @property
+    def done(self) -> bool:
+        return self.finished.done()
 
     def join(self, timeout: float | None = None) -> None:
         """Wait (in another program) until this one has ended."""
@@ -85,7 +88,6 @@ class Program:
         except BaseException as e:  # noqa: BLE001 - handed to run()'s caller
             self.error = e
         finally:
-            self.done = True
             self._runtime.ended += 1
             self.finished.set_result(None)
             self._runtime.give_back()
