@@ -954,8 +954,7 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
     long calls = 0;
     int err = 0;
     while (!err && i < PyList_GET_SIZE(items)) {
-        int k = 0, n_held = 0, n_owned = 0, r = 0;
-        memset(msgs, 0, sizeof msgs);
+        int k = 0, n_held = 0, n_owned = 0, r = 0;  /* (control_datagram clears each header) */
         while (k < SEND_MAX && i + k < PyList_GET_SIZE(items)) {
             PyObject *item = owned[n_owned++] = Py_NewRef(PyList_GET_ITEM(items, i + k));
             r = control_datagram(item, &msgs[k].msg_hdr, iov[k], held, &n_held, &to[k]);

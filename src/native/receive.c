@@ -128,8 +128,6 @@ static PyMemberDef receive_members[] = {
     {"first_heard", T_DOUBLE, offsetof(ReceiveObject, first_heard), 0, NULL},
     {"clock_on_first", T_BOOL, offsetof(ReceiveObject, clock_on_first), 0, NULL},
     {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
-    {"closed", T_BOOL, offsetof(ReceiveObject, closed), READONLY, NULL},
-    {"last_sent", T_DOUBLE, offsetof(ReceiveObject, last_sent), READONLY, NULL},
     {NULL},
 };
 

@@ -284,9 +284,9 @@ class MessageReceiver:
         plan is checked once, at the end of the run, the ACKs the run is due go out
         together behind it, and of a chunk repeated within the run the last copy is
         kept (a sender's copies are the same bytes)."""
-        if self.first_heard is None:
-            self._heard(now)
         n = self.counts
+        if not n.heard:
+            self._heard(now)
         k = index.size
         cb = self.chunk_bytes
         n.datagrams += k
@@ -355,9 +355,9 @@ class MessageReceiver:
     def probe_received(self, seq: int, flags: int, now: float, out: list) -> None:
         """Answer with the BITMAP segments that still hold missing chunks - or, once the
         sender has sent everything once and the plan is met, with STOP."""
-        if self.first_heard is None:
-            self._heard(now)
         n = self.counts
+        if not n.heard:
+            self._heard(now)
         n.probes += 1
         if flags & Flag.FINAL:
             if self.first_pass_delivered is None:  # (later passes' PROBEs are FINAL too)
@@ -378,7 +378,7 @@ class MessageReceiver:
         if seq != n.answered_seq and has_missing.size:
             n.retransmit_rounds += 1
         n.answered_seq = seq
-        prefix = BITMAP_PREFIX.pack(seq, self.counts.delivered_count)
+        prefix = BITMAP_PREFIX.pack(seq, n.delivered_count)
         last = int(has_missing[-1]) if has_missing.size else -1
         for s in has_missing.tolist():
             lo = s * seg
