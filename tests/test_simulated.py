@@ -565,3 +565,16 @@ def test_the_counts_balance_with_drops_at_the_spine():
     assert got.result().complete and c["fabric_drop"] > 0
     assert c["sent"] + c["duplicated"] == (c["no_route"] + c["path_loss"] + c["fabric_drop"]
                                            + c["queue_drop"] + c["node_loss"] + c["delivered"])
+
+
+def test_this_machine_s_cpu_preset_is_the_calibration_s_measurement():
+    """The preset's figures are the ones benchmarks/ holds, as measured - not retyped."""
+    import dataclasses
+    from pathlib import Path
+
+    from boundedloss.sim.job import MEASURED_COSTS
+
+    measured = json.loads((Path(__file__).parent.parent / "benchmarks"
+                           / "sim-calibration-1500.json").read_text())["costs"]
+    for name, value in dataclasses.asdict(MEASURED_COSTS).items():
+        assert value == pytest.approx(measured[name], rel=0.005, abs=1e-12), name

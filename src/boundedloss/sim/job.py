@@ -56,14 +56,12 @@ class CpuPreset:
     shared_cores: int | None  # None: every host has a core of its own
 
 
-#: What a rank's CPU spends, measured on this machine (2 cores) with
-#: ``python tools/round_cpu.py --system reliable --topology allreduce --auth on
-#: --rounds 60`` (4 ranks, 4 MB, MTU 1,500), per rank and round: the send runs 8.97 ms
-#: for 6.29 MB out (sealing, sendmsg, the kernel's forwarding), taking in 3.33 ms for
-#: 6.29 MB, the I/O thread's Python 2.42 ms and the main thread's 2.00 ms for 12
-#: messages.
-MEASURED_COSTS = CpuCosts(byte_out=8.97e-3 / 6.29e6, byte_in=3.33e-3 / 6.29e6,
-                          message_io=2.42e-3 / 12, message_main=2.00e-3 / 12)
+#: What a rank's CPU spends on this machine (2 cores): the mean of the two
+#: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 ranks,
+#: 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed run,
+#: through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500.json, "costs").
+MEASURED_COSTS = CpuCosts(byte_out=1.445e-9, byte_in=0.454e-9,
+                          message_io=262e-6, message_main=176e-6)
 
 
 def costs_from_round_cpu(figures: dict) -> CpuCosts:
