@@ -41,6 +41,7 @@ PEER = ("10.1.2.3", 4000)
 LOCAL = ("10.1.2.4", 5000)
 KEY = job_key(b"test secret", SESSION)
 GUARD = 64
+OTHER = 8  # another message of the same round, from the same peer
 needs_openssl = pytest.mark.skipif(not native.authenticates(),
                                    reason=f"compiled data path: {native.AUTH_FALLBACK}")
 
@@ -71,12 +72,13 @@ def _mutate(rng: np.random.Generator, d: bytes) -> bytes:
     return bytes(b)
 
 
-def _message(nbytes: int, chunk_bytes: int, seed: int, auth: bool = False) -> list[bytes]:
+def _message(nbytes: int, chunk_bytes: int, seed: int, auth: bool = False,
+             message_id: int = 7) -> list[bytes]:
     """Every datagram a real sender puts out for a message, first pass and FINAL PROBE
     (``auth``: sealed, from PEER to LOCAL)."""
     sender = TransferMux(SESSION, TransportConfig(chunk_bytes=chunk_bytes),
                          auth=DatagramAuth(KEY, PEER) if auth else None)
-    sender.start_send(LOCAL if auth else PEER, 3, 7, source_bytes(nbytes, seed), 0.0)
+    sender.start_send(LOCAL if auth else PEER, 3, message_id, source_bytes(nbytes, seed), 0.0)
     return [b"".join(bytes(p) for p in parts) for parts, _ in sender.poll(0.0, 1 << 20)]
 
 
@@ -99,15 +101,27 @@ def test_classify_agrees_with_wire_parse() -> None:
 
 
 # ------------------------------------------------------------------ differential
+#: under credit (protocol/credit.py), the tests' budgets in datagrams: one that grants
+#: the receive a share of its own (its ACKs then come every share / 2), and the least
+#: one, which parks the receive behind another heard first (UNPARK ends that one's pass)
+CREDIT_BUDGETS = {"share": 7, "parked": 2}
+
+
 def _twin(policy_factory, nbytes: int, chunk_bytes: int, critical: np.ndarray | None,
-          sized: bool, auth: bool = False):
-    cfg = TransportConfig(chunk_bytes=chunk_bytes, receive_deadline=5.0)
+          sized: bool, auth: bool = False, credit: str | None = None):
+    budget = None if credit is None else CREDIT_BUDGETS[credit] * (chunk_bytes + HEADER_BYTES)
+    cfg = TransportConfig(chunk_bytes=chunk_bytes, receive_deadline=5.0, credit_bytes=budget)
     side = []
     for use_native in (False, True):
         mux = TransferMux(SESSION, cfg, auth=DatagramAuth(KEY, LOCAL) if auth else None)
         path = native.NativeDataPath(mux) if use_native else None
         big = np.full(nbytes + 2 * GUARD, SENTINEL, dtype=np.uint8)
         out = big[GUARD : GUARD + nbytes] if sized else None
+        if credit == "parked":  # another sender, heard first, holds the whole budget
+            mux.start_receive(PEER, 3, OTHER, 0.0, policy=ReliablePolicy(), nbytes=nbytes)
+            first = _message(nbytes, chunk_bytes, 0, auth, message_id=OTHER)[0]
+            (mux.datagram_received if path is None else path.take)(first, PEER, 0.0)
+            mux.poll(0.0)
         rx = mux.start_receive(PEER, 3, 7, 0.0, policy=policy_factory(), out=out,
                                critical=critical)
         side.append((mux, path, big, rx))
@@ -176,10 +190,10 @@ POLICIES = {
 
 
 def _final_probe(count: int, nbytes: int, chunk_bytes: int, seq: int = 9,
-                 final: bool = True) -> bytes:
+                 final: bool = True, message_id: int = 7) -> bytes:
     """The sender's FINAL PROBE for the tests' message (``final=False``: a PROBE sent
     while its window is shut)."""
-    h = wire.Header(Kind.PROBE, SESSION, 3, 7, 1, count, nbytes, chunk_bytes)
+    h = wire.Header(Kind.PROBE, SESSION, 3, message_id, 1, count, nbytes, chunk_bytes)
     return wire.control_datagram(h, Kind.PROBE, seq, flags=Flag.FINAL if final else Flag.NONE)
 
 
@@ -191,14 +205,18 @@ def _final_probe(count: int, nbytes: int, chunk_bytes: int, seq: int = 9,
     seed=st.integers(0, 2**16),
     ops=st.lists(st.tuples(st.sampled_from(["drop", "dup", "swap", "mutate", "foreign",
                                             "other", "probe", "probe", "probe_later",
-                                            "probe_open"]),
+                                            "probe_open", "unpark"]),
                            st.integers(0, 10_000)), max_size=40),
     sized=st.booleans(),
     with_critical=st.booleans(),
     poll_every=st.integers(1, 40),
+    credit=st.sampled_from([None, None, "share", "parked"]),
 )
 def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes, seed, ops,
-                                                     sized, with_critical, poll_every) -> None:
+                                                     sized, with_critical, poll_every,
+                                                     credit) -> None:
+    """Both cores take and refuse the same datagrams and send the same answers - under
+    credit, the same grants in ACKs as often, the receive parked or not."""
     datagrams = _message(nbytes, chunk_bytes, seed)
     count = wire.chunk_count(nbytes, chunk_bytes)
     rng = np.random.default_rng(seed)
@@ -221,12 +239,14 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
             datagrams.insert(i, bytes(b))
         elif op == "probe":  # a FINAL PROBE, early
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes))
+        elif op == "unpark":  # the other message's first pass is over: its credit is free
+            datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, message_id=OTHER))
         else:  # a later pass's FINAL PROBE, or one sent with the window shut
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, seq=10 + arg % 5,
                                              final=op == "probe_later"))
         if not datagrams:
             break
-    side = _twin(POLICIES[policy], nbytes, chunk_bytes, critical, sized)
+    side = _twin(POLICIES[policy], nbytes, chunk_bytes, critical, sized, credit=credit)
     sent = _feed(side, datagrams, poll_every)
     _same(side, sent)
 
@@ -248,12 +268,14 @@ def _sealed_probe(count: int, nbytes: int, chunk_bytes: int) -> bytes:
                            st.integers(0, 10_000)), max_size=40),
     sized=st.booleans(),
     poll_every=st.integers(1, 40),
+    credit=st.sampled_from([None, "share", "parked"]),
 )
 def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, ops, sized,
-                                             poll_every) -> None:
+                                             poll_every, credit) -> None:
     """Authenticated, both cores take and refuse the same datagrams - forged ones (a
     flipped tag or payload byte, no tag, a mutated header, sealed for another receiver)
-    among them - and send the same sealed ACKs, STOPs and BITMAPs."""
+    among them - and send the same sealed ACKs (under credit, with the same grants),
+    STOPs and BITMAPs."""
     datagrams = _message(nbytes, chunk_bytes, seed, auth=True)
     count = wire.chunk_count(nbytes, chunk_bytes)
     rng = np.random.default_rng(seed)
@@ -264,8 +286,8 @@ def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, 
             pass
         elif op == "mutate":  # (a header changed under its tag)
             datagrams.insert(i, _mutate(rng, datagrams[i]))
-        elif op == "tag":
-            b[-1 - arg % TRAILER_BYTES] ^= 1 << (arg % 8)  # (the nonce or the tag)
+        elif op == "tag" and b:  # (a mutation may have cut a datagram to nothing)
+            b[-1 - arg % min(len(b), TRAILER_BYTES)] ^= 1 << (arg % 8)  # (nonce or tag)
             datagrams.insert(i, bytes(b))
         elif op == "payload" and len(b) > HEADER_BYTES + TRAILER_BYTES:
             b[HEADER_BYTES + arg % (len(b) - HEADER_BYTES - TRAILER_BYTES)] ^= 0x80
@@ -279,7 +301,7 @@ def test_native_matches_python_authenticated(policy, nbytes, chunk_bytes, seed, 
             datagrams.insert(i, _sealed_probe(count, nbytes, chunk_bytes))
         if not datagrams:
             break
-    side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, sized, auth=True)
+    side = _twin(POLICIES[policy], nbytes, chunk_bytes, None, sized, auth=True, credit=credit)
     sent = _feed(side, datagrams, poll_every)
     _same(side, _opened(sent))
 

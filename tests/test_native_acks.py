@@ -36,8 +36,10 @@ LOCAL = ("10.1.2.4", 5000)  # the sender, whose cores are under test
 KEY = job_key(b"test secret", SESSION)
 
 
-def _twin(nbytes: int, chunk_bytes: int, window: int, auth: bool):
-    cfg = TransportConfig(chunk_bytes=chunk_bytes, window_bytes=window * (chunk_bytes + 48))
+def _twin(nbytes: int, chunk_bytes: int, window: int, auth: bool, credit: int | None = None):
+    datagram = chunk_bytes + 48
+    cfg = TransportConfig(chunk_bytes=chunk_bytes, window_bytes=window * datagram,
+                          credit_bytes=None if credit is None else credit * datagram)
     payload = source_bytes(nbytes, 5)
     side = []
     for use_native in (False, True):
@@ -85,9 +87,15 @@ def _answer(tx, op: str, a: int, b: int, rng: np.random.Generator) -> bytes:
         tseq = a % (next_tseq + 2)
         delivered = b % (min(tseq, count) + 2)
         return wire.control_datagram(m, Kind.ACK, 0, STOP_PAYLOAD.pack(delivered), tseq=tseq)
+    if op == "grant":  # an ACK with the receiver's credit, none (parked) to plenty
+        tseq = a % (next_tseq + 2)
+        return wire.control_datagram(m, Kind.ACK, b % 9 if b % 4 else 0,
+                                     STOP_PAYLOAD.pack(b % (min(tseq, count) + 2)),
+                                     Flag.CREDIT, tseq)
     if op == "ack_raw":  # any 32-bit words at all
-        return wire.control_datagram(m, Kind.ACK, 0, STOP_PAYLOAD.pack(b & 0xFFFFFFFF),
-                                     tseq=a & 0xFFFFFFFF)
+        return wire.control_datagram(m, Kind.ACK, (a * 2654435761) & 0xFFFFFFFF,
+                                     STOP_PAYLOAD.pack(b & 0xFFFFFFFF),
+                                     Flag((b >> 28) & 0xF), a & 0xFFFFFFFF)
     if op == "ack_other":  # another message's, or another geometry's
         h = wire.Header(Kind.ACK, m.session, m.round_id, m.message_id ^ (1 + a % 3), 0,
                         m.count, m.message_bytes, m.chunk_bytes)
@@ -116,8 +124,8 @@ def _answer(tx, op: str, a: int, b: int, rng: np.random.Generator) -> bytes:
     return wire.stop_datagram(m, wire.CloseReason(1 + a % 3), b % (count + 1))
 
 
-OPS = ["ack", "ack", "ack", "ack_raw", "ack_other", "ack_foreign", "ack_mutated", "bitmap",
-       "stop", "dup", "poll", "poll", "time"]
+OPS = ["ack", "ack", "ack", "grant", "grant", "ack_raw", "ack_other", "ack_foreign",
+       "ack_mutated", "bitmap", "stop", "dup", "poll", "poll", "time"]
 
 
 @settings(PROPERTY, max_examples=300)
@@ -129,10 +137,11 @@ OPS = ["ack", "ack", "ack", "ack_raw", "ack_other", "ack_foreign", "ack_mutated"
     seed=st.integers(0, 2**16),
     ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 2**33), st.integers(0, 2**33)),
                  max_size=60),
+    credit=st.sampled_from([None, 2, 6]),
 )
 def test_native_acks_match_python_step_for_step(nbytes, chunk_bytes, window, auth, seed,
-                                                ops) -> None:
-    side = _twin(nbytes, chunk_bytes, window, auth)
+                                                ops, credit) -> None:
+    side = _twin(nbytes, chunk_bytes, window, auth, credit)
     (m0, t0), (m1, t1) = side
     seal = DatagramAuth(KEY, PEER)
     now = 0.0

@@ -62,6 +62,18 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
+def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+    """``--credit``: off (None), or a size in bytes as tc writes it (64k, 1m)."""
+    if value.strip().lower() == "off":
+        return None
+    from .emulate.units import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _out_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None:
         _check(checks.writable_folder, value, "--out")
@@ -838,6 +850,9 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="A rack's hosts' links together over its uplink to the spine.")
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="Authenticate every datagram, as a job does.")
+@click.option("--credit", default="off", show_default=True, callback=_credit_size,
+              help="Our systems' receiver-driven credit: the bytes all senders toward one "
+                   "receiver may have in flight together (e.g. 64k), or off.")
 @click.option("--cpu", default="none", show_default=True,
               type=click.Choice(["none", "this-machine", "cluster-node"]),
               help="What computing costs: nothing; this machine's measured costs with "
@@ -853,8 +868,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
-        delay_us, queue_datagrams, mtu, racks, oversubscription, auth, cpu, like_testbed,
-        seed, json_path, plot_path) -> None:
+        delay_us, queue_datagrams, mtu, racks, oversubscription, auth, credit, cpu,
+        like_testbed, seed, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
@@ -908,13 +923,15 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      loss_models=tuple(loss_models),
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
-                     auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription)
+                     auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription,
+                     credit_bytes=credit)
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
+    credit_note = "" if credit is None else f", credit {credit:,} bytes per receiver"
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
                     f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams"
-                    f"{fabric}, CPU {cpu} (virtual time)")
+                    f"{fabric}, CPU {cpu}{credit_note} (virtual time)")
     for col in ("workers", "system", "topology", "loss", "p50 ms", "p99 ms", "mean ms",
                 "datagrams", "queue drops", "wall s"):
         t.add_column(col, justify="right")

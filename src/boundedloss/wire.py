@@ -30,7 +30,9 @@ Payloads per kind:
   chunks ``index ..`` (bit set = delivered, little bit order, ``index`` a multiple of 8).
 - STOP:   ``<I`` chunks delivered; ``index`` holds the CloseReason.
 - ACK:    ``<I`` chunks delivered; ``tseq`` the highest transmission sequence seen.
-  Sent every few DATA datagrams, it is the sender's flow-control window feedback.
+  Sent every few DATA datagrams, it is the sender's flow-control window feedback. With
+  ``CREDIT`` set, ``index`` is the receiver's grant: the DATA datagrams the sender may
+  have in flight beyond ``tseq``.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class Flag(enum.IntFlag):
     NONE = 0
     CRITICAL = 1  # DATA: the chunk must be delivered whatever the bound
     FINAL = 4  # BITMAP: the last segment of one answer; PROBE: every chunk was sent once
+    CREDIT = 8  # ACK: ``index`` is the receiver's credit (protocol/credit.py)
 
 
 class CloseReason(enum.IntEnum):

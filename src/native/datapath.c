@@ -15,13 +15,16 @@
  *     (the peer heard, what it reported, recovery's ACK counters, the flow-control
  *     window) in the Send object the send shares with Python;
  *   - answers a PROBE for an open receive with its BITMAP, as the core would, but for
- *     the first FINAL one (the receive's state changes) and one that meets its plan;
+ *     the first FINAL one (the receive's state changes) and one that meets its plan
+ *     (under credit, the core answers every PROBE: it grants with its answer);
+ *   - under credit, stamps the share the core set (Dispatcher.credit) on each ACK it
+ *     builds, as often as that share calls for (credit.ack_cadence);
  *   - answers for messages that closed, as the core would: a closed receive the core
  *     still remembers has its late DATA and PROBEs counted stale and its STOP said again
  *     (to a PROBE at once, to DATA at most once per min_rto); a finished send (the
  *     latest CLOSED_SENDS) has its late ACKs, STOPs and BITMAPs counted stale.
  * A datagram it cannot take without a decision - the first one of a receive whose plan
- * starts a clock on it, a DATA or PROBE that would meet the receive's plan, the first
+ * starts a clock on it or, under credit, whose sender starts to share the budget, a DATA or PROBE that would meet the receive's plan, the first
  * FINAL PROBE, an ACK the send says needs the core, a BITMAP or STOP for an open send,
  * one for an unknown message - is handed back to Python untouched, in order, and
  * Python's core handles it as always. The counters a receive shares with Python live in
@@ -43,6 +46,9 @@ typedef struct {
     SendObject *closed_sends[CLOSED_SENDS];  /* a ring of the sends closed lately */
     int closed_next;
     double now;                      /* the time of the take or step (an ACK: heard then) */
+    /* under credit (protocol/credit.py), the share the core grants each receive that is
+     * not parked; 0: no credit */
+    long long credit;
     long long taken;                 /* datagrams the data path took */
     long long drops[N_REASONS];      /* malformed / foreign datagrams it counted and dropped */
     /* the batch: a buffer of RECV_SLOTS slots, each one message (a datagram or a GRO run) */
@@ -413,6 +419,10 @@ static int take_ack(DispatcherObject *d, const unsigned char *p, const Header *h
      * limit the copies already sent cover: Recovery.loss_limit) */
     if (s->check_loss && !(loss_with(s, heard, tseq, got) <= s->loss_limit))
         return HANDED_BACK;
+    if (h->flags & FLAG_CREDIT) {  /* (MessageSender._credited) */
+        s->credit = h->index;
+        if (s->granted_least < 0 || s->credit < s->granted_least) s->granted_least = s->credit;
+    }
     s->last_heard = d->now;
     if (delivered > s->reported_delivered) s->reported_delivered = delivered;
     s->acks_heard = heard;
@@ -495,10 +505,10 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
     if (rx != NULL && rx->closed) return answer_closed(d, rx, h.kind, out);
     if (h.kind == KIND_PROBE)
-        return rx == NULL || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes
+        return rx == NULL || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes || d->credit
             ? HANDED_BACK : answer_probe(d, rx, &h, out);
     if (h.kind != KIND_DATA) return HANDED_BACK;
-    if (rx == NULL || (!rx->heard && rx->clock_on_first) || h.mbytes != rx->mbytes
+    if (rx == NULL || (!rx->heard && (rx->clock_on_first || d->credit)) || h.mbytes != rx->mbytes
         || h.cbytes != rx->cbytes)
         return HANDED_BACK;
     unsigned char *delivered = (unsigned char *)rx->delivered.buf;
@@ -520,10 +530,19 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     rx->datagrams++;
     rx->payload_bytes += h.plen;
     if ((long long)h.tseq > rx->max_tseq) rx->max_tseq = h.tseq;
-    if (++rx->unacked >= (long long)rx->ack_every) {
+    long long every = rx->ack_every;
+    if (d->credit) {  /* (credit.ack_cadence: as the sender's latest grant calls for) */
+        if (rx->granted / 2 < every) every = rx->granted / 2;
+        if (every < 1) every = 1;
+    }
+    if (++rx->unacked >= every) {
         rx->unacked = 0;
         unsigned char *a = rx->ack;
         st32(a + OFF_TSEQ, (uint32_t)rx->max_tseq);
+        if (d->credit) {
+            rx->granted = rx->parked ? 0 : d->credit;
+            st32(a + OFF_INDEX, (uint32_t)rx->granted);
+        }
         st32(a + HEADER_BYTES, (uint32_t)rx->delivered_count);
         Py_ssize_t alen = HEADER_BYTES + 4;
         if (d->sealer.on) {  /* sealed here: the mux hands the data path's datagrams out as is */
@@ -1178,6 +1197,12 @@ static PyMethodDef dispatcher_methods[] = {
     {NULL},
 };
 
+static PyMemberDef dispatcher_members[] = {
+    {"credit", T_LONGLONG, offsetof(DispatcherObject, credit), 0,
+     "Under credit, the share stamped on the ACKs it builds (0: no credit)."},
+    {NULL},
+};
+
 PyTypeObject DispatcherType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "boundedloss._native.Dispatcher",
@@ -1188,4 +1213,5 @@ PyTypeObject DispatcherType = {
     .tp_init = (initproc)dispatcher_init,
     .tp_dealloc = (destructor)dispatcher_dealloc,
     .tp_methods = dispatcher_methods,
+    .tp_members = dispatcher_members,
 };

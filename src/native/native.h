@@ -57,7 +57,7 @@ enum {
 };
 enum { MAGIC = 0x4C42, VERSION = 1 };
 enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK = 5 };
-enum { FLAG_FINAL = 4 };
+enum { FLAG_FINAL = 4, FLAG_CREDIT = 8 };
 /* a BITMAP's payload: the PROBE's seq and the chunks delivered (wire.BITMAP_PREFIX), then
  * the delivered bits */
 enum { BITMAP_PREFIX_BYTES = 8 };
@@ -155,6 +155,8 @@ typedef struct ReceiveObject {
     char early_stop;  /* the sender sent everything once, or the acceptance deadline passed */
     char heard;       /* the receive's first datagram has arrived (at first_heard) */
     char clock_on_first;  /* that first datagram starts a clock of the plan's: Python's */
+    char parked;      /* under credit: its ACKs grant nothing (protocol/credit.py) */
+    long long granted;  /* under credit: what its latest ACK granted (-1: none yet) */
     double first_heard;
     char geometry;    /* the fields below are set (bind was called) */
     char registered;
@@ -182,6 +184,7 @@ typedef struct SendObject {
     long long ack_every;
     double reverse_hint, loss_limit;
     char in_python, check_loss;
+    long long credit, granted_least;  /* the receiver's latest grant, the least one (-1) */
     char geometry, registered;
     char closed;  /* the send has finished: what still comes for it is stale */
     uint32_t ip, round_id, message_id, count, cbytes;

@@ -22,6 +22,7 @@ static int receive_init(ReceiveObject *r, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "")) return -1;
     r->max_tseq = -1;
     r->answered_seq = -1;
+    r->granted = -1;
     return 0;
 }
 
@@ -127,6 +128,8 @@ static PyMemberDef receive_members[] = {
     {"heard", T_BOOL, offsetof(ReceiveObject, heard), 0, NULL},
     {"first_heard", T_DOUBLE, offsetof(ReceiveObject, first_heard), 0, NULL},
     {"clock_on_first", T_BOOL, offsetof(ReceiveObject, clock_on_first), 0, NULL},
+    {"parked", T_BOOL, offsetof(ReceiveObject, parked), 0, NULL},
+    {"granted", T_LONGLONG, offsetof(ReceiveObject, granted), 0, NULL},
     {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
     {NULL},
 };

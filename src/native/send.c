@@ -4,6 +4,7 @@
 static int send_init(SendObject *s, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(args, "")) return -1;
     s->ack_tseq = -1;
+    s->granted_least = -1;
     Py_XSETREF(s->blocked_since, Py_NewRef(Py_None));
     return 0;
 }
@@ -68,6 +69,8 @@ static PyMemberDef send_members[] = {
     {"loss_limit", T_DOUBLE, offsetof(SendObject, loss_limit), 0, NULL},
     {"in_python", T_BOOL, offsetof(SendObject, in_python), 0, NULL},
     {"check_loss", T_BOOL, offsetof(SendObject, check_loss), 0, NULL},
+    {"credit", T_LONGLONG, offsetof(SendObject, credit), 0, NULL},
+    {"granted_least", T_LONGLONG, offsetof(SendObject, granted_least), 0, NULL},
     {"registered", T_BOOL, offsetof(SendObject, registered), READONLY, NULL},
     {NULL},
 };

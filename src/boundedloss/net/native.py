@@ -46,7 +46,14 @@ class NativeDataPath:
                                  "built with OpenSSL")
             # (its own nonces: a sealer of its own, seeded apart from the Python core's)
             self.dispatcher.authenticate(mux.auth.key, *local, secrets.token_bytes(NONCE_BYTES))
+        grants = mux.grants
+        if grants is not None:  # (the share it stamps on its ACKs follows the core's)
+            self.dispatcher.credit = grants.share
+            grants.listener = self._credit_changed
         mux.data_path = self
+
+    def _credit_changed(self, share: int) -> None:
+        self.dispatcher.credit = share
 
     # ------------------------------------------------------- DataPath for the mux
     def receive_opened(self, receiver: MessageReceiver) -> None:

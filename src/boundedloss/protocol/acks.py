@@ -5,7 +5,8 @@ sequence it has seen and the chunks it had delivered. To the sender an ACK is
 bookkeeping: the peer is alive (``last_heard``), how much it reported
 (``reported_delivered``), what recovery reads the loss from (``acks_heard``,
 ``ack_tseq``, ``ack_delivered``) and how far the flow-control window has moved
-(``acked``, ``next_tseq``, ``blocked_since``). Recovery, the window and the sender all
+(``acked``, ``next_tseq``, ``blocked_since``; and ``credit``, how far the receiver lets
+it open, protocol/credit.py). Recovery, the window and the sender all
 read and write this one object, so that the compiled data path can hold it instead
 (its ``Send``, the same fields) and take the ACKs itself.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 ACK_FIELDS = (
     "last_heard", "reported_delivered", "acks_heard", "ack_tseq", "ack_delivered", "acked",
     "next_tseq", "blocked_since", "ack_every", "reverse_hint", "loss_limit", "in_python",
-    "check_loss",
+    "check_loss", "credit", "granted_least",
 )
 
 
@@ -40,6 +41,12 @@ class AckState:
         self.acked = 0
         self.next_tseq = 0
         self.blocked_since: float | None = None
+        #: DATA datagrams the receiver lets us have in flight beyond the highest it has
+        #: seen: its latest grant (an ACK with Flag.CREDIT), or what the send started from
+        self.credit = 1 << 62
+        #: the least credit an ACK granted (-1: none did): a next message to the peer
+        #: starts from it (PeerPath.granted)
+        self.granted_least = -1
         # what the loss from the ACKs is read against (recovery's, fixed for the send)
         self.ack_every = ack_every
         self.reverse_hint = reverse_hint

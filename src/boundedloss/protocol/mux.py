@@ -27,10 +27,12 @@ from ..wire import (
     STOP_PAYLOAD,
     TSEQ_WORD,
     DropReason,
+    Flag,
     Kind,
     MalformedDatagram,
 )
 from .auth import TRAILER_BYTES, DatagramAuth
+from .credit import CreditGrants
 from .path import PeerPath
 from .receiver import RUN_MAX, MessageReceiver
 from .sender import MessageSender
@@ -127,6 +129,9 @@ class TransferMux:
         self._quiet: set[int] = set()
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
+        budget = self.config.credit_datagrams
+        #: the receiver-driven first pass's budget and shares (None: no credit)
+        self.grants = None if budget is None else CreditGrants(budget)
 
     # ---------------------------------------------------------------- posting
     def path(self, peer: Hashable) -> PeerPath:
@@ -172,6 +177,7 @@ class TransferMux:
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             policy=policy, config=self.config, now=now, out=out, nbytes=nbytes,
             critical=critical, path=self.path(peer), transfer_id=next(self._transfer_ids),
+            grants=self.grants,
         )
         self._receivers[key] = receiver
         try:
@@ -264,7 +270,8 @@ class TransferMux:
             if kind == Kind.BITMAP:
                 tx.bitmap_received(flags, idx, payload, now)
             elif kind == Kind.ACK:
-                tx.ack_received(tseq, STOP_PAYLOAD.unpack_from(payload)[0], now)
+                tx.ack_received(tseq, STOP_PAYLOAD.unpack_from(payload)[0], now,
+                                idx if flags & Flag.CREDIT else None)
             else:
                 tx.stop_received(idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
                 self._reap_send(tx)

@@ -30,7 +30,7 @@ class RttEstimate:
 
 
 class PeerPath:
-    __slots__ = ("_loss_seen", "_rates", "peer", "rtt")
+    __slots__ = ("_loss_seen", "_rates", "granted", "peer", "rtt")
 
     def __init__(self, peer: Hashable):
         self.peer = peer
@@ -40,6 +40,9 @@ class PeerPath:
         self._rates: deque[float] = deque(maxlen=RATE_SAMPLES)
         # (loss, when): what the latest closed receive from this peer saw
         self._loss_seen: tuple[float, float] | None = None
+        #: the credit the peer granted the latest finished send to it (credit.py): the
+        #: next send's first pass goes that far ahead of its own first grant
+        self.granted: int | None = None
 
     def best_rate(self) -> float | None:
         """The best delivery rate (bytes/s) of the recent passes, None before any."""
@@ -54,10 +57,13 @@ class PeerPath:
             return None
         return seen[0]
 
-    def send_finished(self, rtt: RttEstimate | None, rate_samples: Iterable[float]) -> None:
+    def send_finished(self, rtt: RttEstimate | None, rate_samples: Iterable[float],
+                      granted: int | None = None) -> None:
         if rtt is not None:
             self.rtt = rtt
         self._rates.extend(rate_samples)
+        if granted is not None:
+            self.granted = granted
 
     def receive_closed(self, loss: float | None, now: float) -> None:
         if loss is not None:

@@ -25,6 +25,7 @@ import numpy as np
 from .. import wire
 from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
+from .credit import CreditGrants, ack_cadence
 from .path import PeerPath
 from .types import CloseReason, ReceiveResult, TransferStats, TransportConfig
 
@@ -76,8 +77,8 @@ class ReceiveCounts:
 
     __slots__ = ("answered_seq", "clock_on_first", "critical_missing", "datagrams",
                  "delivered_count", "duplicates", "early_stop", "final_seen", "first_heard",
-                 "heard", "max_tseq", "need", "payload_bytes", "probes", "retransmit_rounds",
-                 "unacked")
+                 "granted", "heard", "max_tseq", "need", "parked", "payload_bytes", "probes",
+                 "retransmit_rounds", "unacked")
 
     def __init__(self) -> None:
         self.datagrams = 0  # DATA datagrams, duplicates included
@@ -102,6 +103,12 @@ class ReceiveCounts:
         self.retransmit_rounds = 0
         self.answered_seq = -1
         self.final_seen = False
+        #: under credit: waiting for a share of the budget, its ACKs grant nothing
+        #: (CreditGrants)
+        self.parked = False
+        #: under credit: what the latest ACK granted the sender, which its ACKs keep
+        #: pace with (credit.ack_cadence; -1: none yet - the first DATA is ACKed at once)
+        self.granted = -1
 
     def copy_into(self, other) -> None:
         for name in self.__slots__:
@@ -133,9 +140,12 @@ class MessageReceiver:
         critical: np.ndarray | None = None,
         path: PeerPath | None = None,
         transfer_id: int = 0,
+        grants: CreditGrants | None = None,
     ):
         self.peer = peer
         self.path = path if path is not None else PeerPath(peer)
+        #: the endpoint's credit budget this receive shares once heard (None: no credit)
+        self.grants = grants
         self.transfer_id = transfer_id
         self.session = session
         self.round_id = round_id
@@ -257,7 +267,7 @@ class MessageReceiver:
         if tseq > n.max_tseq:
             n.max_tseq = tseq
         n.unacked += 1
-        if n.unacked >= self.ack_every:
+        if n.unacked >= self._ack_cadence():
             n.unacked = 0
             out.append(((self._ack(n.delivered_count),), self.peer))
         delivered = self._delivered
@@ -310,7 +320,9 @@ class MessageReceiver:
                 n.critical_missing -= int(
                     np.frombuffer(self._critical, dtype=np.uint8)[new].sum())
         n.duplicates += k - pos.size
-        acks, n.unacked = divmod(n.unacked + k, self.ack_every)
+        acks, n.unacked = divmod(n.unacked + k, self._ack_cadence())
+        if acks and n.granted < 0:  # (the first grant: one ACK, and the pace from it)
+            acks, n.unacked = 1, 0
         if acks:
             # (an ACK holds what was delivered before the datagram that drew it: the
             # sender reads forward loss from it, and reverse loss from how many came)
@@ -318,15 +330,41 @@ class MessageReceiver:
             out.extend([((self._ack(n.delivered_count - last_new),), self.peer)] * acks)
         self.close_if_done(now, out)
 
+    def _ack_cadence(self) -> int:
+        """DATA per ACK: the message's own, or under credit, as the sender's latest grant
+        calls for (its next ACK may grant another share)."""
+        if self.grants is None:
+            return self.ack_every
+        return ack_cadence(self.ack_every, self.counts.granted)
+
     def _ack(self, delivered: int) -> bytes:
-        """An ACK: the highest transmission sequence seen, and ``delivered``."""
-        return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(delivered),
-                                     tseq=self.counts.max_tseq)
+        """An ACK: the highest transmission sequence seen, ``delivered`` and, under
+        credit, the sender's share."""
+        grants = self.grants
+        if grants is None:
+            return wire.control_datagram(self._header, Kind.ACK, 0,
+                                         STOP_PAYLOAD.pack(delivered), tseq=self.counts.max_tseq)
+        credit = self.counts.granted = grants.credit(self)
+        # (a PROBE's answer may come before any DATA: what was sent before it is lost)
+        return wire.control_datagram(self._header, Kind.ACK, credit,
+                                     STOP_PAYLOAD.pack(delivered), Flag.CREDIT,
+                                     max(0, self.counts.max_tseq))
+
+    def _credit_done(self, out: list) -> None:
+        """This receive needs no more credit: tell each receive it passes to, by an ACK."""
+        if self.grants is not None:
+            for granted in self.grants.receive_done(self):
+                granted.send_grant(out)
+
+    def send_grant(self, out: list) -> None:
+        """Tell the sender what it may send now: an ACK, with its credit."""
+        out.append(((self._ack(self.counts.delivered_count),), self.peer))
 
     def ack_template(self) -> bytes:
-        """An ACK of this receive with tseq and the delivered count zero (the compiled
-        data path writes both into a copy)."""
-        return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(0))
+        """An ACK of this receive with tseq, the delivered count and any credit zero (the
+        compiled data path writes them into a copy)."""
+        return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(0),
+                                     Flag.NONE if self.grants is None else Flag.CREDIT)
 
     def buffers(self) -> tuple[memoryview, bytearray, bytearray | None]:
         """What a data path writes and reads: the destination's bytes, a flag byte per
@@ -363,10 +401,15 @@ class MessageReceiver:
             if self.first_pass_delivered is None:  # (later passes' PROBEs are FINAL too)
                 self.first_pass_delivered = n.delivered_count
                 n.final_seen = True
+                self._credit_done(out)
             self._transition(ReceiveEvent.SENDER_DONE)
             self.close_if_done(now, out)
             if self._state is ReceiveState.CLOSED:
                 return
+        if self.grants is not None:
+            # (the grant again: a sender whose window stays shut PROBEs - its grant, or
+            # the ACK that would have freed it, may have been lost)
+            out.append(((self._ack(n.delivered_count),), self.peer))
         packed = np.packbits(np.frombuffer(self._delivered, dtype=np.uint8), bitorder="little")
         if self.count & 7:  # bits past the last chunk read as delivered
             packed[-1] |= np.uint8((0xFF << (self.count & 7)) & 0xFF)
@@ -406,6 +449,8 @@ class MessageReceiver:
         """The first datagram of the message: start a plan's arrival-relative clock."""
         self.counts.first_heard = now
         self.counts.heard = True
+        if self.grants is not None:
+            self.grants.receive_heard(self)
         plan = self.plan
         if plan is not None and plan.accept_after is not None and plan.accept_from_first:
             self.accept_deadline = now + plan.accept_after
@@ -468,6 +513,7 @@ class MessageReceiver:
 
     def _close(self, reason: CloseReason, now: float, out: list) -> None:
         self._transition(ReceiveEvent.CLOSED)
+        self._credit_done(out)
         count = self.count
         delivered = self.delivered_mask()
         n = self.counts

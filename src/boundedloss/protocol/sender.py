@@ -101,12 +101,14 @@ class SendQueue:
         self.queued[batch] = False
         return batch
 
-    def requeue(self, missing: np.ndarray) -> None:
+    def requeue(self, missing: np.ndarray) -> int:
+        """Queue the ``missing`` chunks not queued already; how many that is."""
         fresh = missing[~self.queued[missing]]
         if fresh.size:
             self.queued[fresh] = True
             self.order = np.concatenate([self.order[self.pos :], fresh.astype(np.int64)])
             self.pos = 0
+        return int(fresh.size)
 
     def drained(self) -> None:
         """Everything queued went out: the next chunks are retransmissions."""
@@ -118,14 +120,17 @@ class SendQueue:
 
 class FlowWindow:
     """Every DATA datagram gets the next transmission sequence; the receiver's ACKs (and
-    PROBE answers) say how far it has seen, so that at most ``size`` datagrams are ever
-    in flight. A window that stays shut for an RTO (its ACKs lost) calls for a PROBE,
-    whose answer reopens it."""
+    PROBE answers) say how far it has seen, so that at most ``size`` datagrams - or the
+    receiver's credit, if less - are ever in flight. A window that stays shut for an RTO
+    (its ACKs lost) calls for a PROBE, whose answer reopens it."""
 
-    __slots__ = ("acks", "probe_mark", "size")
+    __slots__ = ("acks", "parked_probes", "probe_mark", "size")
 
     def __init__(self, size: int, acks: AckState):
         self.size = size
+        #: PROBEs in a row the window stayed shut for with no credit granted (a receiver
+        #: with more senders than credit parks some): each waits twice the one before
+        self.parked_probes = 0
         #: ``acked`` (every tseq below it has arrived or is lost), ``next_tseq`` and
         #: ``blocked_since`` (None: open), which the ACKs move
         self.acks = acks
@@ -133,11 +138,21 @@ class FlowWindow:
 
     def room(self) -> int:
         acks = self.acks
-        return self.size - (acks.next_tseq - acks.acked)
+        return min(self.size, acks.credit) - (acks.next_tseq - acks.acked)
 
     def shut(self, now: float) -> None:
         if self.acks.blocked_since is None:
             self.acks.blocked_since = now
+
+    def stuck_after(self, rto: float, max_rto: float) -> float:
+        """How long the window may stay shut before a PROBE asks why: an RTO (its ACKs
+        were lost) - or, with no credit granted, twice as long as the last time, to at
+        most ``max_rto``: a parked sender waits for the grant its receiver sends, and
+        PROBEs only in case that was lost."""
+        if self.acks.credit > 0:
+            self.parked_probes = 0
+            return rto
+        return max(rto, min(max_rto, rto * (1 << min(self.parked_probes, 16))))
 
     def acked_through(self, tseq_seen: int) -> None:
         acks = self.acks
@@ -224,6 +239,10 @@ class MessageSender:
         #: compiled data path's Send in its place once it takes them: share_acks)
         self.acks = self.recovery.acks
         self.acks.last_heard = now
+        if config.credit_bytes is not None:  # (the first pass's allowance until a grant)
+            granted = self.path.granted
+            self.acks.credit = (config.unscheduled_datagrams if granted is None
+                                else max(1, granted))
         self._window = FlowWindow(config.window_datagrams, self.acks)
         self._acks_shared = False  # (share_acks: the flags then follow every step)
         self.pacer = Pacer(config, cb + HEADER_BYTES, now, self.path.best_rate())
@@ -391,23 +410,41 @@ class MessageSender:
             bitorder="little",
         )[:n_bits]
         missing = np.flatnonzero(bits == 0)
+        lost = 0
         if missing.size:
             missing += start
-            self._queue.requeue(missing)
-        self.recovery.missing_reported(int(missing.size))
+            lost = self._queue.requeue(missing)
+        # (what the pass lost: a chunk still queued - not sent yet, as when a shut window
+        # or a grant of no credit called for this PROBE - was not lost)
+        self.recovery.missing_reported(lost)
         if flags & Flag.FINAL:
             self._reply_received(now)
             self._share_ack_flags()
 
-    def ack_received(self, tseq_seen: int, delivered: int, now: float) -> None:
+    def ack_received(self, tseq_seen: int, delivered: int, now: float,
+                     credit: int | None = None) -> None:
+        """An ACK; ``credit``: the grant it carries (Flag.CREDIT), if any."""
         if self._state is SendState.DONE:
             return
+        if credit is not None:
+            self._credited(credit)
         self._heard(delivered, now)
         self.recovery.ack_received(
             tseq_seen, delivered, now,
             self._state is SendState.AWAITING_REPLY and not self._queue.first_pass)
         self._window.acked_through(tseq_seen)
         self._share_ack_flags()
+
+    def _credited(self, credit: int) -> None:
+        """The receiver grants ``credit``. (Its ACKs then come at the cadence that credit
+        calls for, more often than ``acks.ack_every`` - which the loss is still read
+        against: the cadence moves as the receiver's other senders come and go, so no
+        count of the ACKs owed could follow it; counted against the message's own, the
+        ACKs show no loss on the way back, and recovery reads it from the hint.)"""
+        acks = self.acks
+        acks.credit = credit
+        if acks.granted_least < 0 or credit < acks.granted_least:
+            acks.granted_least = credit
 
     def _heard(self, delivered: int, now: float) -> None:
         """The receiver is alive and says it has ``delivered`` chunks."""
@@ -456,7 +493,7 @@ class MessageSender:
             t = probe_deadline
         blocked_since = self.acks.blocked_since
         if blocked_since is not None and self._state is not SendState.AWAITING_REPLY:
-            t = min(t, blocked_since + self.recovery.rto)
+            t = min(t, blocked_since + self._stuck_after())
         paced_until = self.pacer.paced_until
         if paced_until is not None and paced_until < t:
             t = paced_until
@@ -473,9 +510,11 @@ class MessageSender:
         if (
             acks.blocked_since is not None
             and self._state is not SendState.AWAITING_REPLY
-            and now >= acks.blocked_since + self.recovery.rto
+            and now >= acks.blocked_since + self._stuck_after()
         ):
             acks.blocked_since = None
+            if acks.credit <= 0:
+                self._window.parked_probes += 1
             self._transition(SendEvent.WINDOW_STUCK)
         probe = self._probe
         if probe.deadline is not None and now >= probe.deadline:
@@ -484,6 +523,9 @@ class MessageSender:
             probe.deadline = None
             self._transition(SendEvent.PROBE_TIMEOUT)
         self._share_ack_flags()
+
+    def _stuck_after(self) -> float:
+        return self._window.stuck_after(self.recovery.rto, self.config.max_rto)
 
     def cancel(self, now: float) -> None:
         if self._state is not SendState.DONE:
@@ -494,7 +536,9 @@ class MessageSender:
         self._transition(SendEvent.FINISHED)
         counts = self.counts
         recovery = self.recovery
-        self.path.send_finished(recovery.rtt_estimate, self.pacer.rate_samples)
+        least = self.acks.granted_least
+        self.path.send_finished(recovery.rtt_estimate, self.pacer.rate_samples,
+                                least if least >= 0 else None)
         self.result = SendResult(
             peer=self.peer,
             round_id=self.round_id,

@@ -76,6 +76,15 @@ class TransportConfig:
     retransmit_pacing_gain: float | None = None
     #: datagrams one sender hands out per poll before the next sender's turn
     send_batch: int = 64
+    #: receiver-driven first pass (protocol/credit.py): a receiver lets all its senders
+    #: together have at most this many DATA bytes in flight toward it - its share to
+    #: each in every ACK - so that an incast fits the queue in front of it (keep it under
+    #: that queue, and over the bandwidth-delay product). None: no credit, each sender
+    #: as its window allows
+    credit_bytes: int | None = None
+    #: with credit, what a send may have in flight before its receiver's first grant,
+    #: when no earlier message to that peer heard one (a bandwidth-delay product)
+    unscheduled_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         check_chunk_bytes(self.chunk_bytes)
@@ -97,10 +106,27 @@ class TransportConfig:
             raise ValueError("window_bytes must hold at least one chunk")
         if self.rate_bps is not None and self.rate_bps <= 0:
             raise ValueError("rate_bps must be > 0 (or None for unpaced)")
+        datagram = self.chunk_bytes + HEADER_BYTES
+        if self.credit_bytes is not None and self.credit_bytes < 2 * datagram:
+            raise ValueError("credit_bytes must hold at least two datagrams (or None)")
+        if self.unscheduled_bytes < datagram:
+            raise ValueError("unscheduled_bytes must hold at least one datagram")
 
     @property
     def window_datagrams(self) -> int:
         return max(1, self.window_bytes // (self.chunk_bytes + HEADER_BYTES))
+
+    @property
+    def credit_datagrams(self) -> int | None:
+        """``credit_bytes`` in full DATA datagrams (None: no credit)."""
+        if self.credit_bytes is None:
+            return None
+        return self.credit_bytes // (self.chunk_bytes + HEADER_BYTES)
+
+    @property
+    def unscheduled_datagrams(self) -> int:
+        return min(self.window_datagrams,
+                   self.unscheduled_bytes // (self.chunk_bytes + HEADER_BYTES))
 
     def ack_every_for(self, count: int) -> int:
         """A receiver of a message of ``count`` chunks ACKs every this many DATA

@@ -124,6 +124,9 @@ class SimJob:
     oversubscription: float = 1.0
     #: costs that replace the preset's (a calibration's own measurement)
     cpu_costs: CpuCosts | None = None
+    #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
+    #: TransportConfig.credit_bytes)
+    credit_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ class SimRow:
     oversubscription: float = 1.0
     #: datagrams lost at a full queue to or from the spine
     fabric_drops: int = 0
+    credit_bytes: int | None = None
 
 
 class _Barrier:
@@ -198,7 +202,8 @@ def run_job(job: SimJob) -> SimRow:
                                           queue_datagrams=job.queue_datagrams), job.racks)
     # (every peer's receive of both phases, posted a round ahead, as the hook allows)
     config = TransportConfig(chunk_bytes=largest_chunk(job.mtu, TRAILER_BYTES if job.auth else 0),
-                             max_open_receives=max(256, 4 * job.workers))
+                             max_open_receives=max(256, 4 * job.workers),
+                             credit_bytes=job.credit_bytes)
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           cpu=costs)
@@ -268,7 +273,7 @@ def run_job(job: SimJob) -> SimRow:
         seed=job.seed, cpu=job.cpu, loss_model=job.loss_model,
         path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
         racks=job.racks, oversubscription=job.oversubscription,
-        fabric_drops=net.counts["fabric_drop"])
+        fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes)
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],

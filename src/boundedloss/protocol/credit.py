@@ -1,0 +1,122 @@
+"""CreditGrants: how much a receiver lets its senders have in flight (receiver-driven).
+
+A round of a collective starts every sender at once toward the same receiver (the
+parameter server; every shard owner of a transpose allreduce): what they send together
+meets the queue in front of that receiver, and what does not fit is dropped - most of a
+first pass under incast. As NDP, Homa and EQDS do, the receiver decides how much comes:
+its senders together may have at most ``TransportConfig.credit_bytes`` in flight toward
+it, and each ACK carries its sender's share (``Flag.CREDIT``: the DATA datagrams it may
+have in flight beyond the highest the receiver has seen). ACKs leave as DATA arrives,
+that is as the bottleneck in front of the receiver drains, so the grants follow its
+drain rate: the senders' total stays at the budget whatever the link's speed.
+
+The share is the budget split evenly among the receives whose sender's first pass is
+under way (heard, and neither its FINAL PROBE come nor closed): a collective's round
+waits for all of them, so none goes first (no SRPT). A receive posted ahead of its
+round holds nothing until its first datagram comes. Where more senders than the budget
+has room for at ``MIN_SHARE`` each are under way (a large incast), the later ones wait
+parked, with credit 0, until an earlier one is done. A send's first pass goes
+``unscheduled_bytes`` ahead of any grant - or, once an earlier message to that peer
+heard one, the least it was granted (``PeerPath.granted``, at least one datagram: the
+receiver learns of a sender from its first datagram).
+
+Sans-I/O; the receives tell it when they are heard and when they close, the mux tells a
+compiled data path each new share (``listener``), and the ACKs of both paths stamp it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .receiver import MessageReceiver
+
+#: the least share: a sender with less could not keep one datagram in flight while the
+#: ACK that frees the next is on its way
+MIN_SHARE = 2
+
+
+def ack_cadence(ack_every: int, credit: int) -> int:
+    """DATA datagrams per ACK of a receive whose sender holds ``credit`` (its latest
+    grant; -1: none yet): at least two ACKs per credit's worth, so that the next grant is
+    on its way before the sender has used this one up (a message's own ``ack_every``
+    where that is more often)."""
+    return max(1, min(ack_every, credit // 2))
+
+
+class CreditGrants:
+    """A receiving endpoint's credit budget, and which of its heard receives hold a
+    share of it.
+
+    Every heard receive gets ``share`` = budget / heard, down to ``MIN_SHARE``; past
+    that, receives heard later are *parked* (credit 0, ``counts.parked``) until one
+    holding credit is done - its sender's first pass over (its FINAL PROBE) or closed -
+    and are then granted in the order they were heard, each by an ACK of its own."""
+
+    __slots__ = ("_granted", "_parked", "budget", "listener", "share")
+
+    def __init__(self, budget: int):
+        if budget < MIN_SHARE:
+            raise ValueError(f"a credit budget holds at least {MIN_SHARE} datagrams")
+        #: DATA datagrams all senders toward this endpoint may have in flight together
+        self.budget = budget
+        #: what each receive holding credit grants in its ACKs now
+        self.share = budget
+        self._granted: set[int] = set()  # transfer ids of the receives holding credit
+        # the parked receives, in the order they were heard: transfer id -> receive
+        self._parked: OrderedDict[int, MessageReceiver] = OrderedDict()
+        #: told each new share (a compiled data path stamps it on the ACKs it builds)
+        self.listener: Callable[[int], None] | None = None
+
+    @property
+    def heard(self) -> int:
+        """Receives sharing the budget: holding credit or parked."""
+        return len(self._granted) + len(self._parked)
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    def credit(self, receive: MessageReceiver) -> int:
+        """What ``receive``'s ACKs grant its sender now."""
+        return 0 if receive.counts.parked else self.share
+
+    def receive_heard(self, receive: MessageReceiver) -> None:
+        """``receive``'s first datagram came: from now on it shares the budget."""
+        tid = receive.transfer_id
+        if tid in self._granted or tid in self._parked:
+            return
+        self._set_share(len(self._granted) + len(self._parked) + 1)
+        if (len(self._granted) + 1) * self.share <= self.budget:
+            self._granted.add(tid)
+        else:
+            receive.counts.parked = True
+            self._parked[tid] = receive
+
+    def receive_done(self, receive: MessageReceiver) -> list[MessageReceiver]:
+        """``receive`` needs no more credit (its sender's first pass is over, or it
+        closed): the parked receives that now hold credit, each to be told by an ACK."""
+        tid = receive.transfer_id
+        if tid in self._granted:
+            self._granted.discard(tid)
+        elif self._parked.pop(tid, None) is not None:
+            receive.counts.parked = False
+        else:
+            return []
+        self._set_share(max(1, len(self._granted) + len(self._parked)))
+        unparked = []
+        while self._parked and (len(self._granted) + 1) * self.share <= self.budget:
+            tid, waiting = self._parked.popitem(last=False)
+            waiting.counts.parked = False
+            self._granted.add(tid)
+            unparked.append(waiting)
+        return unparked
+
+    def _set_share(self, heard: int) -> None:
+        share = max(MIN_SHARE, self.budget // heard)
+        if share != self.share:
+            self.share = share
+            if self.listener is not None:
+                self.listener(share)
