@@ -83,3 +83,18 @@ def distinct(names: Iterable[str], option: str) -> None:
         if name in seen:
             raise ValueError(f"{option} names {name} twice")
         seen.add(name)
+
+
+def credit_fits(credit_bytes: int | None, chunk_bytes: int | None = None) -> None:
+    """A credit budget the transport takes: at least two DATA datagrams."""
+    from .protocol import TransportConfig
+
+    if credit_bytes is None:
+        return
+    try:
+        if chunk_bytes is None:
+            TransportConfig(credit_bytes=credit_bytes)
+        else:
+            TransportConfig(chunk_bytes=chunk_bytes, credit_bytes=credit_bytes)
+    except ValueError as e:
+        raise ValueError(f"--credit {credit_bytes}: {e}") from None

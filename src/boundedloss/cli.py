@@ -62,10 +62,16 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) 
     return value
 
 
-def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | None:
+#: compare's --credit default: each scenario's own
+SCENARIO_CREDIT = "scenario"
+
+
+def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
     """``--credit``: off (None), or a size in bytes as tc writes it (64k, 1m)."""
     if value.strip().lower() == "off":
         return None
+    if value == SCENARIO_CREDIT and param.default == SCENARIO_CREDIT:
+        return value
     from .emulate.units import parse_size
 
     try:
@@ -383,6 +389,18 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     console.print(f"rows written to {json_path}")
 
 
+CREDIT_HELP = ("Receiver-driven credit: the DATA bytes all senders toward one receiver "
+               "may have in flight together (e.g. 64k; keep it under the queue in front "
+               "of the receiver), or off.")
+
+
+def credit_option(default: str = "off"):
+    """``--credit SIZE|off`` (train, compare, bench kernel-loss, sim), parsed to bytes or
+    None."""
+    return click.option("--credit", default=default, show_default=True,
+                        callback=_credit_size, help=CREDIT_HELP)
+
+
 def probe_copies_option(fn):
     """``--recovery`` and ``--probe-copies-max`` (train, compare, bench burst), passed on
     as one ``probe_copies_max`` (None: not set on the command line)."""
@@ -536,12 +554,15 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
                    "our policies its reduce-scatter and all-gather; bf16 is its mixed "
                    "precision over float32 master parameters. Not with --topology, "
                    "--hadamard, --checkpoint-every, --resume or tcp-ps.")
+@credit_option()
+@click.option("--mlp-hidden", default=TRAIN_DEFAULTS.mlp_hidden, show_default=True,
+              type=click.IntRange(1, 1 << 16), help="The MLP's hidden width (--model mlp).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
               type=click.Path(file_okay=False), callback=_out_folder)
 def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggregator,
           hadamard, stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
-          device, precision, sharded, out) -> None:
+          device, precision, sharded, credit, mlp_hidden, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook, or FSDP2 with --sharded
     (starts local workers, or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
@@ -564,7 +585,8 @@ def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggre
                       stale_broadcast=stale_broadcast, steps_per_epoch=steps_per_epoch,
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
                       checkpoint_every=checkpoint_every, resume=resume, auth=auth,
-                      device=device, precision=precision, sharded=sharded)
+                      device=device, precision=precision, sharded=sharded,
+                      credit_bytes=credit, mlp_hidden=mlp_hidden)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
@@ -609,7 +631,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  steps_per_epoch: int | None, loss_spec: str | None, command: str,
                  network: str = DEFAULT_NETWORK, probe_copies_max: int | None = None,
                  title: str = "boundedloss compare",
-                 burst_every: tuple[int, ...] = ()) -> None:
+                 burst_every: tuple[int, ...] = (),
+                 credit: int | str | None = SCENARIO_CREDIT) -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the tables, write JSON and the report."""
     from dataclasses import replace
@@ -625,6 +648,9 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     from .net.loss import parse_loss_spec
 
     sc = SCENARIOS[scenario]
+    if not isinstance(credit, str):  # (SCENARIO_CREDIT: the scenario's own)
+        _check(checks.credit_fits, credit)
+        sc = replace(sc, credit_bytes=credit)
     if sc.is_sweep:
         if policies is not None:
             raise click.BadParameter(
@@ -797,9 +823,10 @@ def _command_line(default: str) -> str:
               help="Comma-separated N: run the comparison once per burst frequency - a "
                    "burst every N rounds (the scenario's in-process round bursts) - each "
                    "in OUT/everyN, with a sweep report in OUT/sweep.md.")
+@credit_option(default=SCENARIO_CREDIT)
 @probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec, network, burst_every, probe_copies_max) -> None:
+            steps_per_epoch, loss_spec, network, burst_every, credit, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
@@ -809,7 +836,7 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
                  steps_per_epoch, loss_spec, _command_line(default), network=network,
                  probe_copies_max=probe_copies_max,
                  burst_every=(_parse_list(burst_every, int, "--burst-every")
-                              if burst_every is not None else ()))
+                              if burst_every is not None else ()), credit=credit)
 
 
 #: the systems a simulation can run: our policies, and the baselines over its TCP model
@@ -850,9 +877,7 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="A rack's hosts' links together over its uplink to the spine.")
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="Authenticate every datagram, as a job does.")
-@click.option("--credit", default="off", show_default=True, callback=_credit_size,
-              help="Our systems' receiver-driven credit: the bytes all senders toward one "
-                   "receiver may have in flight together (e.g. 64k), or off.")
+@credit_option()
 @click.option("--cpu", default="none", show_default=True,
               type=click.Choice(["none", "this-machine", "cluster-node"]),
               help="What computing costs: nothing; this machine's measured costs with "

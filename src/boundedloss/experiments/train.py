@@ -105,6 +105,10 @@ class TrainConfig:
     precision: str = "fp32"
     #: FSDP2 (``fully_shard``) instead of DDP: ``sharding.py``
     sharded: bool = False
+    #: receiver-driven credit per receiver, bytes (TransportConfig.credit_bytes; None: off)
+    credit_bytes: int | None = None
+    #: the MLP's hidden width (``--model mlp``)
+    mlp_hidden: int = 256
 
     def validate(self) -> None:
         try:
@@ -119,8 +123,16 @@ class TrainConfig:
             if value not in names:
                 raise ValueError(f"{option} must be one of {', '.join(names)}")
         self._check_data()
+        from ..protocol import TransportConfig
+
+        try:
+            TransportConfig(chunk_bytes=self.chunk_bytes, credit_bytes=self.credit_bytes)
+        except ValueError as e:
+            raise ValueError(f"--chunk-bytes / --credit: {e}") from None
         if self.workers < 2:
             raise ValueError("--workers must be >= 2")
+        if self.mlp_hidden < 1:
+            raise ValueError("--mlp-hidden must be >= 1")
         if self.epochs < 1:
             raise ValueError("--epochs must be >= 1")
         if self.checkpoint_every < 0:
@@ -195,7 +207,8 @@ class TrainConfig:
         copies = {} if self.probe_copies_max is None else {
             "probe_copies_max": self.probe_copies_max}
         return hook_transport(chunk_bytes=self.chunk_bytes,
-                              receive_deadline=self.receive_deadline, **copies)
+                              receive_deadline=self.receive_deadline,
+                              credit_bytes=self.credit_bytes, **copies)
 
 
 #: ``--device`` names
@@ -314,7 +327,7 @@ def _images(cfg: TrainConfig, rank: int, world: int, where: Placement) -> Worklo
     data = images.ImageData(*(where.put(t) for t in (split.x_train, split.y_train,
                                                      split.x_test, split.y_test)))
     model: torch.nn.Module = (
-        images.ImageMLP(data.side, hidden=256) if cfg.model == "mlp"
+        images.ImageMLP(data.side, hidden=cfg.mlp_hidden) if cfg.model == "mlp"
         else images.ImageCNN(data.side, CNN_CHANNELS.get(data.side, 16)))
     n = len(data.y_train)
     per_rank = n // world
