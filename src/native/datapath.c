@@ -913,14 +913,26 @@ done:
 
 /* One item of a poll's batch as a datagram to send: ``(parts, (host, port))`` with parts a
  * tuple of at most MAX_PARTS buffers (held in ``held``, released by the caller) and host
- * an IPv4 address. 1; 0 if it is none (not such a tuple, or another address family:
- * Python's to send); -1 with an exception set. */
-static int control_datagram(PyObject *item, struct msghdr *m, struct iovec *iov,
-                            Py_buffer *held, int *n_held, struct sockaddr_in *to) {
-    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) return 0;
+ * an IPv4 address, or ``(parts, (host, port), True)``: one this path sealed already (an
+ * ACK it built). With ``seal`` (authenticating), a 2-tuple comes unsealed, as the core
+ * built it, and is sealed here - its parts (at most two: the tag covers them as one)
+ * then the trailer, into ``trailer``. 1; 0 if it is none (not such a tuple, another
+ * address family, more parts than it seals: Python's to send); -1 with an exception
+ * set. */
+static int control_datagram(DispatcherObject *d, PyObject *item, int seal, struct msghdr *m,
+                            struct iovec *iov, Py_buffer *held, int *n_held,
+                            struct sockaddr_in *to, unsigned char *trailer) {
+    if (!PyTuple_Check(item)) return 0;
+    Py_ssize_t size = PyTuple_GET_SIZE(item);
+    if (size == 3) {
+        if (PyTuple_GET_ITEM(item, 2) != Py_True) return 0;
+        seal = 0;  /* (sealed already) */
+    } else if (size != 2) {
+        return 0;
+    }
     PyObject *parts = PyTuple_GET_ITEM(item, 0), *peer = PyTuple_GET_ITEM(item, 1);
     if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 1
-        || PyTuple_GET_SIZE(parts) > MAX_PARTS || !PyTuple_Check(peer)
+        || PyTuple_GET_SIZE(parts) > (seal ? 2 : MAX_PARTS) || !PyTuple_Check(peer)
         || PyTuple_GET_SIZE(peer) != 2 || !PyUnicode_Check(PyTuple_GET_ITEM(peer, 0))
         || !PyLong_Check(PyTuple_GET_ITEM(peer, 1)))
         return 0;
@@ -940,6 +952,24 @@ static int control_datagram(PyObject *item, struct msghdr *m, struct iovec *iov,
         iov[j].iov_len = (size_t)held[*n_held].len;
         (*n_held)++;
     }
+#ifdef BL_OPENSSL
+    if (seal) {
+        unsigned char dst[IDENT_BYTES];
+        put_ident(dst, ntohl(to->sin_addr.s_addr), (uint16_t)port);
+        if (sealer_seal(&d->sealer, dst, iov[0].iov_base, iov[0].iov_len,
+                        k > 1 ? iov[1].iov_base : NULL, k > 1 ? iov[1].iov_len : 0,
+                        trailer) < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
+            return -1;
+        }
+        iov[k].iov_base = trailer;
+        iov[k].iov_len = TRAILER_BYTES;
+        k++;
+    }
+#else
+    (void)d;
+    (void)trailer;
+#endif
     memset(m, 0, sizeof *m);
     m->msg_name = to;
     m->msg_namelen = sizeof *to;
@@ -948,16 +978,25 @@ static int control_datagram(PyObject *item, struct msghdr *m, struct iovec *iov,
     return 1;
 }
 
-/* send_datagrams(sock, items, start) -> (end, err, calls): the datagrams of a poll's
- * batch from items[start] on - each ``(parts, (host, port))``, as the core hands them out
- * (sealed already where the job authenticates) - up to SEND_MAX a sendmmsg, until one
- * that is not such a datagram (a DataRun, a peer not IPv4: Python's turn). ``end``: the
- * first not sent; ``err``: the errno of the call that stopped (0: none; EAGAIN when the
- * socket is full); ``calls``: system calls that sent. The GIL is released around each. */
+/* send_datagrams(sock, items, start, seal=False) -> (end, err, calls): the datagrams of a
+ * poll's batch from items[start] on - each ``(parts, (host, port))``, as the core hands
+ * them out - up to SEND_MAX a sendmmsg, until one that is not such a datagram (a DataRun,
+ * a peer not IPv4: Python's turn). Where the job authenticates they come sealed already
+ * (``poll``'s default), or with ``seal`` as the core built them, to be sealed here
+ * (``poll(sealed=False)``: an ACK this path built, marked ``(parts, peer, True)``, is
+ * sealed already). ``end``: the first not sent; ``err``: the errno of the call that
+ * stopped (0: none; EAGAIN when the socket is full); ``calls``: system calls that sent.
+ * The GIL is released around each. */
 static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) {
     PyObject *sock, *items;
     Py_ssize_t start;
-    if (!PyArg_ParseTuple(args, "OO!n", &sock, &PyList_Type, &items, &start)) return NULL;
+    int seal = 0;
+    if (!PyArg_ParseTuple(args, "OO!n|p", &sock, &PyList_Type, &items, &start, &seal))
+        return NULL;
+    if (seal && !d->sealer.on) {
+        PyErr_SetString(PyExc_ValueError, "send_datagrams: seal without a key (authenticate)");
+        return NULL;
+    }
     int fd = PyObject_AsFileDescriptor(sock);
     if (fd < 0) return NULL;
     if (start < 0 || start > PyList_GET_SIZE(items)) {
@@ -965,8 +1004,9 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
         return NULL;
     }
     struct mmsghdr msgs[SEND_MAX];
-    struct iovec iov[SEND_MAX][MAX_PARTS];
+    struct iovec iov[SEND_MAX][MAX_PARTS + 1];
     struct sockaddr_in to[SEND_MAX];
+    unsigned char trailers[SEND_MAX][TRAILER_BYTES];
     Py_buffer held[SEND_MAX * MAX_PARTS];
     PyObject *owned[SEND_MAX];  /* (each item held: a buffer's export may run Python code) */
     Py_ssize_t i = start;
@@ -976,7 +1016,8 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
         int k = 0, n_held = 0, n_owned = 0, r = 0;  /* (control_datagram clears each header) */
         while (k < SEND_MAX && i + k < PyList_GET_SIZE(items)) {
             PyObject *item = owned[n_owned++] = Py_NewRef(PyList_GET_ITEM(items, i + k));
-            r = control_datagram(item, &msgs[k].msg_hdr, iov[k], held, &n_held, &to[k]);
+            r = control_datagram(d, item, seal, &msgs[k].msg_hdr, iov[k], held, &n_held,
+                                 &to[k], trailers[k]);
             if (r <= 0) break;
             k++;
         }

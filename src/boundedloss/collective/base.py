@@ -294,7 +294,7 @@ class Collective(abc.ABC):
         """Aggregate ``own`` with what arrived from each peer in ``posted`` (posting
         each peer's receive for the next round as soon as this one is in)."""
         contributions = [widen(own)]  # (16-bit values are aggregated in float32)
-        masks = [np.ones(own.size, dtype=bool)]
+        masks = [self._every_element(own.size)]  # (shared, read-only: every element)
         for peer_rank, receive in posted.items():
             res = self._wait(
                 receive, f"{what} from rank {peer_rank} (round {round_id}, bucket {bucket})")
@@ -322,7 +322,8 @@ class Collective(abc.ABC):
                           memory_key: MemoryKey) -> np.ndarray:
         """A received result: lost values keep their previous value (bounded drift)."""
         values, mask = self._elements(res, size, dtype)
-        if mask.all():
+        # (every chunk delivered: the shared all-true mask, not scanned again)
+        if mask is self._full_masks.get(size) or mask.all():
             result = values  # (the receive's own buffer, which nothing writes any more)
         else:
             previous = self._remembered(memory_key, values.shape)

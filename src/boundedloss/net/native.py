@@ -37,6 +37,9 @@ class NativeDataPath:
         self._mux = mux
         self.dispatcher = self._native.Dispatcher(mux.session)
         self._peers: dict[tuple[int, int], tuple[str, int]] = {}
+        #: peer -> its ``(ip, port)`` as integers, or None if not IPv4 (ipv4_address, once
+        #: per peer: a job's peers stay put)
+        self._addresses: dict[Hashable, tuple[int, int] | None] = {}
         #: the closed receives the mux remembers, by key: their STOPs are said from here
         self._closed: dict[tuple, object] = {}
         if mux.auth is not None:
@@ -55,9 +58,21 @@ class NativeDataPath:
     def _credit_changed(self, share: int) -> None:
         self.dispatcher.credit = share
 
+    def address(self, peer: Hashable) -> tuple[int, int] | None:
+        """``ipv4_address(peer)``, remembered."""
+        try:
+            return self._addresses[peer]
+        except KeyError:
+            pass
+        address = ipv4_address(peer)
+        if len(self._addresses) >= 4096:
+            self._addresses.clear()
+        self._addresses[peer] = address
+        return address
+
     # ------------------------------------------------------- DataPath for the mux
     def receive_opened(self, receiver: MessageReceiver) -> None:
-        address = ipv4_address(receiver.peer)
+        address = self.address(receiver.peer)
         if address is None:
             return  # not an IPv4 peer: the Python core takes its DATA
         dest, delivered, critical = receiver.buffers()
@@ -86,7 +101,7 @@ class NativeDataPath:
             self.dispatcher.unregister(shared)
 
     def send_opened(self, sender: MessageSender) -> None:
-        address = ipv4_address(sender.peer)
+        address = self.address(sender.peer)
         if address is None:
             return  # not an IPv4 peer: the Python core takes its ACKs
         shared = self._native.Send()
@@ -100,19 +115,20 @@ class NativeDataPath:
             self.dispatcher.close_send(sender.acks)  # (what comes for it later is stale)
 
     def seal(self, parts: tuple, peer: Hashable) -> tuple:
-        address = ipv4_address(peer)
+        address = self.address(peer)
         if address is None:  # (resolve() makes every peer an IPv4 address)
             raise ValueError(f"not an IPv4 peer: {peer!r}")
         data = parts[0] if len(parts) == 1 else b"".join(parts)
         return (*parts, self.dispatcher.seal(data, *address))
 
-    def send_datagrams(self, sock: socket.socket, batch: list, start: int
-                       ) -> tuple[int, int, int]:
+    def send_datagrams(self, sock: socket.socket, batch: list, start: int,
+                       seal: bool = False) -> tuple[int, int, int]:
         """Send the control datagrams of a poll's ``batch`` from ``start`` on, a
         ``sendmmsg`` per 64, up to the first the compiled path does not send (a DataRun, a
         peer not IPv4): ``(end, errno, calls)`` - the first not sent, the errno the last
-        call stopped on (0: none), the system calls that sent."""
-        return self.dispatcher.send_datagrams(sock, batch, start)
+        call stopped on (0: none), the system calls that sent. ``seal``: the batch is a
+        ``poll(sealed=False)``'s, its datagrams sealed here as they go."""
+        return self.dispatcher.send_datagrams(sock, batch, start, seal)
 
     def counters(self) -> dict[str, int]:
         c = self.dispatcher.counters()
@@ -122,7 +138,7 @@ class NativeDataPath:
     # --------------------------------------------------------------- feeding
     def take(self, data, peer: Hashable, now: float) -> None:
         """One datagram from ``peer``: taken here, or handed to the mux."""
-        address = ipv4_address(peer)
+        address = self.address(peer)
         if address is None or not self.dispatcher.take(data, address[0], address[1],
                                                        self._mux.outbox, now):
             # (the whole datagram as it came: the mux verifies its tag once more)

@@ -50,7 +50,7 @@ from ..wire import HEADER_BYTES, DropReason, peek_round
 from . import native
 from .endpoint import Endpoint
 from .loss import LossModel
-from .native import NativeDataPath, ipv4_address
+from .native import NativeDataPath
 
 RECV_BURST = 512
 SEND_BURST_RUNS = 2048  # datagrams polled at once when the compiled path sends them
@@ -316,7 +316,7 @@ class UdpEndpoint(Endpoint):
     def _send_run(self, data_path, run: DataRun, start: int) -> tuple[int, bool]:
         """Send ``run.indices[start:]`` through the compiled path: how far it got, and
         whether the socket is full (or out of buffers) so the loop must wait."""
-        address = ipv4_address(run.peer)
+        address = data_path.address(run.peer)
         if address is None:  # (resolve() makes every peer an IPv4 address)
             raise TransportError(f"the compiled data path sends to IPv4 peers, not {run.peer!r}")
         ip, port = address
@@ -373,8 +373,17 @@ class UdpEndpoint(Endpoint):
         run_pos = 0  # how far into batch[pos], a DataRun, the compiled path has sent
         calls = 0
         gso_cmsg: dict[int, list] = {}  # segment size -> its UDP_SEGMENT control message
-        rlist = [sock, self._wake_r]
+        wake_r = self._wake_r
+        rlist = [sock, wake_r]
         data_path = self.data_path
+        # (the core's calls, looked up once)
+        next_deadline, timer_fired, poll = mux.next_deadline, mux.timer_fired, mux.poll
+        has_output, pop_finished = mux.has_output, mux.pop_finished
+        # Authenticating, the compiled path seals the core's control datagrams as it sends
+        # them (poll hands them out unsealed); one it leaves to sendmsg is sealed here.
+        seal_on_send = data_path is not None and self.auth is not None
+        seal = None if self.auth is None else self.auth.seal
+        lock = self._lock
 
         def lost(view) -> bool:
             """Did the loss model drop this datagram (counted if so)?"""
@@ -385,7 +394,7 @@ class UdpEndpoint(Endpoint):
 
         while not self._closing:
             blocked = False
-            with self._lock:
+            with lock:
                 now = monotonic()
                 for _ in range(RECV_BURST if data_path is None else 0):
                     size = 0
@@ -419,14 +428,14 @@ class UdpEndpoint(Endpoint):
                 if data_path is not None:
                     self._receive_native(data_path, now)
                 now = monotonic()
-                deadline = mux.next_deadline()
+                deadline = next_deadline()
                 if deadline is not None and deadline <= now:
-                    mux.timer_fired(now)
+                    timer_fired(now)
                 if pos >= len(batch):
                     if data_path is None:
-                        batch = mux.poll(now, SEND_BURST)
+                        batch = poll(now, SEND_BURST)
                     else:
-                        batch = mux.poll(now, SEND_BURST_RUNS, runs=True)
+                        batch = poll(now, SEND_BURST_RUNS, runs=True, sealed=not seal_on_send)
                     pos = 0
                 while pos < len(batch):
                     item = batch[pos]
@@ -439,7 +448,8 @@ class UdpEndpoint(Endpoint):
                         continue
                     if data_path is not None:
                         # (the compiled path sends the control datagrams, up to 64 a call)
-                        end, err, sent = data_path.send_datagrams(sock, batch, pos)
+                        end, err, sent = data_path.send_datagrams(sock, batch, pos,
+                                                                  seal_on_send)
                         calls += sent
                         if end > pos:
                             pos = end
@@ -468,7 +478,10 @@ class UdpEndpoint(Endpoint):
                             sendmsg([b for parts, _ in batch[pos:end] for b in parts], cmsg, 0,
                                     batch[pos][1])
                         else:
-                            parts, peer = batch[pos]
+                            item = batch[pos]
+                            parts, peer = item[0], item[1]
+                            if seal_on_send and len(item) == 2:
+                                parts = seal(parts, peer)  # type: ignore[misc]
                             sendmsg(parts, (), 0, peer)
                         calls += 1
                         pos = end
@@ -489,9 +502,9 @@ class UdpEndpoint(Endpoint):
                             break
                 self.sendmsg_calls += calls
                 calls = 0
-                more = pos < len(batch) or mux.has_output()
-                deadline = mux.next_deadline()  # sending may have armed timers (probes)
-                finished = mux.pop_finished()
+                more = pos < len(batch) or has_output()
+                deadline = next_deadline()  # sending may have armed timers (probes)
+                finished = pop_finished()
                 if finished:
                     self._resolve(finished)
                 now = monotonic()
@@ -508,9 +521,10 @@ class UdpEndpoint(Endpoint):
                 readable, _, _ = select.select(rlist, [sock], [], timeout)
             else:
                 readable, _, _ = select.select(rlist, [], [], timeout)
-            if self._wake_r in readable:
+            if wake_r in readable:
                 try:
-                    while self._wake_r.recv(4096):
-                        pass
+                    # (one read: a wake is a byte, and what a full read leaves keeps the
+                    # socket readable for the next pass)
+                    wake_r.recv(4096)
                 except BlockingIOError:
                     pass

@@ -440,13 +440,17 @@ class TransferMux:
         return bool(self.outbox) or any(tx.has_data() for tx in self._senders.values()
                                         if tx.transfer_id not in quiet)
 
-    def poll(self, now: float, limit: int = 1024, *, runs: bool = False) -> list:
+    def poll(self, now: float, limit: int = 1024, *, runs: bool = False,
+             sealed: bool = True) -> list:
         """Up to ``limit`` datagrams to send now, as ``(parts, peer)`` with ``parts`` a
         tuple of buffers to be sent as one datagram (``socket.sendmsg`` gathers them
         without a copy). ``runs``: a sender's DATA comes as one ``DataRun`` per batch
-        instead, for a data path that builds (and seals) the datagrams itself."""
+        instead, for a data path that builds (and seals) the datagrams itself.
+        ``sealed=False`` (authenticating): the control datagrams come as the core built
+        them, for a data path that seals them as it sends them (its ``send_datagrams``
+        with ``seal``) - those it sealed already (its ACKs) as ``(parts, peer, True)``."""
         out = self._poll(now, limit, runs)
-        if self.auth is not None:
+        if self.auth is not None and sealed:
             # (a data path seals as the core would, without the core's per-call overhead)
             seal = self.auth.seal if self.data_path is None else self.data_path.seal
             out = [item if type(item) is DataRun
