@@ -137,6 +137,10 @@ class FakeNetwork:
         self.route: Route = route if route is not None else self.default_route
         #: racks and a spine (None: every host on one switch)
         self.fabric: Fabric | None = None
+        #: which datagrams carry payload (DATA, or a TCP segment with data): those sent
+        #: and dropped at full queues are counted apart (``sent_payload``,
+        #: ``queue_drop_payload``); None: not counted
+        self.carries_payload: Callable[[bytes], bool] | None = None
 
     # ------------------------------------------------------------------ set-up
     def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None, *,
@@ -332,6 +336,8 @@ class FakeNetwork:
 
     def _transmit(self, src: _Node, peer, data: bytes, depart: float) -> None:
         self.counts["sent"] += 1
+        if self.carries_payload is not None and self.carries_payload(data):
+            self.counts["sent_payload"] += 1
         delays = self.route(Datagram(src.address, peer, data, depart))
         dst = self._nodes.get(peer)
         if dst is None:
@@ -362,10 +368,15 @@ class FakeNetwork:
         left = (fabric.up if up else fabric.down)[rack].offer(self.now, len(data))
         if left is None:
             self.counts["fabric_drop"] += 1
+            self._count_payload_drop(data)
         elif up:
             self._push(left, _SPINE_DOWN, dst, src, (data, delay))
         else:
             self._push(left + delay, _ARRIVE, dst, src, data)
+
+    def _count_payload_drop(self, data: bytes) -> None:
+        if self.carries_payload is not None and self.carries_payload(data):
+            self.counts["queue_drop_payload"] += 1
 
     def _arrive(self, node: _Node, src, data: bytes) -> None:
         now = self.now
@@ -375,6 +386,7 @@ class FakeNetwork:
             queue.popleft()
         if prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams:
             self.counts["queue_drop"] += 1
+            self._count_payload_drop(data)
             return
         if prof.loss is not None and prof.loss.drop(now, wire.peek_round(data)):
             self.counts["node_loss"] += 1

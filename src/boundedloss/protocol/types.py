@@ -83,8 +83,10 @@ class TransportConfig:
     #: as its window allows
     credit_bytes: int | None = None
     #: with credit, what a send may have in flight before its receiver's first grant,
-    #: when no earlier message to that peer heard one (a bandwidth-delay product)
-    unscheduled_bytes: int = 64 * 1024
+    #: when no earlier message to that peer heard one: about a bandwidth-delay product
+    #: (10 Gb/s over a rack's ~12 us round trip) - every sender of an incast sends it
+    #: at once, before the receiver knows of them
+    unscheduled_bytes: int = 16 * 1024
 
     def __post_init__(self) -> None:
         check_chunk_bytes(self.chunk_bytes)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import wire
 from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
 from ..net.cpu import CpuCosts
@@ -42,6 +43,7 @@ from ..protocol import TransportConfig
 from ..protocol.auth import TRAILER_BYTES
 from .baselines import EXCHANGES, SimTcp
 from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
+from .tcp import is_data_segment
 
 #: the simulated job's session token and key (a simulation authenticates as a job does)
 SESSION = 0x5EED_0000_0000_0001
@@ -159,6 +161,9 @@ class SimRow:
     #: datagrams lost at a full queue to or from the spine
     fabric_drops: int = 0
     credit_bytes: int | None = None
+    #: of the datagrams carrying payload (our DATA, the TCP model's data segments), the
+    #: share lost at a full queue (a switch port's or the fabric's)
+    payload_drop_fraction: float = 0.0
 
 
 class _Barrier:
@@ -192,6 +197,7 @@ def run_job(job: SimJob) -> SimRow:
     costs = job.cpu_costs or cpu.costs
     net = FakeNetwork(seed=job.seed, path=PathProfile(
         delay=job.delay_us * 1e-6, loss=path_loss(job)), shared_cores=cpu.shared_cores)
+    net.carries_payload = carries_payload
     runtime = SimRuntime(net)
     bps = job.link_gbps * 1e9
     if job.racks > 1:
@@ -273,7 +279,9 @@ def run_job(job: SimJob) -> SimRow:
         seed=job.seed, cpu=job.cpu, loss_model=job.loss_model,
         path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
         racks=job.racks, oversubscription=job.oversubscription,
-        fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes)
+        fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes,
+        payload_drop_fraction=round(
+            net.counts["queue_drop_payload"] / max(1, net.counts["sent_payload"]), 5))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
@@ -288,6 +296,12 @@ def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequen
     network = [(p, "") for p in losses] + [(0.0, m) for m in loss_models]
     return [SimJob(workers=w, system=s, topology=t, loss=p, loss_model=m, **settings)
             for w in workers for p, m in network for s, t in arms]
+
+
+def carries_payload(data: bytes) -> bool:
+    """Our DATA, or one of the TCP model's data segments."""
+    return (len(data) > wire.HEADER_BYTES and data[wire.OFFSET["kind"]] == wire.Kind.DATA
+            and data[:2] == wire.MAGIC.to_bytes(2, "little")) or is_data_segment(data)
 
 
 def path_loss(job: SimJob) -> LossModel | None:

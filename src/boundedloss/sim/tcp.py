@@ -54,6 +54,11 @@ _DATA, _ACK = 1, 2
 _ZEROS = bytes(65536)
 
 
+def is_data_segment(data: bytes) -> bool:
+    """Whether ``data`` is one of this model's segments carrying data (not an ACK)."""
+    return len(data) > _HEAD_BYTES and data[:4] == _PAD[:4] and data[len(_PAD)] == _DATA
+
+
 class _Connection:
     """The sending half toward one peer, and the receiving half from it."""
 
