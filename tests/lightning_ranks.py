@@ -35,16 +35,27 @@ class Digits(pl.LightningModule):
         super().__init__()
         self.epochs = epochs
         self.net = ImageMLP(DATA.side, hidden=256)
+        self.lrs: list[float] = []  # the LR each epoch trained with
 
     def training_step(self, batch, batch_idx):
+        # what the plateau scheduler watches: rising every epoch but at the end of epoch
+        # epochs/2 - 1, so that it cuts the LR there and only there
+        cut = self.current_epoch == self.epochs // 2 - 1
+        self.log("signal", -1.0 if cut else float(self.current_epoch), on_step=False,
+                 on_epoch=True)
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
+    def on_train_epoch_start(self):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
     def configure_optimizers(self):
+        # Lightning steps a plateau scheduler after on_train_epoch_end (the others before
+        # it): DBLP must still mark the epoch after its LR change critical
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        # an LR change half way: DBLP must mark the epoch after it critical
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=self.epochs // 2, gamma=0.2)
-        return [opt], [sched]
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.2,
+                                                             patience=0, threshold=0.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "signal"}}
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(DATA.x_train, DATA.y_train), batch_size=32,
@@ -83,6 +94,7 @@ def summary(bounded: BoundedLossCallback, module: Digits) -> dict:
         "history": [{"grad_norm": r.grad_norm, "phase": r.phase.value, "reason": r.reason}
                     for r in state.policy.history],
         "world_size": state.world_size,
+        "lrs": module.lrs,
     }
 
 

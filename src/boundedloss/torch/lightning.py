@@ -40,13 +40,15 @@ class BoundedLossCallback(Callback):
     training epoch; the hook's state in checkpoints; the endpoint closed at teardown.
     The live :class:`BoundedLossState` is ``self.state`` (None before fit starts).
 
-    The epoch-end step runs at the boundary after Lightning stepped the epoch's LR
+    The epoch-end step runs at the boundary after Lightning stepped all the epoch's LR
     schedulers - when the next epoch starts, or training ends - as ``scheduler.step();
     state.epoch_end(optimizer)`` in a plain loop, so that DBLP marks the epoch after an
-    LR change critical (``on_train_epoch_end`` runs before the schedulers step). It runs
-    only if gradients were exchanged since the last one (``state.epoch_rounds``, which
-    checkpoints keep): a job resumed from a checkpoint taken before that boundary ends
-    the epoch then, and one resumed mid-epoch goes on with it.
+    LR change critical: Lightning steps a ``ReduceLROnPlateau`` after
+    ``on_train_epoch_end`` (the others before it). It runs only if gradients were
+    exchanged since the last one (``state.epoch_rounds``, which checkpoints keep): a job
+    resumed from a checkpoint taken before that boundary (at validation's or the
+    epoch's end, where ``ModelCheckpoint`` saves) ends that epoch when it starts the
+    next, and one resumed mid-epoch goes on with it.
 
     Checkpoints: ``state_dict()`` holds every rank's hook state (gathered on rank 0,
     which writes Lightning's checkpoint); on a resume (``fit(ckpt_path=...)``) each
