@@ -7,7 +7,8 @@ times, each from the same seed:
   2. DBLP through BoundedLossCallback, with 2% of the datagrams each rank receives lost
      in-process and a checkpoint at every epoch's end: each rank writes
      OUT/dblp.rank{R}.json (accuracy, the hook's counters, DBLP's decisions);
-  3. resumed from that last checkpoint for one more epoch with a new callback: each
+  3. resumed from that last checkpoint for one more epoch by a new trainer with the
+     same callback (torn down after run 2: what it loads must reach its next hook): each
      rank writes OUT/restored.rank{R}.pt, the hook state it held once Lightning restored
      it (before training), and OUT/resumed.rank{R}.json, its counters at the end.
 """
@@ -121,7 +122,7 @@ def main(out: Path, epochs: int, ranks: int, seed: int) -> None:
 
     pl.seed_everything(seed, verbose=False)
     again = Digits(epochs)
-    resumed = BoundedLossCallback(policy="dblp", loss=Bernoulli(0.02, seed=rank))
+    resumed = bounded
     snapshot = Snapshot(resumed)
     fit = trainer(epochs + 1, ranks, out, [resumed, snapshot])
     fit.fit(again, ckpt_path=out / "ckpt" / f"epoch={epochs - 1}.ckpt")

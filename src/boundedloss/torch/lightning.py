@@ -52,12 +52,15 @@ class BoundedLossCallback(Callback):
 
     Checkpoints: ``state_dict()`` holds every rank's hook state (gathered on rank 0,
     which writes Lightning's checkpoint); on a resume (``fit(ckpt_path=...)``) each
-    rank loads its own once registered."""
+    rank loads its own once registered. Each fit registers afresh: a callback used for a
+    second fit starts a new hook state unless that fit resumes a checkpoint (a policy
+    given as an object, not a name, keeps what it learned)."""
 
     def __init__(self, policy: str | Policy = "dblp", **register_kw: Any) -> None:
         self.policy = policy
         self.register_kw = register_kw
         self.state: BoundedLossState | None = None
+        self._live = False  # registered in the fit that runs now (not yet torn down)
         #: every rank's hook state from a checkpoint, until fit start registers
         self._loaded: Mapping[str, Any] | None = None
 
@@ -70,6 +73,7 @@ class BoundedLossCallback(Callback):
                 f"this trainer runs {type(trainer.strategy).__name__} on a "
                 f"{type(model).__name__}")
         self.state = register(model, self.policy, **self.register_kw)
+        self._live = True
         if self._loaded:
             self.state.load_state_dict(own_state_dict(self._loaded, self.state.rank))
             self._loaded = None
@@ -93,10 +97,10 @@ class BoundedLossCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Lightning restores callbacks before it wraps the model: kept until fit start
-        if self.state is None:
-            self._loaded = state_dict
-        else:
+        if self._live and self.state is not None:
             EveryRankState(self.state).load_state_dict(state_dict)
+        else:
+            self._loaded = state_dict
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit" and self.state is not None:
@@ -104,8 +108,10 @@ class BoundedLossCallback(Callback):
             if dist.is_initialized():
                 dist.barrier(group=self.state.process_group)
             self.state.close()
+            self._live = False
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule,
                      exception: BaseException) -> None:
         if self.state is not None:  # (no barrier: the other ranks may be gone)
             self.state.close()
+            self._live = False
