@@ -123,3 +123,18 @@ def run_behind_a_narrow_path(script: str, mtu: int = 1500) -> subprocess.Complet
         pytest.skip(f"no user and network namespace here: {proc.stderr.strip()[:200]}")
     assert proc.returncode == 0, proc.stderr
     return proc
+
+
+def same_state_dict(a, b) -> bool:
+    """Equal state_dicts (nested dicts, lists, tensors): tensors by dtype and value, the
+    rest by ==."""
+    import torch  # (here: most tests never need it)
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state_dict(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_state_dict(x, y) for x, y in zip(a, b))
+    return a == b

@@ -328,6 +328,13 @@ class BoundedLossState:
                                                   + grad_sq)
 
     # ------------------------------------------------------------ epoch ends
+    @property
+    def epoch_rounds(self) -> int:
+        """Rounds whose gradients were exchanged since the last :meth:`epoch_end` (kept
+        by ``state_dict()``): 0 when there is no epoch to end."""
+        with self._lock:
+            return len(self._round_sq)
+
     def epoch_end(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Call on every rank at the end of each epoch.
 
