@@ -447,6 +447,29 @@ def test_incast_on_the_kernel_testbed(tmp_path):
     assert set(leftovers()) <= before
 
 
+@pytest.mark.skipif(not KERNEL_OK, reason=f"kernel testbed needs root: {KERNEL_WHY}")
+def test_incast_collapse_runs_with_credit_and_reports_throughput(tmp_path):
+    """`compare --scenario incast-collapse`: our arm runs with the scenario's credit (its
+    first pass granted by the server: its first DATA each round is ACKed with a share),
+    every row has LTP's training throughput, and tcp-ps, the baseline, is 1.0x itself."""
+    from boundedloss.experiments.compare import run_compare
+
+    sc = choose_network(SCENARIOS["incast-collapse"], "kernel")
+    assert sc.credit_bytes == 32 * 1024 and sc.baseline == "tcp-ps"
+    rows, runs = run_compare(sc, sc.arms(("reliable", "tcp-ps")), str(tmp_path), epochs=1,
+                             workers=3, steps_per_epoch=4)
+    ours, tcp = rows
+    config = runs["reliable"][0].summary["config"]
+    assert config["credit_bytes"] == 32 * 1024 and config["mlp_hidden"] == 64
+    for row in rows:  # samples: 4 rounds x 3 ranks x 32 a batch, over the rounds' time
+        lat = [r["round_ms"] for r in runs[row["policy"]][0].rounds]
+        assert row["samples_per_s"] == pytest.approx(4 * 3 * 32 / (sum(lat) / 1e3))
+    assert tcp["throughput_vs_baseline"] == 1.0
+    assert ours["throughput_vs_baseline"] == pytest.approx(
+        ours["samples_per_s"] / tcp["samples_per_s"])
+    assert ours["bottleneck_sent_mb"] > 0
+
+
 def test_compare_end_to_end(tmp_path):
     """Tiny run: 2 workers, 2 epochs of 4 rounds; a light burst schedule (rounds 1, 4, 7)
     so every policy meets bursts without the slow 80% retransmission storms. (reliable

@@ -860,10 +860,13 @@ def test_kernel_loss_runs_the_world_asked_for(tmp_path):
     p = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--systems", "reliable,tcp-ps", "--losses", "0.01", "--rounds", "3",
                         "--elements", "65536", "--topology", "allreduce", "--ranks", "6",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--credit", "off,64k", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())
-    assert [(r["system"], r["ranks"]) for r in rows] == [("reliable", 6), ("tcp-ps", 6)]
+    # (--credit: an arm each for our transport; TCP has none)
+    assert [(r["system"], r["ranks"], r["credit_bytes"]) for r in rows] == [
+        ("reliable", 6, None), ("reliable", 6, 65536), ("tcp-ps", 6, None)]
     assert all(r["delivered_fraction"] == 1.0 for r in rows)
     assert "6-rank exchange" in p.stdout
     bad = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
@@ -977,3 +980,50 @@ def test_a_killed_rootless_run_leaves_nothing_behind():
         assert _processes_left(prefix) == 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------- bench fairness
+def test_fairness_goodput_is_what_arrived_within_the_window():
+    from boundedloss.bench.fairness import goodput_mbps
+
+    samples = [(0.5, 10**6), (1.0, 125_000), (1.5, 125_000), (2.0, 10**6)]
+    # [1, 2): 250,000 bytes in a second; the samples at 0.5 and 2.0 are outside
+    assert goodput_mbps(samples, 1.0, 2.0) == pytest.approx(2.0)
+    assert goodput_mbps(samples, 2.0, 2.0) == 0.0
+
+
+@needs_kernel
+def test_fairness_runs_both_flows_through_the_bottleneck_and_leaves_nothing(tmp_path):
+    """bench fairness: a TCP flow and a boundedloss transfer through one tbf, a row per
+    credit setting; both delivered, their shares add up, the queue's drops are counted,
+    and no namespace is left behind. (How the link is shared is measured, not
+    asserted: BENCHMARKS.md.)"""
+    before = list_namespaces()
+    out = tmp_path / "f.json"
+    p = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "fairness",
+                        "--credit", "off,48k", "--seconds", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert [r["credit_bytes"] for r in rows] == [None, 48 * 1024]
+    for r in rows:
+        assert r["tcp_mbps"] > 0 and r["boundedloss_mbps"] > 0
+        assert r["tcp_share"] + r["boundedloss_share"] == pytest.approx(1.0, abs=1e-3)
+        assert 0 < r["utilization"] < 1.2 and 0 <= r["queue_drop_fraction"] < 1
+    assert list_namespaces() == before
+    bad = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "fairness",
+                          "--credit", "1k", "--json", str(out)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_fairness_runs_without_root_in_a_user_namespace_of_its_own():
+    prefix = _unprivileged()
+    with _their_workdir(prefix) as work:
+        p = subprocess.run([*prefix, sys.executable, "-m", "boundedloss.cli", "bench",
+                            "fairness", "--credit", "48k", "--seconds", "3", "--json",
+                            f"{work}/f.json"], capture_output=True, text=True, timeout=300,
+                           cwd="/")
+        assert p.returncode == 0, p.stdout + p.stderr
+        (row,) = json.loads(open(f"{work}/f.json").read())
+        assert row["tcp_mbps"] > 0 and row["boundedloss_mbps"] > 0

@@ -80,6 +80,21 @@ def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int 
         raise click.BadParameter(str(e)) from None
 
 
+def _parse_credits(text: str) -> tuple[int | None, ...]:
+    """bench kernel-loss's ``--credit``: sizes and/or off, each once."""
+    from .emulate.units import parse_size
+
+    credits: list[int | None] = []
+    for part in _parse_list(text, str.strip, "--credit"):
+        try:
+            credits.append(None if part.lower() == "off" else parse_size(part))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--credit") from None
+        _check(checks.credit_fits, credits[-1])
+    _check(checks.distinct, [str(c) for c in credits], "--credit")
+    return tuple(credits)
+
+
 def _out_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None:
         _check(checks.writable_folder, value, "--out")
@@ -347,8 +362,11 @@ def _beside(path: str, what: str) -> str:
               type=click.IntRange(2, kernel_loss_bench.MAX_RANKS),
               help="The world: rank 0 in the server's namespace, one worker namespace "
                    "per other rank.")
+@click.option("--credit", "credits", default="off", show_default=True,
+              help="Our transport's receiver-driven credit, comma-separated, an arm each: "
+                   "sizes (e.g. 256k) and/or off.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
-                      auth, bare, repeats, ranks) -> None:
+                      auth, bare, repeats, ranks, credits) -> None:
     """Round latency of a gradient exchange among --ranks ranks under real kernel loss
     (root, or a user namespace of its own where the kernel allows one)."""
     from .emulate import TestbedError, rootless
@@ -359,6 +377,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     systems_t = tuple(str(spec) for spec in systems)
     _check(checks.distinct, systems_t, "--systems")
     auths = _parse_choices(auth, {"on": True, "off": False}, "--auth")
+    credits_t = _parse_credits(credits)
     topologies_t = _parse_list(topologies, str.strip, "--topology")
     bad = [t for t in topologies_t if t not in TOPOLOGIES]
     if bad or len(set(topologies_t)) != len(topologies_t):
@@ -371,17 +390,19 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
             rows = kernel_loss_bench.run_kernel_loss_bench(
                 losses=losses_t, systems=systems_t, elements=elements, rounds=rounds,
                 topologies=topologies_t, mtu=mtu, auths=auths, bare=bare, repeats=repeats,
-                ranks=ranks, progress=lambda m: status.update(m))
+                ranks=ranks, credits=credits_t, progress=lambda m: status.update(m))
     except TestbedError as e:
         raise click.ClickException(str(e)) from e
     t = Table(title=f"{ranks}-rank exchange of {elements * 4 / 1e6:.1f} MB, kernel loss, "
                     f"MTU {mtu:,}" + (f", {rounds} rounds x {repeats} interleaved repeats"
                                       if repeats > 1 else ""))
-    for col in ("system", "topology", "auth", "loss", "p50 ms", "p99 ms", "max ms", "mean ms",
-                "delivered"):
+    for col in ("system", "topology", "auth", "credit", "loss", "p50 ms", "p99 ms", "max ms",
+                "mean ms", "delivered"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r.system, r.topology, r.auth, f"{r.loss:.0%}", f"{r.p50_ms:.1f}",
+        t.add_row(r.system, r.topology, r.auth,
+                  "off" if r.credit_bytes is None else f"{r.credit_bytes:,}",
+                  f"{r.loss:.0%}", f"{r.p50_ms:.1f}",
                   f"{r.p99_ms:.1f}", f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}",
                   f"{r.delivered_fraction:.4f}")
     console.print(t)
@@ -429,6 +450,55 @@ def probe_copies_option(fn):
              "one copy, so a loss costs a retransmission timeout, as in transports that "
              "recover by timeouts (the published DBLP baseline). Default: the "
              "scenario's (compare), else copies.")(fn)
+
+
+@bench.command("fairness")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), required=True,
+              callback=_json_file, help="Write the rows here (a JSON list).")
+@click.option("--credit", "credits", default="off,48k", show_default=True,
+              help="boundedloss's receiver-driven credit, comma-separated, a run each: "
+                   "sizes and/or off.")
+@click.option("--seconds", default=8.0, show_default=True, type=FiniteFloatRange(3.0, 600.0),
+              help="How long both flows run, each run.")
+@click.option("--rate", default="100mbit", show_default=True,
+              help="The bottleneck's rate (tc's units: 100mbit, 1gbit).")
+@click.option("--queue", default="64kb", show_default=True,
+              help="The bottleneck's queue (tc's units: 64kb).")
+def bench_fairness(json_path, credits, seconds, rate, queue) -> None:
+    """One boundedloss transfer and one TCP bulk flow share a bottleneck on the kernel
+    testbed: each one's share of it (root, or a user namespace of its own)."""
+    from .bench import fairness
+    from .emulate import TestbedError, rootless
+    from .emulate.qdisc import Bottleneck
+
+    credits_t = _parse_credits(credits)
+    try:
+        bottleneck = Bottleneck(rate=rate, burst="32kb", limit=queue)
+        bottleneck.check_mtu(1500)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--rate/--queue") from None
+    if rootless.needed():
+        rootless.reexec()
+    try:
+        with console.status("measuring...") as status:
+            rows = fairness.run_fairness_bench(credits=credits_t, seconds=seconds,
+                                               bottleneck=bottleneck,
+                                               progress=lambda m: status.update(m))
+    except TestbedError as e:
+        raise click.ClickException(str(e)) from e
+    t = Table(title=f"one boundedloss transfer and one TCP flow through "
+                    f"{bottleneck.describe()}")
+    for col in ("credit", "seconds", "TCP Mbit/s", "ours Mbit/s", "TCP share", "our share",
+                "utilization", "queue drops"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row("off" if r.credit_bytes is None else f"{r.credit_bytes:,}",
+                  f"{r.seconds:.1f}", f"{r.tcp_mbps:.1f}", f"{r.boundedloss_mbps:.1f}",
+                  f"{r.tcp_share:.0%}", f"{r.boundedloss_share:.0%}", f"{r.utilization:.0%}",
+                  f"{r.queue_drop_fraction:.1%}")
+    console.print(t)
+    write_json(rows, json_path)
+    console.print(f"rows written to {json_path}")
 
 
 @bench.command("burst")

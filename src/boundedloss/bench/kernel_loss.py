@@ -88,6 +88,8 @@ class KernelLossRow:
     repeats: int = 1
     #: the world: rank 0 in the server's namespace, one worker namespace per other rank
     ranks: int = 4
+    #: our transport's receiver-driven credit per receiver, bytes (None: off)
+    credit_bytes: int | None = None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -108,6 +110,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-auth", dest="auth", action="store_false")
+    ap.add_argument("--credit", type=int, default=None)
     a = ap.parse_args(argv)
 
     from datetime import timedelta
@@ -160,7 +163,8 @@ def rank_main(argv: list[str] | None = None) -> None:
         job_auth = rendezvous_auth(store, "bench", a.rank, a.world, session, enabled=a.auth)
         auth = job_auth.mode
         endpoint = UdpEndpoint(local_ip(), 0, session=session,
-                               config=hook_transport(chunk_bytes=chunk),
+                               config=hook_transport(chunk_bytes=chunk,
+                                                     credit_bytes=a.credit),
                                auth_key=job_auth.key)
         peers = exchange_addresses(store, "bench", a.rank, a.world, endpoint.address)
         policy = spec.make()
@@ -212,7 +216,8 @@ def round_latencies_ms(per_rank: list[dict]) -> list[float]:
 
 
 # ------------------------------------------------------------------- driver (root)
-Arm = tuple[str, str, bool]  # (system, topology, authenticated)
+#: (system, topology, authenticated, credit bytes or None)
+Arm = tuple[str, str, bool, int | None]
 DEFAULT_RANKS = 4
 #: the most ranks this bench runs (each rank a process: 2 cores hold no more)
 MAX_RANKS = 16
@@ -232,7 +237,7 @@ def interleaved(arms: list[Arm], repeats: int) -> list[Arm]:
 def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
              master: str, nodes: list[str]) -> list[dict]:
     """One run of ``arm``: a rank in each of ``nodes``; each rank's log."""
-    system, topology, auth = arm
+    system, topology, auth, credit = arm
     world = len(nodes)
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(world)]
@@ -242,7 +247,9 @@ def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
                           "--port", str(port), "--system", system,
                           "--elements", str(elements), "--rounds", str(rounds),
                           *(["--topology", topology] if topology in TOPOLOGIES else []),
-                          *([] if auth else ["--no-auth"]), "--out", tmp],
+                          *([] if auth else ["--no-auth"]),
+                          *([] if credit is None else ["--credit", str(credit)]),
+                          "--out", tmp],
                    stdout=logs[r], stderr=subprocess.STDOUT)
             for r, node in enumerate(nodes)
         ]
@@ -277,6 +284,7 @@ def run_kernel_loss_bench(
     bare: bool = True,
     repeats: int = 1,
     ranks: int = DEFAULT_RANKS,
+    credits: tuple[int | None, ...] = (None,),
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
     """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
@@ -284,7 +292,8 @@ def run_kernel_loss_bench(
     authentication (gloo: one row, its own allreduce, unauthenticated); with ``bare``,
     first at 0% loss the machine's own limit (:data:`BARE_UDP`). With ``repeats``, every
     arm runs that many times, interleaved (:func:`interleaved`), and its row's figures
-    pool the rounds of all of them. ``ranks``: the world (2 to :data:`MAX_RANKS`)."""
+    pool the rounds of all of them. ``ranks``: the world (2 to :data:`MAX_RANKS`);
+    ``credits``: our transport's receiver-driven credit, an arm each (None: off)."""
     from ..emulate import Testbed, TestbedConfig
 
     specs = parse_policies(systems)
@@ -299,10 +308,13 @@ def run_kernel_loss_bench(
     if not 2 <= ranks <= MAX_RANKS:
         raise ValueError(f"ranks must be 2 to {MAX_RANKS}, got {ranks}")
     nodes = nodes_for(ranks)
-    arms: list[Arm] = [(str(spec), topology, auth) for spec in specs
+    if not credits or len(set(credits)) != len(credits):
+        raise ValueError("credits: each once")
+    arms: list[Arm] = [(str(spec), topology, auth, credit) for spec in specs
                        for topology in (topologies if spec.uses_transport
                                         else (TCP_TOPOLOGIES[spec.name],))
-                       for auth in (auths if spec.uses_transport else (False,))]
+                       for auth in (auths if spec.uses_transport else (False,))
+                       for credit in (credits if spec.uses_transport else (None,))]
     rows = []
     with Testbed(TestbedConfig(workers=ranks - 1, mtu=mtu)) as tb:
         master = tb.addresses["server"]
@@ -310,7 +322,7 @@ def run_kernel_loss_bench(
         for loss in losses:
             for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
-            these = ([(BARE_UDP, "allreduce", False)] if bare and not loss else []) + arms
+            these = ([(BARE_UDP, "allreduce", False, None)] if bare and not loss else []) + arms
             runs: dict[Arm, list[list[dict]]] = {arm: [] for arm in these}  # per-rank logs
             for arm in interleaved(these, repeats):
                 port += 1
@@ -320,7 +332,7 @@ def run_kernel_loss_bench(
                     p50 = _percentile(round_latencies_ms(runs[arm][-1]), 0.5)
                     progress(f"{arm[0]} ({arm[1]}) at {loss:.0%} loss, run {len(runs[arm])} "
                              f"of {repeats}: p50 {p50:.1f} ms")
-            for (system, topology, _), logs in runs.items():
+            for (system, topology, _, credit), logs in runs.items():
                 lat = [ms for per_rank in logs for ms in round_latencies_ms(per_rank)]
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
@@ -331,6 +343,7 @@ def run_kernel_loss_bench(
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
                     auth=logs[0][0]["auth"], repeats=repeats, ranks=ranks,
+                    credit_bytes=credit,
                 ))
     return rows
 
