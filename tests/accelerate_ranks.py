@@ -26,6 +26,7 @@ from boundedloss.net.loss import Bernoulli
 from boundedloss.torch import EveryRankState, register
 from boundedloss.workloads.digits import load_digits_split
 from boundedloss.workloads.images import ImageMLP, accuracy
+from hook_record import hook_record
 
 DATA = load_digits_split(seed=0)
 
@@ -73,17 +74,9 @@ def main(out: Path, epochs: int, seed: int) -> None:
     state = register(model, policy="dblp", loss=Bernoulli(0.02, seed=rank))
     steps = train(accelerator, model, opt, loader, sched, epochs, state)
     net = accelerator.unwrap_model(model)
-    log = state.round_log
     (out / f"dblp.rank{rank}.json").write_text(json.dumps({
-        "accuracy": accuracy(net, DATA.x_test, DATA.y_test),
-        "steps": steps, "epoch": state.epoch,
-        "rounds": {str(b): n for b, n in state.rounds.items()},
-        "logged_rounds": len(log),
-        "partial_rounds": sum(e["delivered_fraction"] < 1.0 for e in log),
-        "history": [{"grad_norm": r.grad_norm, "phase": r.phase.value, "reason": r.reason}
-                    for r in state.policy.history],
-        "world_size": state.world_size,
-    }))
+        "accuracy": accuracy(net, DATA.x_test, DATA.y_test), "steps": steps,
+        **hook_record(state)}))
 
     accelerator.register_for_checkpointing(EveryRankState(state))
     accelerator.save_state(out / "state")

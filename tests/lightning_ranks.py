@@ -27,6 +27,7 @@ from boundedloss.net.loss import Bernoulli
 from boundedloss.torch import BoundedLossCallback
 from boundedloss.workloads.digits import load_digits_split
 from boundedloss.workloads.images import ImageMLP, accuracy
+from hook_record import hook_record
 
 DATA = load_digits_split(seed=0)
 
@@ -85,18 +86,8 @@ def trainer(epochs, ranks, out, callbacks, checkpoints=False):
 
 def summary(bounded: BoundedLossCallback, module: Digits) -> dict:
     state = bounded.state
-    log = state.round_log
-    return {
-        "accuracy": accuracy(module.net, DATA.x_test, DATA.y_test),
-        "epoch": state.epoch,
-        "rounds": {str(b): n for b, n in state.rounds.items()},
-        "logged_rounds": len(log),
-        "partial_rounds": sum(e["delivered_fraction"] < 1.0 for e in log),
-        "history": [{"grad_norm": r.grad_norm, "phase": r.phase.value, "reason": r.reason}
-                    for r in state.policy.history],
-        "world_size": state.world_size,
-        "lrs": module.lrs,
-    }
+    return {"accuracy": accuracy(module.net, DATA.x_test, DATA.y_test),
+            **hook_record(state), "lrs": module.lrs}
 
 
 def main(out: Path, epochs: int, ranks: int, seed: int) -> None:

@@ -150,7 +150,7 @@ class FlowWindow:
         most ``max_rto``: a parked sender waits for the grant its receiver sends, and
         PROBEs only in case that was lost."""
         if self.acks.credit > 0:
-            self.parked_probes = 0
+            self.parked_probes = 0  # (here: the compiled path takes the grants' ACKs)
             return rto
         return max(rto, min(max_rto, rto * (1 << min(self.parked_probes, 16))))
 
