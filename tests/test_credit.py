@@ -70,8 +70,9 @@ def test_a_budget_below_the_least_share_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("every", "credit", "cadence"),
-                         [(32, 100, 32), (32, 10, 5), (32, 3, 1), (32, 0, 1), (4, 100, 4)])
-def test_acks_come_at_least_twice_per_credit(every, credit, cadence) -> None:
+                         [(32, 200, 32), (32, 100, 25), (32, 10, 2), (32, 3, 1), (32, 0, 1),
+                          (32, -1, 1), (4, 100, 4)])
+def test_acks_come_four_times_per_credit(every, credit, cadence) -> None:
     assert ack_cadence(every, credit) == cadence
 
 
@@ -101,14 +102,14 @@ def test_a_sender_sends_its_unscheduled_allowance_then_what_each_ack_grants() ->
         h, payload = wire.decode(b"".join(parts))
         acks.append(h)
         tx_mux.datagram_received(b"".join(parts), SERVER, 0.002)
-    # the first DATA is ACKed at once (the grant is news), the next ones every 4 (two
+    # the first DATA is ACKed at once (the grant is news), the next ones every 2 (four
     # ACKs per credit): alone at its receiver, the send has the whole budget
     assert [(h.kind, h.flags & Flag.CREDIT, h.index, h.tseq) for h in acks] == [
-        (Kind.ACK, Flag.CREDIT, 8, 0)]
+        (Kind.ACK, Flag.CREDIT, 8, 0), (Kind.ACK, Flag.CREDIT, 8, 2)]
     assert tx.acks.credit == 8
     more = _data(tx_mux.poll(0.002))
-    # 8 in flight beyond the highest the receiver saw (tseq 0): 2 were, 6 more go
-    assert len(more) == 6
+    # 8 in flight beyond the highest the receiver saw (tseq 2): none is, 8 go
+    assert len(more) == 8
 
 
 def test_a_parked_sender_waits_for_its_grant_and_a_lost_one_is_asked_for() -> None:

@@ -532,7 +532,7 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     if ((long long)h.tseq > rx->max_tseq) rx->max_tseq = h.tseq;
     long long every = rx->ack_every;
     if (d->credit) {  /* (credit.ack_cadence: as the sender's latest grant calls for) */
-        if (rx->granted / 2 < every) every = rx->granted / 2;
+        if (rx->granted / 4 < every) every = rx->granted / 4;
         if (every < 1) every = 1;
     }
     if (++rx->unacked >= every) {
