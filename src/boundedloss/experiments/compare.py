@@ -138,6 +138,8 @@ class Scenario:
     credit_bytes: int | None = None
     #: the MLP's hidden width (TrainConfig.mlp_hidden)
     mlp_hidden: int = 256
+    #: the images an image model trains on (TrainConfig.data; None: digits)
+    data: str | None = None
 
     @property
     def is_sweep(self) -> bool:
@@ -386,7 +388,7 @@ def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers:
                        out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
                        steps_per_epoch=steps_per_epoch, probe_copies_max=probe_copies_max,
                        guard_rounds=0, credit_bytes=scenario.credit_bytes,
-                       mlp_hidden=scenario.mlp_hidden)
+                       mlp_hidden=scenario.mlp_hidden, data=scenario.data)
 
 
 # ------------------------------------------------------------------ burst rounds
@@ -789,6 +791,31 @@ def with_burst_every(scenario: Scenario, every: int) -> Scenario:
             term = "burst:" + ",".join(f"{k}={v}" for k, v in fields.items())
         terms.append(term)
     return replace(scenario, loss="+".join(terms))
+
+
+#: the test accuracy every arm is timed to, per ``--data``: the level each data set's
+#: models reach in a comparison's length (digits: the scenarios' own 95%)
+DATA_TARGETS = {"digits": 0.95, "fashion-mnist": 0.80}
+
+
+def with_data(scenario: Scenario, data: str) -> Scenario:
+    """The scenario with its image model on ``data`` (a ``--data`` name), timed to that
+    data's target; ``ValueError`` (one line) for a scenario whose model takes no images."""
+    from .train import IMAGE_MODELS
+
+    if scenario.model not in IMAGE_MODELS:
+        raise ValueError(f"scenario {scenario.name} trains {scenario.model} on text; --data "
+                         f"is for the image scenarios")
+    if data not in DATA_TARGETS:
+        raise ValueError(f"--data must be one of {', '.join(DATA_TARGETS)}")
+    target = scenario.target_metric and DATA_TARGETS[data]
+    note = "" if data == "digits" else (
+        f" Images: {data} instead of digits (--data), every arm timed to "
+        f"{target:.0%} test accuracy." if target else f" Images: {data} (--data).")
+    kernel = scenario.kernel and replace(scenario.kernel,
+                                         description=scenario.kernel.description + note)
+    return replace(scenario, data=data, target_metric=target, kernel=kernel,
+                   description=scenario.description + note)
 
 
 def with_loss(scenario: Scenario, loss_spec: str) -> Scenario:
