@@ -839,7 +839,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         for sub, columns in printed_tables(sc_k):
             t = Table(title=f"{head}{' - ' + sub if sub else ''}")
             for key, header, _ in columns:
-                t.add_column(header, justify="left" if key == "policy" else "right")
+                t.add_column(header, justify="left" if key == "policy" else "right",
+                             no_wrap=key == "policy")  # (the arm whole)
             for r in rows:
                 t.add_row(*table_cells(r, columns))
             narrow.print(t)

@@ -108,6 +108,10 @@ class KernelNetwork:
     def summary(self) -> str:
         """One short line: what the network does to every system."""
         parts = []
+        if self.sweep_rates:
+            parts.append("random loss at every node, each arm's: gloo at "
+                         + ", ".join(f"{r:.0%}" for r in self.gloo_rates) + ", ours at "
+                         + ", ".join(f"{r:.0%}" for r in self.sweep_rates))
         if self.random_loss:
             parts.append(f"{self.random_loss:.0%} random loss at every node")
         if self.bursts is not None:

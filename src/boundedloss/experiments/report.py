@@ -245,7 +245,11 @@ def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
     policy scenarios what a user decides on, then (with bursts) the burst figures, then
     (through a bottleneck) what its queue did."""
     if scenario.is_sweep:
-        return [("", columns_for(scenario))]
+        if scenario.network != "kernel":
+            return [("", SWEEP_COLUMNS)]
+        # (within 100 columns: the change in relative terms only, no retransmissions)
+        return [("", tuple(c for c in columns_for(scenario) if c[0] not in (
+            "metric_change_vs_reliable", "retransmit_rounds_mean")))]
     target = scenario.target_metric
     decide: Columns = DECISION_COLUMNS
     if target is None:
