@@ -99,6 +99,49 @@ def test_sweep_arms_cover_every_aggregator_and_rate():
     assert "unbiased+hadamard@10%" in {a.label for a in arms}
 
 
+def test_lm_loss_sharded_on_the_kernel_sets_each_arms_loss_on_the_network():
+    """On the kernel network lm-loss's loss rate is the network's: gloo (lossless: the
+    reference) and ours each at the kernel's rates, no loss injected in-process; under
+    --sharded every arm is an FSDP2 run with no topology and no Hadamard transform."""
+    sc = SCENARIOS["lm-loss"].on_kernel().run_as(sharded=True, precision="bf16")
+    assert sc.reference == sc.baseline == "gloo@0%" and "FSDP2" in sc.description
+    arms = sc.arms()
+    assert [(a.label, a.policy.name, a.loss, a.loss_rate) for a in arms] == [
+        ("gloo@0%", "gloo", "none", 0.0), ("gloo@1%", "gloo", "none", 0.01),
+        ("unbiased@1%", "mlt", "none", 0.01), ("unbiased@10%", "mlt", "none", 0.1)]
+    for arm in arms:
+        cfg = make_config(sc, arm, out="o", epochs=1, workers=4, seed=0)
+        cfg.validate()
+        assert cfg.sharded and cfg.precision == "bf16" and cfg.topology is None
+    # in-process, --sharded drops the sweep's Hadamard arms (FSDP2's shards take none)
+    inproc = SCENARIOS["lm-loss"].run_as(sharded=True)
+    assert not any(a.hadamard for a in inproc.arms()) and len(inproc.arms()) == 5
+    with pytest.raises(ValueError, match="parameter-server scenario"):
+        SCENARIOS["incast"].run_as(sharded=True)
+
+
+def test_ratios_against_gloo_are_at_the_same_kernel_loss():
+    """A sweep on the kernel network: each arm against gloo at its own loss rate; an arm
+    whose rate gloo did not run at gets no figure against gloo."""
+    def row(label, system, rate, round_ms, metric):
+        return {"policy": label, "transport_policy": system, "loss_rate": rate,
+                "network": "kernel", "loss": "none", "wall_s": 10.0, "round_ms_p50": round_ms,
+                "final_metric": metric}
+
+    rows = add_ratios([row("gloo@0%", "gloo", 0.0, 20.0, 12.0),
+                       row("gloo@1%", "gloo", 0.01, 80.0, 12.0),
+                       row("unbiased@1%", "mlt", 0.01, 40.0, 12.06),
+                       row("unbiased@10%", "mlt", 0.1, 50.0, 12.12)],
+                      baseline="gloo@0%", reference="gloo@0%")
+    by = {r["policy"]: r for r in rows}
+    assert by["unbiased@1%"]["round_speedup_vs_gloo"] == pytest.approx(2.0)
+    assert by["unbiased@1%"]["metric_change_vs_gloo"] == pytest.approx(0.06)
+    assert by["unbiased@10%"]["gloo_crossed_same_network"] is False
+    assert by["unbiased@10%"]["round_speedup_vs_gloo"] is None
+    assert by["unbiased@10%"]["metric_rel_change_vs_reliable"] == pytest.approx(0.01)
+    assert by["gloo@1%"]["round_speedup_vs_gloo"] == 1.0
+
+
 def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     """Burst rounds inside DBLP's critical regime are left out of the outside-CLR mean,
     for every arm alike."""
@@ -139,7 +182,9 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     (["--scenario", "lm-loss", "--policies", "dblp"], "--policies"),
     (["--scenario", "random-loss", "--loss", "bernoulli:0.1"], "--loss"),
     (["--scenario", "random-loss", "--network", "kernel"], "--network"),
-    (["--scenario", "lm-loss", "--network", "kernel"], "--network"),
+    (["--scenario", "incast", "--sharded"], "--sharded"),
+    (["--scenario", "microburst", "--sharded", "--network", "in-process"], "--sharded"),
+    (["--scenario", "lm-loss", "--sharded", "--precision", "fp16"], "--precision"),
     (["--scenario", "microburst", "--policies", "gloo,gloo"], "gloo is named twice"),
     (["--scenario", "incast", "--network", "wan"], "--network"),
     (["--scenario", "lm-loss", "--data", "fashion-mnist"], "trains charlm on text"),
@@ -424,6 +469,42 @@ def test_microburst_on_the_kernel_network(tmp_path):
     assert by["gloo"]["tta_speedup_vs_gloo"] == 1.0
     assert by["dblp"]["tta_speedup_vs_gloo"] == pytest.approx(
         by["gloo"]["time_to_target_s"] / by["dblp"]["time_to_target_s"])
+    assert set(leftovers()) <= before
+
+
+@pytest.mark.skipif(not KERNEL_OK, reason=f"kernel testbed needs root: {KERNEL_WHY}")
+def test_lm_loss_sharded_on_the_kernel_network(tmp_path, capsys):
+    """`compare --scenario lm-loss --sharded --network kernel`: every arm an FSDP2 run on
+    the testbed, at its own random loss - the kernel drops about that fraction of the
+    packets, gloo's TCP included; rows say so; the testbed is gone afterwards."""
+    from boundedloss.emulate import leftovers
+
+    before = set(leftovers())
+    js = tmp_path / "rows.json"
+    rc = main(["compare", "--scenario", "lm-loss", "--sharded", "--network", "kernel",
+               "--workers", "2", "--epochs", "1", "--steps-per-epoch", "3",
+               "--json", str(js), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0, out[-2000:]
+    assert "FSDP2, fp32" in out
+    rows = json.loads(js.read_text())
+    assert [(r["policy"], r["loss_rate"]) for r in rows] == [
+        ("gloo@0%", 0.0), ("gloo@1%", 0.01), ("unbiased@1%", 0.01), ("unbiased@10%", 0.1)]
+    for r in rows:
+        assert (r["network"], r["sharded"], r["precision"], r["loss"]) == (
+            "kernel", True, "fp32", "none")
+        assert r["metric_name"] == "perplexity" and r["final_metric"] > 1
+    by = {r["policy"]: r for r in rows}
+    assert by["gloo@0%"]["kernel_drop_fraction"] == 0.0
+    assert 0.03 < by["unbiased@10%"]["kernel_drop_fraction"] < 0.2
+    assert by["gloo@0%"]["metric_rel_change_vs_reliable"] == 0.0
+    assert by["unbiased@1%"]["gloo_crossed_same_network"] is True
+    assert by["unbiased@1%"]["round_speedup_vs_gloo"] == pytest.approx(
+        by["gloo@1%"]["round_ms_p50"] / by["unbiased@1%"]["round_ms_p50"])
+    assert by["unbiased@10%"]["round_speedup_vs_gloo"] is None  # (no gloo at 10%)
+    config = json.loads((tmp_path / "out" / "runs" / "unbiased-10pct-r0" / "summary.json")
+                        .read_text())["config"]
+    assert config["sharded"] and config["workers"] == 2
     assert set(leftovers()) <= before
 
 

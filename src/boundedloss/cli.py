@@ -703,7 +703,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  title: str = "boundedloss compare",
                  burst_every: tuple[int, ...] = (),
                  credit: int | str | None = SCENARIO_CREDIT,
-                 data: str | None = None) -> None:
+                 data: str | None = None,
+                 sharded: bool = False, precision: str = "fp32") -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the tables, write JSON and the report."""
     from dataclasses import replace
@@ -719,6 +720,10 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     from .net.loss import parse_loss_spec
 
     sc = SCENARIOS[scenario]
+    try:
+        sc.run_as(sharded=sharded, precision=precision)  # (applied once on its network)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--sharded") from None
     if not isinstance(credit, str):  # (SCENARIO_CREDIT: the scenario's own)
         _check(checks.credit_fits, credit)
         sc = replace(sc, credit_bytes=credit)
@@ -779,6 +784,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         raise click.BadParameter(str(e), param_hint="--network") from None
     if loss_spec is not None and sc.network == "kernel":
         sc = with_loss(sc, loss_spec)  # in-process loss on top of the kernel's
+    sc = sc.run_as(sharded=sharded, precision=precision)
     if sc.network_note and userns_why:
         from .doctor import no_kernel_network
         from .emulate import rootless
@@ -804,7 +810,9 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         started[0] += 1
         console.print(f"[dim]run {started[0]}/{total}: {arm.label} "
                       f"({arm.policy}, {arm.aggregator}"
-                      f"{'+hadamard' if arm.hadamard else ''}, loss {arm.loss})[/]")
+                      f"{'+hadamard' if arm.hadamard else ''}, "
+                      + (f"kernel loss {arm.loss_rate:.0%})[/]"
+                         if sc.network == "kernel" and sc.is_sweep else f"loss {arm.loss})[/]"))
 
     if sc.network == "kernel" and sc.kernel is not None:
         where = f"on the kernel network ({sc.kernel.summary()})"
@@ -812,6 +820,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         where = f"with IN-PROCESS loss, gloo lossless ({escape(sc.network_note)})"
     else:
         where = "with in-process loss"
+    if sc.sharded or sc.precision != "fp32":
+        where += f"; {'FSDP2, ' if sc.sharded else ''}{sc.precision}"
     console.print(f"[bold]{title}[/]: {sc.name} {where}; "
                   f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
                   f"epochs, {repeats} repeat(s), {native.status()} data path",
@@ -829,8 +839,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                                  steps_per_epoch=steps_per_epoch,
                                  probe_copies_max=probe_copies_max, progress=done,
                                  starting=starting)
-        head = (f"{sc.name}, {sc.network} network: {n_workers} workers, {n_epochs} epochs "
-                f"(median of {repeats})")
+        head = (f"{sc.name}, {sc.network} network{', FSDP2' if sc.sharded else ''}, "
+                f"{sc.precision}: {n_workers} workers, {n_epochs} epochs (median of {repeats})")
         if every is not None:
             head += f", a burst every {every} rounds"
         if sc.target_metric is not None:
@@ -838,12 +848,15 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         for sub, columns in printed_tables(sc_k):
             t = Table(title=f"{head}{' - ' + sub if sub else ''}")
             for key, header, _ in columns:
-                t.add_column(header, justify="left" if key == "policy" else "right")
+                t.add_column(header, justify="left" if key == "policy" else "right",
+                             no_wrap=key == "policy")  # (the arm whole)
             for r in rows:
                 t.add_row(*table_cells(r, columns))
             narrow.print(t)
         settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} "
-                    f"repeat(s), {sc.network} network, recovery {rows[0]['recovery']}"
+                    f"repeat(s), {sc.network} network, "
+                    f"{'FSDP2' if sc.sharded else 'DDP'} in {sc.precision}, "
+                    f"recovery {rows[0]['recovery']}"
                     + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
         report = write_report(rows, runs, sc_k, out_k, command, settings)
         console.print(f"report in {report}")
@@ -894,7 +907,8 @@ def _command_line(default: str) -> str:
                    "kernel it adds to the kernel network's loss.")
 @click.option("--network", type=click.Choice(NETWORKS), default=DEFAULT_NETWORK, show_default=True,
               help="Where the loss happens for scenarios that have a kernel setup "
-                   "(microburst, incast): kernel = the namespace testbed, which every "
+                   "(microburst, incast, lm-loss - whose arms each set the kernel's "
+                   "random loss, gloo's too): kernel = the namespace testbed, which every "
                    "system - gloo's TCP too - crosses (root, or a user namespace of its "
                    "own); in-process = loss injected at our endpoints (gloo runs "
                    "lossless); auto = kernel when it can run here.")
@@ -902,14 +916,22 @@ def _command_line(default: str) -> str:
               help="Comma-separated N: run the comparison once per burst frequency - a "
                    "burst every N rounds (the scenario's in-process round bursts) - each "
                    "in OUT/everyN, with a sweep report in OUT/sweep.md.")
+@click.option("--sharded", is_flag=True, default=False,
+              help="Every arm under FSDP2 (fully_shard) instead of DDP, as train --sharded: "
+                   "gloo is FSDP2's own collectives, ours the hook's reduce-scatter and "
+                   "all-gather (scenarios with the allreduce topology: lm-loss).")
+@click.option("--precision", type=click.Choice(list(PRECISIONS)), default="fp32",
+              show_default=True,
+              help="Every arm's precision, as train --precision (with --sharded: FSDP2's "
+                   "mixed precision over float32 master parameters).")
 @credit_option(default=SCENARIO_CREDIT)
 @click.option("--data", type=click.Choice(list(IMAGE_DATA)), default=None,
               help="The images the scenario's model trains on (default: digits; "
                    "image scenarios only); fashion-mnist is timed to 80% accuracy.")
 @probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec, network, burst_every, credit, data,
-            probe_copies_max) -> None:
+            steps_per_epoch, loss_spec, network, burst_every, sharded, precision, credit,
+            data, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
@@ -917,7 +939,7 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
                f"--out {out_dir} --repeats {repeats} --seed {seed}")
     _run_compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
                  steps_per_epoch, loss_spec, _command_line(default), network=network,
-                 probe_copies_max=probe_copies_max,
+                 probe_copies_max=probe_copies_max, sharded=sharded, precision=precision,
                  burst_every=(_parse_list(burst_every, int, "--burst-every")
                               if burst_every is not None else ()), credit=credit, data=data)
 

@@ -59,7 +59,7 @@ ROW_FIELDS = (
     "retransmit_rounds_mean", "speedup_burst_round_vs_baseline", "time_reduction_vs_baseline",
     "metric_change_vs_reliable", "repeats", "network", "time_to_target_s", "samples_per_s",
     "throughput_vs_baseline",
-    "tta_speedup_vs_gloo", "gloo_crossed_same_network", "ran_lossless",
+    "tta_speedup_vs_gloo", "gloo_crossed_same_network", "ran_lossless", "sharded", "precision",
 )
 
 
@@ -72,7 +72,14 @@ class Arm:
     loss: str
     aggregator: str = "unbiased"
     hadamard: bool = False
-    loss_rate: float | None = None  # the sweep axis (sweep scenarios only)
+    #: the sweep axis (sweep scenarios only): in-process, the loss injected at our
+    #: endpoints; on the kernel network, the testbed's random loss while this arm runs
+    loss_rate: float | None = None
+
+
+def sweep_label(name: str, rate: float) -> str:
+    """A sweep arm's label: ``unbiased@10%``, ``gloo@0%``."""
+    return f"{name}@{rate:.0%}"
 
 
 @dataclass(frozen=True)
@@ -83,17 +90,28 @@ class KernelNetwork:
     time); timed microbursts (``bursts``) on top; a tbf ``bottleneck`` on the switch
     port into the server (rank 0); and ``loss`` injected in-process on top (usually
     none). gloo's TCP crosses the same links, so on the kernel it is compared like for
-    like."""
+    like.
+
+    A sweep scenario sweeps the random loss itself: each arm runs with the testbed's
+    random loss at its own rate (set before the arm starts) - ours (the sweep's policy)
+    at each of ``sweep_rates``, gloo at each of ``gloo_rates``, whose 0% arm is the
+    lossless reference; a ratio against gloo is against gloo at the same rate."""
 
     description: str
     bottleneck: Bottleneck | None = None
     random_loss: float = 0.0
     bursts: TimedBursts | None = None
     loss: str = "none"
+    sweep_rates: tuple[float, ...] = ()
+    gloo_rates: tuple[float, ...] = ()
 
     def summary(self) -> str:
         """One short line: what the network does to every system."""
         parts = []
+        if self.sweep_rates:
+            parts.append("random loss at every node, each arm's: gloo at "
+                         + ", ".join(f"{r:.0%}" for r in self.gloo_rates) + ", ours at "
+                         + ", ".join(f"{r:.0%}" for r in self.sweep_rates))
         if self.random_loss:
             parts.append(f"{self.random_loss:.0%} random loss at every node")
         if self.bursts is not None:
@@ -140,29 +158,69 @@ class Scenario:
     mlp_hidden: int = 256
     #: the images an image model trains on (TrainConfig.data; None: digits)
     data: str | None = None
+    #: every arm under FSDP2 (TrainConfig.sharded) instead of DDP
+    sharded: bool = False
+    #: every arm's precision (TrainConfig.precision; sharded: FSDP2's mixed precision)
+    precision: str = "fp32"
 
     @property
     def is_sweep(self) -> bool:
         return self.sweep_policy is not None
 
     def on_kernel(self) -> Scenario:
-        """This scenario on the kernel testbed (``ValueError`` if it has no kernel setup)."""
+        """This scenario on the kernel testbed (``ValueError`` if it has no kernel setup).
+        A sweep's reference and baseline there: gloo at 0% (lossless)."""
         if self.kernel is None:
             raise ValueError(f"scenario {self.name} injects its loss in-process; it has no "
                              "kernel-testbed setup")
+        ref = sweep_label("gloo", 0.0) if self.is_sweep else None
         return replace(self, loss=self.kernel.loss, description=self.kernel.description,
-                       network="kernel")
+                       network="kernel", reference=ref or self.reference,
+                       baseline=ref or self.baseline)
+
+    def run_as(self, *, sharded: bool = False, precision: str = "fp32") -> Scenario:
+        """This scenario with every arm under FSDP2 (``sharded``) and in ``precision``
+        (``ValueError`` with the reason if FSDP2 cannot run it: a parameter-server
+        scenario, whose loss meets the pushes into its server)."""
+        from .train import PRECISIONS
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        if sharded and self.topology != "allreduce":
+            fits = ", ".join(n for n, s in SCENARIOS.items() if s.topology == "allreduce")
+            raise ValueError(f"scenario {self.name} is a parameter-server scenario (its loss "
+                             "meets the pushes into rank 0); FSDP2 reduce-scatters among "
+                             f"all ranks: --sharded runs {fits}")
+        if not sharded:
+            return replace(self, precision=precision)
+        mixed = (" in bfloat16 (FSDP2's mixed precision: bfloat16 passes and "
+                 "reduce-scatter over float32 master parameters)" if precision == "bf16"
+                 else " in float32")
+        return replace(self, sharded=True, precision=precision, description=(
+            f"{self.description} Every arm runs under FSDP2 (fully_shard per layer, "
+            f"then the root){mixed}: gloo with FSDP2's own reduce-scatter and "
+            "all-gather, ours with the hook's (the reduce-scatter under the bound, the "
+            "all-gather keeping a missing piece's last value); no Hadamard arms."))
 
     def arms(self, policies: Sequence[str | PolicySpec] | None = None) -> list[Arm]:
         """The arms of a run: one per aggregator and rate (sweeps, which take no
-        ``policies``), or one per policy (default: ``default_policies``)."""
+        ``policies``; on the kernel network, gloo's and ours at the kernel's rates), or
+        one per policy (default: ``default_policies``). Under FSDP2, no Hadamard arm."""
         if self.sweep_policy is not None:
             bounded = parse_policy(self.sweep_policy)
+            if self.network == "kernel" and self.kernel is not None and self.kernel.sweep_rates:
+                gloo = parse_policy("gloo")
+                return ([Arm(sweep_label("gloo", r), gloo, self.loss, self.aggregator,
+                             loss_rate=r) for r in self.kernel.gloo_rates]
+                        + [Arm(sweep_label(self.aggregator, r), bounded, self.loss,
+                               self.aggregator, loss_rate=r) for r in self.kernel.sweep_rates])
             arms = [Arm("lossless", parse_policy("reliable"), "none", self.aggregator,
                         loss_rate=0.0)]
             for rate in self.sweep_rates:
                 for agg, had in self.sweep_aggregators:
-                    label = f"{agg}{'+hadamard' if had else ''}@{rate:.0%}"
+                    if had and self.sharded:
+                        continue  # (FSDP2's shards take no Hadamard transform)
+                    label = sweep_label(f"{agg}{'+hadamard' if had else ''}", rate)
                     arms.append(Arm(label, bounded, f"bernoulli:{rate:g}", agg, had, rate))
             return arms
         specs = [p if isinstance(p, PolicySpec) else parse_policy(p)
@@ -171,6 +229,13 @@ class Scenario:
         # lossless
         return [Arm(spec.label, spec, self.loss if spec.uses_transport else "none",
                     self.aggregator) for spec in specs]
+
+
+#: lm-loss on the kernel network: our arms' random loss rates, and gloo's (whose TCP
+#: under 10% loss of every packet would wait out a retransmission timeout in most
+#: collectives: 1% is its lossy arm)
+LM_KERNEL_RATES = (0.01, 0.1)
+LM_KERNEL_GLOO_RATES = (0.0, 0.01)
 
 
 def _mlt_sweep(**fields) -> Scenario:
@@ -374,6 +439,25 @@ SCENARIOS: dict[str, Scenario] = {
         epochs=6,
         sweep_rates=(0.1, 0.3),
         sweep_aggregators=(("zero", False), ("unbiased", False), ("unbiased", True)),
+        kernel=KernelNetwork(
+            sweep_rates=LM_KERNEL_RATES,
+            gloo_rates=LM_KERNEL_GLOO_RATES,
+            description=(
+                "2507.07114 LM under loss on the kernel testbed: character-level LM on "
+                "text that ships with Python, every rank in its own network namespace "
+                "behind one routing switch, which drops packets toward every node at "
+                "random (TCP and UDP alike, one wire packet at a time) at each arm's "
+                "rate. Ours: a reduce-scatter to shard owners and an all-gather (DDP: "
+                "the transpose allreduce), the reduce-scatter under MLT's bound fixed at P = 40% "
+                "(the loss rate is about the fraction of gradient missing) with "
+                "UnbiasedRescale, the all-gather reliable; at "
+                + " and ".join(f"{r:.0%}" for r in LM_KERNEL_RATES) + " loss. gloo "
+                "(over TCP) crosses the same network at "
+                + " and ".join(f"{r:.0%}" for r in LM_KERNEL_GLOO_RATES) + " loss; "
+                "gloo at 0% is the lossless reference. Metric: test perplexity (lower "
+                "is better)."
+            ),
+        ),
     ),
 }
 
@@ -383,7 +467,9 @@ def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers:
                 probe_copies_max: int | None = None) -> TrainConfig:
     # every arm as its system is defined - the published ones have no loss guard, and
     # with it a bound below the network's loss would run as reliable
-    return TrainConfig(policy=str(arm.policy), topology=scenario.topology, workers=workers,
+    return TrainConfig(policy=str(arm.policy), workers=workers,
+                       topology=None if scenario.sharded else scenario.topology,
+                       sharded=scenario.sharded, precision=scenario.precision,
                        model=scenario.model, epochs=epochs, seed=seed, loss=arm.loss,
                        out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
                        steps_per_epoch=steps_per_epoch, probe_copies_max=probe_copies_max,
@@ -421,7 +507,8 @@ class RunResult:
     summary: dict
     burst: set[int] = field(default_factory=set)
     arm: Arm | None = None
-    bottleneck: dict = field(default_factory=dict)  # kernel runs: what its queue did
+    #: kernel runs: what its queue did (and a sweep's random loss: its drop fraction)
+    bottleneck: dict = field(default_factory=dict)
 
     @property
     def metric_name(self) -> str:
@@ -568,24 +655,31 @@ def add_ratios(rows: list[dict], baseline: str = "baseline",
     relative); None where a reference is missing.
 
     The figures against gloo are given only where gloo crossed the same lossy network
-    as every other arm (``gloo_crossed_same_network``, in every row): the kernel network
-    (each row's ``network``), with no loss injected in-process for some arms alone
-    (each row's ``loss``). Elsewhere gloo's TCP ran lossless, and a ratio against it
-    would compare a lossless run with lossy ones: they are None."""
+    as the arm (``gloo_crossed_same_network``, in every row): the kernel network (each
+    row's ``network``) at the same random loss (a sweep's ``loss_rate``: each row
+    against gloo's at its rate), with no loss injected in-process for some arms alone
+    (each row's ``loss``). Elsewhere gloo's TCP ran lossless or at another rate, and a
+    ratio against it would compare unlike networks: they are None. ``round_speedup_vs_gloo``
+    is gloo's median round over this arm's."""
     by = {r["policy"]: r for r in rows}
     base = by.get(baseline)
     ref = by.get(reference)
-    tcp = by.get(gloo)
-    crossed = tcp is not None and tcp.get("network") == "kernel" and all(
-        r.get("loss") == tcp.get("loss") for r in rows)
-    if not crossed:
-        tcp = None  # (every *_vs_gloo figure below: None)
+    # gloo's row at each loss rate (policy scenarios: one, at rate None)
+    tcps = {r.get("loss_rate"): r for r in rows
+            if r["policy"] == gloo or r.get("transport_policy") == gloo}
+    same_loss = all(r.get("loss") == rows[0].get("loss") for r in rows)
 
     def ratio(num, den):
         return num / den if num is not None and den else None
 
     for r in rows:
+        tcp = tcps.get(r.get("loss_rate"))
+        crossed = tcp is not None and tcp.get("network") == "kernel" and same_loss
+        if not crossed:
+            tcp = None  # (every *_vs_gloo figure below: None)
         r["gloo_crossed_same_network"] = crossed
+        r["round_speedup_vs_gloo"] = ratio(tcp.get("round_ms_p50") if tcp else None,
+                                           r.get("round_ms_p50"))
         r["burst_over_normal_round"] = ratio(r.get("burst_round_ms_mean"),
                                              r.get("normal_round_ms_p50"))
         r["burst_over_normal_round_outside_clr"] = ratio(
@@ -648,6 +742,8 @@ def compare_rows(scenario: Scenario, arms: list[Arm], runs: dict[str, list[RunRe
     base = runs.get(scenario.baseline)
     for arm, row in zip(arms, rows):
         row["network"] = scenario.network
+        row["sharded"] = scenario.sharded
+        row["precision"] = scenario.precision
         # in-process loss cannot reach a TCP arm (gloo, tcp-ps): it ran lossless while
         # the others met the loss
         row["ran_lossless"] = (scenario.network != "kernel" and not scenario.is_sweep
@@ -682,6 +778,19 @@ class KernelRun:
     testbed: Testbed
     bursts: BurstRunner | None = None
 
+    def set_random_loss(self, rate: float) -> None:
+        """Drop ``rate`` of every packet toward every node, at random (the counters of
+        :meth:`drop_fraction` from zero)."""
+        for node in self.testbed.nodes:
+            self.testbed.set_loss(rate, node, protocol="all")
+
+    def drop_fraction(self) -> float:
+        """The fraction of the packets toward the nodes that the random loss dropped,
+        since it was last set."""
+        stats = [self.testbed.loss_stats(node) for node in self.testbed.nodes]
+        seen = sum(s.seen_packets for s in stats)
+        return sum(s.dropped_packets for s in stats) / seen if seen else 0.0
+
 
 def _network(scenario: Scenario, workers: int) -> AbstractContextManager[KernelRun | None]:
     """The kernel network the arms run in (one for all of them), or a null context."""
@@ -696,8 +805,7 @@ def _kernel_network(kernel: KernelNetwork, workers: int):
 
     with Testbed(TestbedConfig(workers=workers - 1, bottleneck=kernel.bottleneck)) as tb:
         if kernel.random_loss > 0:
-            for node in tb.nodes:
-                tb.set_loss(kernel.random_loss, node, protocol="all")
+            KernelRun(tb).set_random_loss(kernel.random_loss)
         if kernel.bursts is None:
             yield KernelRun(tb)
             return
@@ -719,6 +827,9 @@ def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per
                               seed=seed, steps_per_epoch=steps_per_epoch,
                               probe_copies_max=probe_copies_max)
             before = testbed.qdisc_stats() if testbed is not None else None
+            sweep_on_kernel = network if scenario.is_sweep else None
+            if sweep_on_kernel is not None:
+                sweep_on_kernel.set_random_loss(arm.loss_rate or 0.0)  # (this arm's network)
             run_training(cfg, testbed=testbed)
             # every arm marks the scenario's burst rounds (gloo's too, though its TCP
             # path cannot take the loss), so the rounds compared are the same
@@ -727,6 +838,8 @@ def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per
                 res.burst = network.bursts.rounds_in_bursts(res.rounds)
             if testbed is not None and before is not None:
                 res.bottleneck = bottleneck_figures(before, testbed.qdisc_stats())
+            if sweep_on_kernel is not None:
+                res.bottleneck["kernel_drop_fraction"] = sweep_on_kernel.drop_fraction()
             runs[arm.label].append(res)
             if progress is not None:
                 progress(res)

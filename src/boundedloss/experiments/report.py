@@ -174,6 +174,12 @@ SWEEP_COLUMNS: Columns = (
     ("delivered_fraction_mean", "delivered", ".4f"),
     ("retransmit_rounds_mean", "retx rounds", ".2f"),
 )
+#: sweep scenarios on the kernel network: each arm's random loss as the kernel dropped
+#: it, and its round against gloo's at the same loss
+KERNEL_SWEEP_COLUMNS: Columns = (
+    ("kernel_drop_fraction", "kernel drops", ".2%"),
+    ("round_speedup_vs_gloo", "round vs gloo", ".2fx"),
+)
 
 
 #: kernel-testbed runs through a bottleneck (incast): what its queue did
@@ -223,7 +229,7 @@ def _has_bursts(scenario: Scenario) -> bool:
 def columns_for(scenario: Scenario) -> Columns:
     """The report's columns (every figure of a row that the scenario has)."""
     if scenario.is_sweep:
-        return SWEEP_COLUMNS
+        return SWEEP_COLUMNS + (KERNEL_SWEEP_COLUMNS if scenario.network == "kernel" else ())
     cols: Columns = TABLE_COLUMNS
     if not _has_bursts(scenario):
         cols = tuple(c for c in cols if "burst" not in c[0])
@@ -239,7 +245,11 @@ def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
     policy scenarios what a user decides on, then (with bursts) the burst figures, then
     (through a bottleneck) what its queue did."""
     if scenario.is_sweep:
-        return [("", SWEEP_COLUMNS)]
+        if scenario.network != "kernel":
+            return [("", SWEEP_COLUMNS)]
+        # (within 100 columns: the change in relative terms only, no retransmissions)
+        return [("", tuple(c for c in columns_for(scenario) if c[0] not in (
+            "metric_change_vs_reliable", "retransmit_rounds_mean")))]
     target = scenario.target_metric
     decide: Columns = DECISION_COLUMNS
     if target is None:
@@ -279,10 +289,11 @@ def plot_metric_vs_loss(rows: list[dict], path: Path) -> None:
     for r in rows:
         if r.get("loss_rate") is None:
             continue
-        if r["policy"] == "lossless":
-            ax.axhline(r["final_metric"], color="black", ls="--", lw=1, label="lossless")
+        if r.get("loss_rate") == 0:
+            ax.axhline(r["final_metric"], color="black", ls="--", lw=1, label=r["policy"])
             continue
-        key = r["aggregator"] + ("+hadamard" if r.get("hadamard") else "")
+        key = ("gloo" if r.get("transport_policy") == "gloo" else
+               r["aggregator"] + ("+hadamard" if r.get("hadamard") else ""))
         lines.setdefault(key, []).append((r["loss_rate"], r["final_metric"]))
     for key, pts in lines.items():
         pts.sort()
@@ -306,8 +317,10 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
     columns = columns_for(scenario)
     metric = rows[0]["metric_name"] if rows else "metric"
     if scenario.is_sweep:
-        ratios = ("Differences are against the lossless reliable run "
-                  "(`metric_change_vs_reliable`, absolute and relative).")
+        ratios = (f"Differences are against the lossless run, `{scenario.reference}` "
+                  "(`metric_change_vs_reliable`, absolute and relative)"
+                  + ("; a round against gloo's is against gloo at the same loss."
+                     if scenario.network == "kernel" else "."))
     else:
         ratios = (f"Ratios are against `{scenario.baseline}` (burst speedup: its mean "
                   "burst-round latency over this policy's; *outside CLR*: the same over "
@@ -322,7 +335,7 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
                  + (f"; {scenario.network_note}" if scenario.network_note else "") + "  ")
     # (add_ratios gives figures against gloo only where it crossed the same network)
     gloo_ran = any(r.get("transport_policy") == "gloo" or r["policy"] == "gloo" for r in rows)
-    against_gloo = bool(rows) and bool(rows[0].get("gloo_crossed_same_network"))
+    against_gloo = any(r.get("gloo_crossed_same_network") for r in rows)
     if gloo_ran and not against_gloo:
         where += ("No figure is given against gloo (its columns are empty): it did not "
                   "cross the same lossy network as the others.  ")
