@@ -188,6 +188,7 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     (["--scenario", "microburst", "--policies", "gloo,gloo"], "gloo is named twice"),
     (["--scenario", "incast", "--network", "wan"], "--network"),
     (["--scenario", "lm-loss", "--data", "fashion-mnist"], "trains charlm on text"),
+    (["--scenario", "lm-loss", "--model", "cnn"], "trains charlm on text"),
     (["--scenario", "incast", "--credit", "1k"], "--credit 1024"),
 ])
 def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
@@ -332,17 +333,20 @@ def _epochs_run(metric_name, values, walls):
 def test_another_data_set_is_timed_to_its_own_target():
     """--data fashion-mnist: every arm trains on it and is timed to 80% (digits' 95% is
     out of its reach); a scenario without a target keeps none; text scenarios refuse."""
-    from boundedloss.experiments.compare import make_config, with_data
+    from boundedloss.experiments.compare import make_config, with_images
 
-    micro = with_data(SCENARIOS["microburst"], "fashion-mnist")
+    micro = with_images(SCENARIOS["microburst"], "fashion-mnist")
     assert (micro.data, micro.target_metric) == ("fashion-mnist", 0.80)
     assert "fashion-mnist" in micro.on_kernel().description
     cfg = make_config(micro, micro.arms(("dblp",))[0], out="x", epochs=1, workers=3, seed=0)
     assert cfg.data == "fashion-mnist" and cfg.model == "mlp"
-    assert with_data(SCENARIOS["incast"], "fashion-mnist").target_metric is None
-    assert with_data(SCENARIOS["microburst"], "digits").target_metric == 0.95
+    assert with_images(SCENARIOS["incast"], "fashion-mnist").target_metric is None
+    assert with_images(SCENARIOS["microburst"], "digits").target_metric == 0.95
+    cnn = with_images(SCENARIOS["microburst"], "fashion-mnist", "cnn")
+    assert (cnn.model, cnn.data, cnn.target_metric) == ("cnn", "fashion-mnist", 0.80)
+    assert "CNN instead of the MLP" in cnn.description
     with pytest.raises(ValueError, match="charlm"):
-        with_data(SCENARIOS["lm-loss"], "digits")
+        with_images(SCENARIOS["lm-loss"], "digits")
 
 
 def test_time_to_target_is_the_first_epoch_that_reached_it():

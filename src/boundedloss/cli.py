@@ -703,7 +703,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  title: str = "boundedloss compare",
                  burst_every: tuple[int, ...] = (),
                  credit: int | str | None = SCENARIO_CREDIT,
-                 data: str | None = None,
+                 data: str | None = None, model: str | None = None,
                  sharded: bool = False, precision: str = "fp32") -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the tables, write JSON and the report."""
@@ -727,14 +727,14 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     if not isinstance(credit, str):  # (SCENARIO_CREDIT: the scenario's own)
         _check(checks.credit_fits, credit)
         sc = replace(sc, credit_bytes=credit)
-    if data is not None:
-        from .experiments.compare import with_data
+    if data is not None or model is not None:
+        from .experiments.compare import with_images
 
         try:
-            sc = with_data(sc, data)
-            IMAGE_DATA[data].check()
+            sc = with_images(sc, data, model)
+            IMAGE_DATA[sc.data or "digits"].check()
         except (ValueError, FileNotFoundError) as e:
-            raise click.BadParameter(str(e), param_hint="--data") from None
+            raise click.BadParameter(str(e), param_hint="--data/--model") from None
     if sc.is_sweep:
         if policies is not None:
             raise click.BadParameter(
@@ -928,10 +928,12 @@ def _command_line(default: str) -> str:
 @click.option("--data", type=click.Choice(list(IMAGE_DATA)), default=None,
               help="The images the scenario's model trains on (default: digits; "
                    "image scenarios only); fashion-mnist is timed to 80% accuracy.")
+@click.option("--model", type=click.Choice(["mlp", "cnn"]), default=None,
+              help="The image scenarios' model (default: the scenario's, mlp).")
 @probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
             steps_per_epoch, loss_spec, network, burst_every, sharded, precision, credit,
-            data, probe_copies_max) -> None:
+            data, model, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
@@ -941,7 +943,8 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
                  steps_per_epoch, loss_spec, _command_line(default), network=network,
                  probe_copies_max=probe_copies_max, sharded=sharded, precision=precision,
                  burst_every=(_parse_list(burst_every, int, "--burst-every")
-                              if burst_every is not None else ()), credit=credit, data=data)
+                              if burst_every is not None else ()), credit=credit, data=data,
+                 model=model)
 
 
 #: the systems a simulation can run: our policies, and the baselines over its TCP model

@@ -911,23 +911,32 @@ def with_burst_every(scenario: Scenario, every: int) -> Scenario:
 DATA_TARGETS = {"digits": 0.95, "fashion-mnist": 0.80}
 
 
-def with_data(scenario: Scenario, data: str) -> Scenario:
-    """The scenario with its image model on ``data`` (a ``--data`` name), timed to that
-    data's target; ``ValueError`` (one line) for a scenario whose model takes no images."""
+def with_images(scenario: Scenario, data: str | None = None,
+                model: str | None = None) -> Scenario:
+    """The scenario's image model on ``data`` (a ``--data`` name; its target then that
+    data's) and/or another image model (``--model mlp|cnn``); ``ValueError`` (one line)
+    for a scenario whose model takes no images."""
     from .train import IMAGE_MODELS
 
     if scenario.model not in IMAGE_MODELS:
         raise ValueError(f"scenario {scenario.name} trains {scenario.model} on text; --data "
-                         f"is for the image scenarios")
-    if data not in DATA_TARGETS:
+                         f"and --model are for the image scenarios")
+    if data is not None and data not in DATA_TARGETS:
         raise ValueError(f"--data must be one of {', '.join(DATA_TARGETS)}")
+    if model is not None and model not in IMAGE_MODELS:
+        raise ValueError(f"--model must be one of {', '.join(IMAGE_MODELS)}")
+    data = data or scenario.data or "digits"
+    model = model or scenario.model
     target = scenario.target_metric and DATA_TARGETS[data]
-    note = "" if data == "digits" else (
-        f" Images: {data} instead of digits (--data), every arm timed to "
-        f"{target:.0%} test accuracy." if target else f" Images: {data} (--data).")
+    note = ""
+    if model != scenario.model:
+        note += f" Model: the {model.upper()} instead of the {scenario.model.upper()} (--model)."
+    if data != "digits":
+        timed = f", every arm timed to {target:.0%} test accuracy" if target else ""
+        note += f" Images: {data} instead of digits (--data){timed}."
     kernel = scenario.kernel and replace(scenario.kernel,
                                          description=scenario.kernel.description + note)
-    return replace(scenario, data=data, target_metric=target, kernel=kernel,
+    return replace(scenario, data=data, model=model, target_metric=target, kernel=kernel,
                    description=scenario.description + note)
 
 
