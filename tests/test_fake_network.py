@@ -13,11 +13,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from boundedloss import wire
+from boundedloss.net.buffer import SharedBuffer
 from boundedloss.net.fake import Datagram, FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.loss import Bernoulli, Combined, GilbertElliott, Microburst
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
 from boundedloss.protocol import CloseReason, SendStatus, TransferMux, TransportConfig
-from boundedloss.wire import DropReason, Kind
+from boundedloss.wire import HEADER_BYTES, DropReason, Kind
 from conftest import PROPERTY, SENTINEL, SESSION, chunks_equal, source_bytes
 
 PATIENT = dict(peer_timeout=1e4, receive_deadline=1e4)  # "a loss pattern that eventually delivers"
@@ -488,6 +489,74 @@ def test_downlink_queue_drops_are_counted() -> None:
     assert net.counts["sent"] + net.counts["duplicated"] == (
         net.counts["delivered"] + net.counts["queue_drop"] + net.counts["path_loss"]
         + net.counts["node_loss"] + net.counts["no_route"])
+
+
+def _peak_queue(net: FakeNetwork, name: str) -> list[int]:
+    """Every byte count the downlink queue of ``name`` reaches, as datagrams join it."""
+    seen: list[int] = []
+    arrive = net._arrive  # noqa: SLF001 - the test watches the queue it limits
+
+    def watched(node, src, data):
+        arrive(node, src, data)
+        if node.address == name:
+            seen.append(node.queued_bytes)
+
+    net._arrive = watched  # type: ignore[method-assign]  # noqa: SLF001
+    return seen
+
+
+def test_a_queue_in_bytes_holds_no_more_than_its_bytes() -> None:
+    """queue_bytes: a 1 MB message at 10x the downlink's rate overflows a 5,000-byte
+    queue (1,048-byte datagrams: four fit, a fifth does not), and every datagram
+    the queue took it delivers; the transfer completes over the retransmissions."""
+    cfg = TransportConfig(chunk_bytes=1000, **PATIENT)
+    net, a, b = setup(cfg, tx_profile=NodeProfile(up_bps=1e10),
+                      rx_profile=NodeProfile(down_bps=1e9, queue_bytes=5000))
+    seen = _peak_queue(net, "b")
+    src = source_bytes(1_000_000, 0)
+    rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+    tx = a.start_send("b", 0, 0, src, 0.0)
+    net.run_until_done([rx, tx], timeout=10.0)
+    assert net.counts["queue_drop"] > 0
+    # (four DATA fill it but for 808 bytes, which PROBEs of 48 may take)
+    assert 4 * (1000 + HEADER_BYTES) <= max(seen) <= 5000
+    assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+
+
+def test_a_shared_buffer_lends_a_busy_port_what_the_quiet_ones_leave() -> None:
+    """Ports drawing from one 64 KB buffer (a dynamic threshold: a port may hold up to
+    what is still free): one port alone under load fills half the pool - more than a
+    fixed split among 4 ports would give it - a second then a quarter, and what leaves
+    a port is free again."""
+    buffer = SharedBuffer(64_000)
+
+    def fill(now: float) -> int:
+        """A port queueing 1,000-byte datagrams (each held until t = 1): what it got."""
+        held = 0
+        while buffer.admits(now, held, 1000):
+            buffer.hold(1.0, 1000)
+            held += 1000
+        return held
+
+    assert fill(0.0) == 32_000  # (then 32 KB is free: the port holds as much)
+    assert fill(0.5) == 16_000
+    assert buffer.admits(1.0, 0, 32_000)  # (all of it left its port at t = 1)
+    with pytest.raises(ValueError):
+        SharedBuffer(0)
+    cfg = TransportConfig(chunk_bytes=1000, **PATIENT)
+    net = FakeNetwork(seed=3, path=PathProfile(delay=20e-6))
+    net.shared_buffer = SharedBuffer(64_000)
+    sink = net.attach("sink", TransferMux(SESSION, cfg), NodeProfile(down_bps=1e9))
+    seen = _peak_queue(net, "sink")
+    rxs, txs = [], []
+    for i in range(4):
+        mux = net.attach(f"w{i}", TransferMux(SESSION, cfg), NodeProfile(up_bps=1e10))
+        rxs.append(sink.start_receive(f"w{i}", 0, 0, 0.0, policy=ReliablePolicy()))
+        txs.append(mux.start_send("sink", 0, 0, source_bytes(200_000, i), 0.0))
+    net.run_until_done(rxs + txs, timeout=10.0)
+    assert net.counts["queue_drop"] > 0 and all(rx.result.complete for rx in rxs)
+    # (half the pool, and a datagram's worth: small PROBEs squeeze in at the edge)
+    assert 64_000 // 4 < max(seen) <= 32_000 + 1000 + HEADER_BYTES
 
 
 def test_run_until_done_times_out_and_attach_rejects_duplicates() -> None:

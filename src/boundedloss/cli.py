@@ -95,6 +95,19 @@ def _parse_credits(text: str) -> tuple[int | None, ...]:
     return tuple(credits)
 
 
+def _optional_size(ctx: click.Context, param: click.Parameter, value: str | None
+                   ) -> int | None:
+    """A size in bytes as tc writes it (256k, 4m), or None when not given."""
+    if value is None:
+        return None
+    from .emulate.units import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _out_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None:
         _check(checks.writable_folder, value, "--out")
@@ -976,6 +989,12 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.option("--queue-datagrams", default=1024, show_default=True,
               type=click.IntRange(1, 1 << 24),
               help="Drop-tail queue at the switch port toward each host, in datagrams.")
+@click.option("--queue-bytes", default=None, callback=_optional_size,
+              help="Each switch queue toward a host also holds at most this many bytes "
+                   "(e.g. 256k).")
+@click.option("--shared-buffer", default=None, callback=_optional_size,
+              help="The switch's ports share one buffer of this many bytes (e.g. 4m), "
+                   "each taking at most what is still free (a dynamic threshold).")
 @click.option("--mtu", default=9000, show_default=True, type=click.IntRange(576, 65535),
               help="The links' MTU; a chunk's datagram fills one packet.")
 @click.option("--racks", default=1, show_default=True, type=click.IntRange(1, 1024),
@@ -1001,8 +1020,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
-        delay_us, queue_datagrams, mtu, racks, oversubscription, auth, credit, cpu,
-        like_testbed, seed, json_path, plot_path) -> None:
+        delay_us, queue_datagrams, queue_bytes, shared_buffer, mtu, racks, oversubscription,
+        auth, credit, cpu, like_testbed, seed, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
@@ -1057,13 +1076,17 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
                      auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription,
-                     credit_bytes=credit)
+                     credit_bytes=credit, queue_bytes=queue_bytes,
+                     shared_buffer_bytes=shared_buffer)
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
     credit_note = "" if credit is None else f", credit {credit:,} bytes per receiver"
+    queues = f"queues of {queue_datagrams} datagrams" + (
+        "" if queue_bytes is None else f" or {queue_bytes:,} bytes") + (
+        "" if shared_buffer is None else f" sharing {shared_buffer:,} bytes")
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
-                    f"links, {delay_us:g} us paths, queues of {queue_datagrams} datagrams"
+                    f"links, {delay_us:g} us paths, {queues}"
                     f"{fabric}, CPU {cpu}{credit_note} (virtual time)")
     for col in ("workers", "system", "topology", "loss", "p50 ms", "p99 ms", "mean ms",
                 "datagrams", "queue drops", "wall s"):

@@ -6,8 +6,9 @@ lossy transfer of many megabytes takes milliseconds of real time. Each node has
 - an uplink of ``up_bps`` (None: infinite) that serialises what its core sends - a
   core is polled again only once its uplink is free, which is the backpressure a real
   socket gives;
-- a downlink of ``down_bps`` with a drop-tail queue of ``queue_datagrams`` (incast:
-  many senders into one shallow queue lose datagrams here);
+- a downlink of ``down_bps`` with a drop-tail queue of ``queue_datagrams`` and/or
+  ``queue_bytes`` (incast: many senders into one shallow queue lose datagrams here) -
+  or, with a ``shared_buffer``, queues that draw from one switch's memory;
 - a loss model applied to every datagram it receives (``net/loss.py``).
 
 Between the two, every datagram that leaves an uplink passes through one *route*
@@ -34,6 +35,7 @@ import numpy as np
 
 from .. import wire
 from ..protocol.mux import TransferMux
+from .buffer import SharedBuffer
 from .cpu import Cores, CpuCosts
 from .fabric import Fabric
 from .loss import LossModel
@@ -44,6 +46,7 @@ class NodeProfile:
     up_bps: float | None = None
     down_bps: float | None = None
     queue_datagrams: int | None = None  # downlink queue limit (None: unbounded)
+    queue_bytes: int | None = None  # the same in bytes (None: unbounded)
     loss: LossModel | None = None
     #: what the host's CPU spends on each datagram and message (None: nothing)
     cpu: CpuCosts | None = None
@@ -97,7 +100,9 @@ class _Node:
         self.detached = False
         self.up_free = 0.0
         self.down_free = 0.0
-        self.queue: deque[float] = deque()  # delivery times of datagrams in the downlink
+        #: the datagrams in the downlink: (delivery time, bytes)
+        self.queue: deque[tuple[float, int]] = deque()
+        self.queued_bytes = 0
         self.timer_at = math.inf
         self.poll_at = math.inf
         self.cores: Cores | None = None  # where its CPU work runs (with costs)
@@ -137,6 +142,9 @@ class FakeNetwork:
         self.route: Route = route if route is not None else self.default_route
         #: racks and a spine (None: every host on one switch)
         self.fabric: Fabric | None = None
+        #: one switch's memory that every host's downlink queue draws from (None: each
+        #: queue its own, as its profile says)
+        self.shared_buffer: SharedBuffer | None = None
         #: which datagrams carry payload (DATA, or a TCP segment with data): those sent
         #: and dropped at full queues are counted apart (``sent_payload``,
         #: ``queue_drop_payload``); None: not counted
@@ -382,9 +390,14 @@ class FakeNetwork:
         now = self.now
         prof = node.profile
         queue = node.queue
-        while queue and queue[0] <= now:
-            queue.popleft()
-        if prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams:
+        while queue and queue[0][0] <= now:
+            node.queued_bytes -= queue.popleft()[1]
+        size = len(data)
+        shared = self.shared_buffer
+        if ((prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams)
+                or (prof.queue_bytes is not None
+                    and node.queued_bytes + size > prof.queue_bytes)
+                or (shared is not None and not shared.admits(now, node.queued_bytes, size))):
             self.counts["queue_drop"] += 1
             self._count_payload_drop(data)
             return
@@ -393,8 +406,11 @@ class FakeNetwork:
             return
         t = max(now, node.down_free)
         if prof.down_bps is not None:
-            t += len(data) * 8 / prof.down_bps
+            t += size * 8 / prof.down_bps
         node.down_free = t
-        queue.append(t)
+        queue.append((t, size))
+        node.queued_bytes += size
+        if shared is not None:
+            shared.hold(t, size)
         self.counts["delivered"] += 1
         self._push(t, _DELIVER, node, src, data)

@@ -32,6 +32,7 @@ import numpy as np
 from .. import wire
 from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
+from ..net.buffer import SharedBuffer
 from ..net.cpu import CpuCosts
 from ..net.fabric import Fabric, FabricProfile
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
@@ -129,6 +130,11 @@ class SimJob:
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
+    #: each switch queue toward a host also bounded in bytes (None: datagrams only)
+    queue_bytes: int | None = None
+    #: the switch's ports draw from one buffer of this many bytes (net/buffer.py; None:
+    #: each its own queue)
+    shared_buffer_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,8 @@ class SimRow:
     #: datagrams lost at a full queue to or from the spine
     fabric_drops: int = 0
     credit_bytes: int | None = None
+    queue_bytes: int | None = None
+    shared_buffer_bytes: int | None = None
     #: of the datagrams carrying payload (our DATA, the TCP model's data segments), the
     #: share lost at a full queue (a switch port's or the fabric's)
     payload_drop_fraction: float = 0.0
@@ -198,6 +206,8 @@ def run_job(job: SimJob) -> SimRow:
     net = FakeNetwork(seed=job.seed, path=PathProfile(
         delay=job.delay_us * 1e-6, loss=path_loss(job)), shared_cores=cpu.shared_cores)
     net.carries_payload = carries_payload
+    if job.shared_buffer_bytes is not None:
+        net.shared_buffer = SharedBuffer(job.shared_buffer_bytes)
     runtime = SimRuntime(net)
     bps = job.link_gbps * 1e9
     if job.racks > 1:
@@ -212,6 +222,7 @@ def run_job(job: SimJob) -> SimRow:
                              credit_bytes=job.credit_bytes)
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
+                          queue_bytes=job.queue_bytes,
                           cpu=costs)
     if net.fabric is not None:
         for r, peer in enumerate(peers):
@@ -280,6 +291,7 @@ def run_job(job: SimJob) -> SimRow:
         path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
         racks=job.racks, oversubscription=job.oversubscription,
         fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes,
+        queue_bytes=job.queue_bytes, shared_buffer_bytes=job.shared_buffer_bytes,
         payload_drop_fraction=round(
             net.counts["queue_drop_payload"] / max(1, net.counts["sent_payload"]), 5))
 
