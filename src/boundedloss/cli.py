@@ -497,7 +497,7 @@ def bench_fairness(json_path, credits, seconds, rate, queue) -> None:
             rows = fairness.run_fairness_bench(credits=credits_t, seconds=seconds,
                                                bottleneck=bottleneck,
                                                progress=lambda m: status.update(m))
-    except TestbedError as e:
+    except (TestbedError, RuntimeError) as e:  # (a flow that failed says which, in one line)
         raise click.ClickException(str(e)) from e
     t = Table(title=f"one boundedloss transfer and one TCP flow through "
                     f"{bottleneck.describe()}")

@@ -79,8 +79,17 @@ def _tcp_receive(a: argparse.Namespace) -> None:
 
 def _tcp_send(a: argparse.Namespace) -> None:
     chunk = bytes(_TCP_READ)
+    patience = time.monotonic() + 20.0  # (the receiver may still be starting)
+    while True:
+        try:
+            conn = socket.create_connection((a.peer, TCP_PORT), timeout=60)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > patience:
+                raise
+            time.sleep(0.1)
     deadline = time.monotonic() + a.seconds
-    with socket.create_connection((a.peer, TCP_PORT), timeout=60) as conn:
+    with conn:
         while time.monotonic() < deadline:
             conn.sendall(chunk)
 
@@ -174,7 +183,7 @@ def _run_pair(tb, credit: int | None, seconds: float, message_bytes: int,
     tcp_out, bl_out = str(Path(tmp, "tcp.json")), str(Path(tmp, "bl.json"))
     receivers = [start(server, "tcp-receive", tcp_node, tcp_out),
                  start(server, "boundedloss-receive", bl_node, bl_out)]
-    time.sleep(1.0)  # (both listening)
+    time.sleep(1.0)  # (a head start; the TCP sender also retries until it listens)
     senders = [start(tcp_node, "tcp-send", server), start(bl_node, "boundedloss-send", server)]
     roles = ["tcp-send", "boundedloss-send", "tcp-receive", "boundedloss-receive"]
     procs = senders + receivers
