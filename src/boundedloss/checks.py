@@ -85,16 +85,14 @@ def distinct(names: Iterable[str], option: str) -> None:
         seen.add(name)
 
 
-def credit_fits(credit_bytes: int | None, chunk_bytes: int | None = None) -> None:
-    """A credit budget the transport takes: at least two DATA datagrams."""
+def credit_fits(credit_bytes: int | None) -> None:
+    """A credit budget the transport takes at its default chunk: at least two DATA
+    datagrams (train checks its own --chunk-bytes)."""
     from .protocol import TransportConfig
 
     if credit_bytes is None:
         return
     try:
-        if chunk_bytes is None:
-            TransportConfig(credit_bytes=credit_bytes)
-        else:
-            TransportConfig(chunk_bytes=chunk_bytes, credit_bytes=credit_bytes)
+        TransportConfig(credit_bytes=credit_bytes)
     except ValueError as e:
         raise ValueError(f"--credit {credit_bytes}: {e}") from None
