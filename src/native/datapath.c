@@ -24,9 +24,10 @@
  *     (to a PROBE at once, to DATA at most once per min_rto); a finished send (the
  *     latest CLOSED_SENDS) has its late ACKs, STOPs and BITMAPs counted stale.
  * A datagram it cannot take without a decision - the first one of a receive whose plan
- * starts a clock on it or, under credit, whose sender starts to share the budget, a DATA or PROBE that would meet the receive's plan, the first
- * FINAL PROBE, an ACK the send says needs the core, a BITMAP or STOP for an open send,
- * one for an unknown message - is handed back to Python untouched, in order, and
+ * starts a clock on it or, under credit, whose sender starts to share the budget, a
+ * DATA or PROBE that would meet the receive's plan, the first FINAL PROBE, an ACK the
+ * send says needs the core, a BITMAP or STOP for an open send, one for an unknown
+ * message - is handed back to Python untouched, in order, and
  * Python's core handles it as always. The counters a receive shares with Python live in
  * a Receive object that both read; what a send's ACKs move, in a Send.
  */
