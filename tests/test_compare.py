@@ -104,7 +104,7 @@ def test_lm_loss_sharded_on_the_kernel_sets_each_arms_loss_on_the_network():
     reference) and ours each at the kernel's rates, no loss injected in-process; under
     --sharded every arm is an FSDP2 run with no topology and no Hadamard transform."""
     sc = SCENARIOS["lm-loss"].on_kernel().run_as(sharded=True, precision="bf16")
-    assert sc.reference == sc.baseline == "gloo@0%" and "FSDP2" in sc.description
+    assert sc.reference == sc.baseline == "gloo@0%" and "FSDP2" in sc.full_description
     arms = sc.arms()
     assert [(a.label, a.policy.name, a.loss, a.loss_rate) for a in arms] == [
         ("gloo@0%", "gloo", "none", 0.0), ("gloo@1%", "gloo", "none", 0.01),
@@ -337,14 +337,14 @@ def test_another_data_set_is_timed_to_its_own_target():
 
     micro = with_images(SCENARIOS["microburst"], "fashion-mnist")
     assert (micro.data, micro.target_metric) == ("fashion-mnist", 0.80)
-    assert "fashion-mnist" in micro.on_kernel().description
+    assert "fashion-mnist" in micro.on_kernel().full_description
     cfg = make_config(micro, micro.arms(("dblp",))[0], out="x", epochs=1, workers=3, seed=0)
     assert cfg.data == "fashion-mnist" and cfg.model == "mlp"
     assert with_images(SCENARIOS["incast"], "fashion-mnist").target_metric is None
     assert with_images(SCENARIOS["microburst"], "digits").target_metric == 0.95
     cnn = with_images(SCENARIOS["microburst"], "fashion-mnist", "cnn")
     assert (cnn.model, cnn.data, cnn.target_metric) == ("cnn", "fashion-mnist", 0.80)
-    assert "CNN instead of the MLP" in cnn.description
+    assert "CNN instead of the MLP" in cnn.full_description
     with pytest.raises(ValueError, match="charlm"):
         with_images(SCENARIOS["lm-loss"], "digits")
 
@@ -567,7 +567,6 @@ def test_incast_collapse_runs_with_credit_and_reports_throughput(tmp_path):
     for row in rows:  # samples: 4 rounds x 3 ranks x 32 a batch, over the rounds' time
         lat = [r["round_ms"] for r in runs[row["policy"]][0].rounds]
         assert row["samples_per_s"] == pytest.approx(4 * 3 * 32 / (sum(lat) / 1e3))
-    assert tcp["throughput_vs_baseline"] == 1.0
     assert ours["throughput_vs_baseline"] == pytest.approx(
         ours["samples_per_s"] / tcp["samples_per_s"])
     assert ours["bottleneck_sent_mb"] > 0

@@ -424,7 +424,7 @@ def test_a_lost_probe_leaves_the_tail_to_the_timeout_one_probe_a_tail():
     assert MIN_RTO < end < 1.2 * MIN_RTO
 
 def test_a_segment_takes_as_many_bytes_of_the_link_as_the_packet_it_stands_for():
-    from boundedloss.net.udp import IPV4_UDP_OVERHEAD, largest_chunk
+    from boundedloss.net.udp import largest_chunk
     from boundedloss.wire import HEADER_BYTES
 
     net, rt, (a, b) = _tcp_world(2)
@@ -440,7 +440,6 @@ def test_a_segment_takes_as_many_bytes_of_the_link_as_the_packet_it_stands_for()
     rt.run()
     # a full segment is an MTU-sized packet, counted as our datagrams are (no IP/UDP):
     # as many bytes as our full chunk's datagram at that MTU
-    assert max(sizes) == 9000 - IPV4_UDP_OVERHEAD
     assert max(sizes) == largest_chunk(9000) + HEADER_BYTES
 
 
@@ -529,20 +528,18 @@ def test_a_link_to_the_spine_serialises_and_drops_beyond_its_queue():
 def test_traffic_between_racks_shares_the_spine_and_traffic_within_does_not():
     from boundedloss.sim import SimJob, run_job
 
-    def round_ms(racks: int, topology: str, system: str = "reliable") -> tuple[float, int]:
-        row = run_job(SimJob(workers=8, system=system, topology=topology, loss=0.0,
-                             elements=200_000, rounds=2, racks=racks, oversubscription=4.0))
-        c = row.sim_datagrams
-        assert c > 0
-        return row.p50_ms, row.fabric_drops
+    def round_ms(racks: int, topology: str, system: str = "reliable") -> float:
+        return run_job(SimJob(workers=8, system=system, topology=topology, loss=0.0,
+                              elements=200_000, rounds=2, racks=racks,
+                              oversubscription=4.0)).p50_ms
 
-    one, _ = round_ms(1, "allreduce")
-    two, _ = round_ms(2, "allreduce")
+    one = round_ms(1, "allreduce")
+    two = round_ms(2, "allreduce")
     # half of every rank's shards cross a spine link of 4 hosts' links over 4: slower
     assert two > 1.5 * one
     # gloo's ring crosses the spine at two links of eight: barely slower
-    ring_one, _ = round_ms(1, "gloo", "gloo")
-    ring_two, _ = round_ms(2, "gloo", "gloo")
+    ring_one = round_ms(1, "gloo", "gloo")
+    ring_two = round_ms(2, "gloo", "gloo")
     assert ring_two < 1.3 * ring_one
 
 

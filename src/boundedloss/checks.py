@@ -85,14 +85,19 @@ def distinct(names: Iterable[str], option: str) -> None:
         seen.add(name)
 
 
-def credit_fits(credit_bytes: int | None) -> None:
-    """A credit budget the transport takes at its default chunk: at least two DATA
-    datagrams (train checks its own --chunk-bytes)."""
+def credit_fits(credit_bytes: int | None, mtu: int | None = None) -> None:
+    """A credit budget the transport takes: at least two DATA datagrams - of the default
+    chunk, or of the largest chunk a link of ``mtu`` carries (what a job there agrees
+    on; train checks its own --chunk-bytes)."""
+    from .net.udp import largest_chunk
     from .protocol import TransportConfig
 
     if credit_bytes is None:
         return
     try:
-        TransportConfig(credit_bytes=credit_bytes)
+        if mtu is None:
+            TransportConfig(credit_bytes=credit_bytes)
+        else:
+            TransportConfig(chunk_bytes=largest_chunk(mtu), credit_bytes=credit_bytes)
     except ValueError as e:
         raise ValueError(f"--credit {credit_bytes}: {e}") from None

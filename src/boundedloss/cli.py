@@ -66,46 +66,39 @@ def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) 
 SCENARIO_CREDIT = "scenario"
 
 
-def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
-    """``--credit``: off (None), or a size in bytes as tc writes it (64k, 1m)."""
-    if value.strip().lower() == "off":
+def _size(text: str | None, option: str | None = None) -> int | None:
+    """A size in bytes as tc writes it (256k, 4m), or None for none; one line if bad."""
+    if text is None:
         return None
-    if value == SCENARIO_CREDIT and param.default == SCENARIO_CREDIT:
-        return value
     from .emulate.units import parse_size
 
     try:
-        return parse_size(value)
+        return parse_size(text)
     except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def _parse_credits(text: str) -> tuple[int | None, ...]:
-    """bench kernel-loss's ``--credit``: sizes and/or off, each once."""
-    from .emulate.units import parse_size
-
-    credits: list[int | None] = []
-    for part in _parse_list(text, str.strip, "--credit"):
-        try:
-            credits.append(None if part.lower() == "off" else parse_size(part))
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--credit") from None
-        _check(checks.credit_fits, credits[-1])
-    _check(checks.distinct, [str(c) for c in credits], "--credit")
-    return tuple(credits)
+        raise click.BadParameter(str(e), param_hint=option) from None
 
 
 def _optional_size(ctx: click.Context, param: click.Parameter, value: str | None
                    ) -> int | None:
-    """A size in bytes as tc writes it (256k, 4m), or None when not given."""
-    if value is None:
-        return None
-    from .emulate.units import parse_size
+    return _size(value)
 
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+
+def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
+    """``--credit``: off (None), or a size in bytes as tc writes it (64k, 1m)."""
+    if value == SCENARIO_CREDIT and param.default == SCENARIO_CREDIT:
+        return value
+    return None if value.strip().lower() == "off" else _size(value)
+
+
+def _parse_credits(text: str, mtu: int) -> tuple[int | None, ...]:
+    """bench's ``--credit``: sizes and/or off, each once, each holding two of the largest
+    DATA datagrams at ``mtu``."""
+    credits = tuple(None if part.lower() == "off" else _size(part, "--credit")
+                    for part in _parse_list(text, str.strip, "--credit"))
+    for credit in credits:
+        _check(checks.credit_fits, credit, mtu)
+    _check(checks.distinct, [str(c) for c in credits], "--credit")
+    return credits
 
 
 def _out_folder(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -390,7 +383,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     systems_t = tuple(str(spec) for spec in systems)
     _check(checks.distinct, systems_t, "--systems")
     auths = _parse_choices(auth, {"on": True, "off": False}, "--auth")
-    credits_t = _parse_credits(credits)
+    credits_t = _parse_credits(credits, mtu)
     topologies_t = _parse_list(topologies, str.strip, "--topology")
     bad = [t for t in topologies_t if t not in TOPOLOGIES]
     if bad or len(set(topologies_t)) != len(topologies_t):
@@ -429,8 +422,7 @@ CREDIT_HELP = ("Receiver-driven credit: the DATA bytes all senders toward one re
 
 
 def credit_option(default: str = "off"):
-    """``--credit SIZE|off`` (train, compare, bench kernel-loss, sim), parsed to bytes or
-    None."""
+    """``--credit SIZE|off`` (train, compare, sim), parsed to bytes or None."""
     return click.option("--credit", default=default, show_default=True,
                         callback=_credit_size, help=CREDIT_HELP)
 
@@ -480,13 +472,14 @@ def probe_copies_option(fn):
 def bench_fairness(json_path, credits, seconds, rate, queue) -> None:
     """One boundedloss transfer and one TCP bulk flow share a bottleneck on the kernel
     testbed: each one's share of it (root, or a user namespace of its own)."""
+    from dataclasses import replace
+
     from .bench import fairness
     from .emulate import TestbedError, rootless
-    from .emulate.qdisc import Bottleneck
 
-    credits_t = _parse_credits(credits)
+    credits_t = _parse_credits(credits, 1500)
     try:
-        bottleneck = Bottleneck(rate=rate, burst="32kb", limit=queue)
+        bottleneck = replace(fairness.DEFAULT_BOTTLENECK, rate=rate, limit=queue)
         bottleneck.check_mtu(1500)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--rate/--queue") from None
@@ -734,7 +727,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
 
     sc = SCENARIOS[scenario]
     try:
-        sc.run_as(sharded=sharded, precision=precision)  # (applied once on its network)
+        sc = sc.run_as(sharded=sharded, precision=precision)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sharded") from None
     if not isinstance(credit, str):  # (SCENARIO_CREDIT: the scenario's own)
@@ -797,7 +790,6 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         raise click.BadParameter(str(e), param_hint="--network") from None
     if loss_spec is not None and sc.network == "kernel":
         sc = with_loss(sc, loss_spec)  # in-process loss on top of the kernel's
-    sc = sc.run_as(sharded=sharded, precision=precision)
     if sc.network_note and userns_why:
         from .doctor import no_kernel_network
         from .emulate import rootless
@@ -1066,6 +1058,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
+    _check(checks.credit_fits, credit, mtu)  # (the simulated job's chunk fills the MTU)
     for spec in loss_models:
         try:
             check_loss_model(spec)

@@ -162,6 +162,13 @@ class Scenario:
     sharded: bool = False
     #: every arm's precision (TrainConfig.precision; sharded: FSDP2's mixed precision)
     precision: str = "fp32"
+    #: what the command line changed (--data, --model, --sharded), said after the
+    #: description - on either network
+    notes: str = ""
+
+    @property
+    def full_description(self) -> str:
+        return self.description + self.notes
 
     @property
     def is_sweep(self) -> bool:
@@ -196,8 +203,8 @@ class Scenario:
         mixed = (" in bfloat16 (FSDP2's mixed precision: bfloat16 passes and "
                  "reduce-scatter over float32 master parameters)" if precision == "bf16"
                  else " in float32")
-        return replace(self, sharded=True, precision=precision, description=(
-            f"{self.description} Every arm runs under FSDP2 (fully_shard per layer, "
+        return replace(self, sharded=True, precision=precision, notes=(
+            f"{self.notes} Every arm runs under FSDP2 (fully_shard per layer, "
             f"then the root){mixed}: gloo with FSDP2's own reduce-scatter and "
             "all-gather, ours with the hook's (the reduce-scatter under the bound, the "
             "all-gather keeping a missing piece's last value); no Hadamard arms."))
@@ -631,7 +638,7 @@ def summarise(label: str, runs: list[RunResult], scenario: Scenario,
                      scenario.target_metric) for r in runs]
     arm = runs[0].arm
     row = {"policy": label, "scenario": scenario.name,
-           "scenario_description": scenario.description,
+           "scenario_description": scenario.full_description,
            "metric_name": runs[0].metric_name, "repeats": len(runs),
            "target_metric": scenario.target_metric}
     if arm is not None:
@@ -936,10 +943,8 @@ def with_images(scenario: Scenario, data: str | None = None,
     if data != "digits":
         timed = f", every arm timed to {target:.0%} test accuracy" if target else ""
         note += f" Images: {data} instead of digits (--data){timed}."
-    kernel = scenario.kernel and replace(scenario.kernel,
-                                         description=scenario.kernel.description + note)
-    return replace(scenario, data=data, model=model, target_metric=target, kernel=kernel,
-                   description=scenario.description + note)
+    return replace(scenario, data=data, model=model, target_metric=target,
+                   notes=scenario.notes + note)
 
 
 def with_loss(scenario: Scenario, loss_spec: str) -> Scenario:

@@ -349,7 +349,7 @@ def write_report(rows: list[dict], runs: dict[str, list[RunResult]], scenario: S
     lines = [
         f"# boundedloss compare: {scenario.name}",
         "",
-        scenario.description,
+        scenario.full_description,
         "",
         where,
         *([] if scenario.is_sweep or scenario.loss == "none"
@@ -416,7 +416,7 @@ def write_sweep_report(rows: list[dict], scenario: Scenario, out_dir: str,
     lines = [
         f"# boundedloss compare: {scenario.name}, swept over burst frequency",
         "",
-        scenario.description,
+        scenario.full_description,
         "",
         "Each frequency's full report (plots, every column) is in `everyN/report.md`. "
         "Speedups and the time reduction are against the baseline arm of the same "

@@ -310,10 +310,15 @@ def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequen
             for w in workers for p, m in network for s, t in arms]
 
 
+_KIND_AT = wire.OFFSET["kind"]
+_MAGIC = wire.MAGIC.to_bytes(2, "little")
+_DATA = int(wire.Kind.DATA)
+
+
 def carries_payload(data: bytes) -> bool:
-    """Our DATA, or one of the TCP model's data segments."""
-    return (len(data) > wire.HEADER_BYTES and data[wire.OFFSET["kind"]] == wire.Kind.DATA
-            and data[:2] == wire.MAGIC.to_bytes(2, "little")) or is_data_segment(data)
+    """Our DATA, or one of the TCP model's data segments (asked of every datagram)."""
+    return (len(data) > wire.HEADER_BYTES and data[_KIND_AT] == _DATA
+            and data[:2] == _MAGIC) or is_data_segment(data)
 
 
 def path_loss(job: SimJob) -> LossModel | None:

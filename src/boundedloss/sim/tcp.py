@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 
+from ..net.udp import IPV4_UDP_OVERHEAD  # (our datagrams' sizes leave it out: a segment's too)
+
 #: IPv4 and TCP headers with the timestamp option: what a segment carries besides data
 TCP_OVERHEAD = 52
 INITIAL_WINDOW = 10
@@ -38,8 +40,6 @@ MAX_RTO = 120.0
 DUP_THRESHOLD = 3
 #: CUBIC's multiplicative decrease
 BETA = 0.7
-#: our datagrams' sizes leave out IPv4's and UDP's headers: a segment's leave out as much
-IPV4_UDP_OVERHEAD = 28
 #: a tail loss probe waits 2 x SRTT and this (Linux's two jiffies), or the minimum
 #: RTO when a single segment is outstanding
 PTO_EXTRA = 0.002
@@ -54,9 +54,13 @@ _DATA, _ACK = 1, 2
 _ZEROS = bytes(65536)
 
 
+_KIND_AT = len(_PAD)
+_ZERO_MAGIC = bytes(4)  # (where our datagrams keep their magic, a segment has zeros)
+
+
 def is_data_segment(data: bytes) -> bool:
     """Whether ``data`` is one of this model's segments carrying data (not an ACK)."""
-    return len(data) > _HEAD_BYTES and data[:4] == _PAD[:4] and data[len(_PAD)] == _DATA
+    return len(data) > _HEAD_BYTES and data[_KIND_AT] == _DATA and data[:4] == _ZERO_MAGIC
 
 
 class _Connection:

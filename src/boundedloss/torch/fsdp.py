@@ -196,12 +196,12 @@ class BoundedAllGather(_BoundedComm, _AllGather):
             coll = self._collective(group, input_tensor.dtype, "all-gather")
             round_id = self._next_round()
             mine = as_message(self._host(input_tensor))  # (on the CPU: a view of output's)
-            flat_out = output_tensor.detach().reshape(-1)
-            on_host = flat_out.device.type == "cpu" and output_tensor.is_contiguous()
-            full, stats = coll.all_gather(mine, round_id, self.bucket,
-                                          out=as_message(flat_out) if on_host else None)
+            on_host = output_tensor.device.type == "cpu" and output_tensor.is_contiguous()
+            out = as_message(output_tensor.detach().view(-1)) if on_host else None
+            full, stats = coll.all_gather(mine, round_id, self.bucket, out=out)
             if not on_host:  # (into output itself: a non-contiguous one's reshape is a copy)
-                output_tensor.copy_(as_tensor(full, flat_out.dtype).view(output_tensor.shape))
+                output_tensor.copy_(
+                    as_tensor(full, output_tensor.dtype).view(output_tensor.shape))
             state.record(stats, None, collective="all_gather")
         except BaseException as e:
             state.failure = e
