@@ -267,6 +267,10 @@ def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint)
     (["bench", "transport", "--json", "{file}/x.json"], "cannot be written"),
     (["bench", "kernel-loss", "--systems", "gloo,gloo", "--json", "{dir}/k.json"],
      "gloo is named twice"),
+    # (16 KB holds eleven datagrams of 1,500 bytes, but not two at MTU 9,000)
+    (["bench", "kernel-loss", "--mtu", "9000", "--credit", "off,16k", "--json",
+      "{dir}/k.json"], "--credit 16384"),
+    (["sim", "--mtu", "9000", "--credit", "16k"], "--credit 16384"),
     (["testbed", "up", "--subnet", "127.0.0.0/24"], "not loopback or link-local"),
 ])
 def test_bad_arguments_fail_in_one_line_before_anything_starts(tmp_path, capsys, argv, hint):
