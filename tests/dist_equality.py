@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rank_exit import ends_with_os_exit
 
+
+@ends_with_os_exit
 def rank_main(rank, world, port, topology, dtype_name):
     dtype = getattr(torch, dtype_name)
     os.environ["MASTER_ADDR"] = "127.0.0.1"

@@ -35,6 +35,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from rank_exit import ends_with_os_exit
+
 
 def mixed_precision(dtype_name):
     if dtype_name == "bfloat16":
@@ -306,6 +308,7 @@ def state_dict(rank, world, dtype_name, bl, transport):
 SCENARIOS = {"lossless": lossless, "lossy": lossy, "state_dict": state_dict}
 
 
+@ends_with_os_exit
 def rank_main(rank, world, port, scenario, dtype_name):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)

@@ -21,9 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rank_exit import ends_with_os_exit
+
 ROUNDS = 6
 
 
+@ends_with_os_exit
 def rank_main(rank, world, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
