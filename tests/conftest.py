@@ -39,6 +39,18 @@ SESSION = 0x5EED_0000_CAFE_F00D
 SENTINEL = 0xFF
 
 
+@pytest.fixture(scope="module")
+def ctypes_gmac():
+    """The Python core's tags through ctypes, as with ``BOUNDEDLOSS_NATIVE=0``: where the
+    compiled path is held to the Python reference, the reference's tags must not come
+    from the compiled module too."""
+    from boundedloss.protocol import auth
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(auth, "compiled_gmac", lambda key: None)
+        yield
+
+
 def source_bytes(nbytes: int, seed: int) -> np.ndarray:
     """``nbytes`` random bytes that never contain SENTINEL."""
     return np.random.default_rng(seed).integers(0, SENTINEL, size=nbytes, dtype=np.uint8)

@@ -28,14 +28,18 @@ from boundedloss.aggregate import HadamardDispersion
 from boundedloss.net import native
 from boundedloss.net.loss import Bernoulli
 from boundedloss.policy import ClosePlan, EarlyClosePolicy, FixedBoundPolicy, ReliablePolicy
-from boundedloss.protocol import TransferMux, TransportConfig
+from boundedloss.protocol import TransferMux, TransportConfig, auth
 from boundedloss.protocol.auth import TRAILER_BYTES, DatagramAuth, job_key
 from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Kind, MalformedDatagram
 from conftest import PROPERTY, SENTINEL, SESSION, source_bytes
 
-pytestmark = pytest.mark.skipif(native.status().startswith("python ("),
-                                reason=f"compiled data path: {native.status()}")
+# (the reference's tags through ctypes, not the compiled module: conftest.ctypes_gmac)
+pytestmark = [pytest.mark.skipif(native.status().startswith("python ("),
+                                 reason=f"compiled data path: {native.status()}"),
+              pytest.mark.usefixtures("ctypes_gmac")]
 
+#: auth's own choice of Gmac, as imported (the module's fixture replaces it)
+_COMPILED_GMAC = auth.compiled_gmac
 PEER = ("10.1.2.3", 4000)
 #: the receiving endpoint's own address (what an authenticated receiver's tags cover)
 LOCAL = ("10.1.2.4", 5000)
@@ -332,6 +336,51 @@ def test_the_compiled_tag_is_the_python_tag() -> None:
         native.module().Dispatcher(SESSION).authenticate(b"short", 1, 2, bytes(12))
     with pytest.raises(ValueError):
         native.module().Dispatcher(SESSION).authenticate(KEY, 1, 2, bytes(11))
+
+
+@needs_openssl
+@settings(PROPERTY, max_examples=500)
+@given(key=st.binary(min_size=32, max_size=32), nonce=st.binary(min_size=12, max_size=12),
+       size=st.integers(0, 9100), seed=st.integers(0, 2**16))
+def test_thecompiled_gmac_tags_as_openssl_through_ctypes(key, nonce, size, seed) -> None:
+    """The compiled Gmac the Python core uses where the extension is built gives
+    the ctypes reference's tag for any key, nonce and data up to a jumbo datagram (the
+    reference here: the module's tests run with ctypes_gmac)."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    reference = auth.Gmac(key)
+    assert not reference.compiled  # (ctypes: the fixture holds)
+    compiled = native.module().Gmac(key)
+    assert compiled.tag(nonce, data) == reference.tag(nonce, data)
+    assert compiled.tag(nonce, memoryview(data)) == reference.tag(nonce, data)
+
+
+@needs_openssl
+def test_thecompiled_gmac_refuses_what_is_not_a_key_or_nonce() -> None:
+    gmac = native.module().Gmac
+    for key in (b"", bytes(31), bytes(33)):
+        with pytest.raises(ValueError, match="32 bytes"):
+            gmac(key)
+    g = gmac(bytes(32))
+    for nonce in (b"", bytes(11), bytes(13)):
+        with pytest.raises(ValueError, match="12 bytes"):
+            g.tag(nonce, b"x")
+    with pytest.raises(RuntimeError, match="not given a key"):
+        gmac.__new__(gmac).tag(bytes(12), b"")
+    with pytest.raises(TypeError):
+        g.tag(bytes(12), "text")
+    # a key given again replaces the first: its tags are the new key's
+    g.__init__(bytes(range(32)))
+    assert g.tag(bytes(12), b"") == auth.Gmac(bytes(range(32))).tag(bytes(12), b"")
+
+
+def test_the_python_core_tags_through_thecompiled_gmac_where_built() -> None:
+    """Outside this module's reference fixture, Gmac takes the compiled one - unless the
+    compiled code is off (BOUNDEDLOSS_NATIVE=0), where it is ctypes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(auth, "compiled_gmac", _COMPILED_GMAC)
+        assert auth.Gmac(bytes(32)).compiled is native.authenticates()
+        mp.setenv("BOUNDEDLOSS_NATIVE", "0")
+        assert not auth.Gmac(bytes(32)).compiled
 
 
 @needs_openssl

@@ -28,8 +28,10 @@ from boundedloss.protocol.types import DataRun
 from boundedloss.wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
 from conftest import PROPERTY, SESSION, source_bytes
 
-pytestmark = pytest.mark.skipif(native.status().startswith("python ("),
-                                reason=f"compiled data path: {native.status()}")
+# (the reference's tags through ctypes, not the compiled module: conftest.ctypes_gmac)
+pytestmark = [pytest.mark.skipif(native.status().startswith("python ("),
+                                 reason=f"compiled data path: {native.status()}"),
+              pytest.mark.usefixtures("ctypes_gmac")]
 
 PEER = ("10.1.2.3", 4000)  # the receiver
 LOCAL = ("10.1.2.4", 5000)  # the sender, whose cores are under test

@@ -22,6 +22,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ReceiveType) < 0 || PyType_Ready(&SendType) < 0
         || PyType_Ready(&DispatcherType) < 0)
         return NULL;
+#ifdef BL_OPENSSL
+    if (PyType_Ready(&GmacType) < 0) return NULL;
+#endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     PyObject *layout = Py_BuildValue(
@@ -38,6 +41,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         || PyModule_AddIntConstant(m, "TRAILER_BYTES", TRAILER_BYTES) < 0
 #ifdef BL_OPENSSL
         || PyModule_AddIntConstant(m, "AUTH", 1) < 0
+        || PyModule_AddObjectRef(m, "Gmac", (PyObject *)&GmacType) < 0
 #else
         || PyModule_AddIntConstant(m, "AUTH", 0) < 0
 #endif

@@ -7,6 +7,7 @@
  *   receive.c   Receive: the counters and buffers of one receive, shared with Python
  *   send.c      Send: what the ACKs of one send move, shared with Python
  *   seal.c      Sealer: AES-256-GMAC tags and nonces, as protocol/auth.py makes them
+ *   gmac.c      Gmac: the Python core's AES-256-GMAC (auth.py's Gmac) through seal.c
  *   datapath.c  Dispatcher: batched receive and send, taking DATA into its receive
  *   hadamard.c  fwht, flip_signs: Hadamard dispersion's transform
  *   bare.c      blast, drain: the bare loops that measure the machine's own limit
@@ -219,6 +220,9 @@ static inline void set_gso(struct msghdr *m, GsoControl *ctrl, uint16_t size) {
 extern PyTypeObject ReceiveType;
 extern PyTypeObject SendType;
 extern PyTypeObject DispatcherType;
+#ifdef BL_OPENSSL
+extern PyTypeObject GmacType;
+#endif
 
 PyObject *native_classify(PyObject *self, PyObject *arg);
 PyObject *native_fwht(PyObject *self, PyObject *args);

@@ -42,6 +42,10 @@ void sealer_release(Sealer *s);
 int sealer_tag(Sealer *s, const unsigned char *src, const unsigned char *dst,
                const unsigned char *a, size_t an, const unsigned char *b, size_t bn,
                const unsigned char *nonce, unsigned char *tag);
+/* The tag under ``nonce`` of the bytes aad[0:n] as they are (no addresses put before
+ * them): protocol/auth.py's Gmac.tag. 0, or -1 if OpenSSL failed. */
+int gmac_tag(Sealer *s, const unsigned char *aad, size_t n, const unsigned char *nonce,
+             unsigned char *tag);
 /* Seal the datagram a[0:an] b[0:bn] from us to ``dst``: its trailer (this sealer's next
  * nonce, the tag) into ``trailer``. */
 int sealer_seal(Sealer *s, const unsigned char *dst, const unsigned char *a, size_t an,
