@@ -378,3 +378,26 @@ def test_boundedloss_sim_refuses_a_bad_background_in_one_line(argv, message, cap
     assert main(["sim", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "--background" in err and err.count("\n") == 1
+
+
+def test_the_plot_draws_each_background_in_a_panel_of_its_own(tmp_path):
+    import struct
+
+    from boundedloss.sim import SimRow
+    from boundedloss.sim.plot import plot_scaling
+
+    def row(workers: int, background: str) -> SimRow:
+        return SimRow(workers=workers, system="reliable", topology="ps", loss=0.0, rounds=2,
+                      elements=1000, p50_ms=1.0, p99_ms=2.0, mean_ms=1.5, max_ms=2.0,
+                      sim_datagrams=10, queue_drops=0, path_losses=0, wall_s=0.1, seed=0,
+                      background=background)
+
+    def panels(rows: list[SimRow]) -> float:
+        path = tmp_path / "sim.png"
+        plot_scaling(rows, path)
+        width = struct.unpack(">I", path.read_bytes()[16:20])[0]  # (the PNG's IHDR)
+        return width / (5.5 * 110)
+
+    assert panels([row(4, ""), row(8, "")]) == pytest.approx(1, abs=0.05)
+    assert panels([row(w, b) for w in (4, 8) for b in ("", "0.3:poisson")]) == pytest.approx(
+        2, abs=0.05)
