@@ -499,6 +499,24 @@ def test_a_wait_that_ended_leaves_no_timer_behind_to_hold_off_a_deadlock():
     rt.close()
 
 
+def test_a_timeout_cancelled_after_it_fired_is_not_counted_as_a_call_to_come():
+    """(the network counts cancelled calls to tell work to come from none: a timeout
+    whose future resolves after it fired is cancelled too late to count)"""
+    _, rt, _, _ = _pair()
+    late: SimFuture = SimFuture(rt)
+
+    def program() -> float:
+        rt.network.call_at(0.002, lambda: late.set_result(None))
+        with pytest.raises(TimeoutError):
+            late.result(timeout=0.001)
+        rt.sleep_until(0.005)  # (a call still to come when the timeout is cancelled)
+        return rt.now
+
+    done = rt.spawn(program)
+    rt.run()
+    assert done.result() == 0.005
+
+
 def test_boundedloss_sim_runs_a_loss_model_on_every_path_for_every_system(tmp_path):
     from boundedloss.cli import main
 

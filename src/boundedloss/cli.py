@@ -987,6 +987,11 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.option("--shared-buffer", default=None, callback=_optional_size,
               help="The switch's ports share one buffer of this many bytes (e.g. 4m), "
                    "each taking at most what is still free (a dynamic threshold).")
+@click.option("--background", "backgrounds", multiple=True,
+              help="Other tenants' open-loop traffic from every host over the same links "
+                   "and queues, rows of its own (repeatable): RATE[:poisson|onoff|pareto]"
+                   "[,on_us=US][,shape=A][,to=RANK], RATE each host's mean load as a "
+                   "fraction of its link's rate (e.g. 0.3:onoff, or 0.3:to=0 toward rank 0).")
 @click.option("--mtu", default=9000, show_default=True, type=click.IntRange(576, 65535),
               help="The links' MTU; a chunk's datagram fills one packet.")
 @click.option("--racks", default=1, show_default=True, type=click.IntRange(1, 1024),
@@ -1012,10 +1017,11 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
-        delay_us, queue_datagrams, queue_bytes, shared_buffer, mtu, racks, oversubscription,
-        auth, credit, cpu, like_testbed, seed, json_path, plot_path) -> None:
+        delay_us, queue_datagrams, queue_bytes, shared_buffer, backgrounds, mtu, racks,
+        oversubscription, auth, credit, cpu, like_testbed, seed, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
+    from .net.background import parse_background
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
     from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
     from .sim.job import LIKE_TESTBED_MTU, check_loss_model
@@ -1064,8 +1070,17 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
             check_loss_model(spec)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--loss-model") from None
+    try:
+        backgrounds_t = tuple(parse_background(spec) for spec in backgrounds)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--background") from None
+    toward = [b.toward for b in backgrounds_t if b.toward is not None]
+    if toward and max(toward) >= min(workers_t):
+        raise click.BadParameter(f"to={max(toward)}: a world of {min(workers_t)} workers "
+                                 f"has ranks 0 to {min(workers_t) - 1}",
+                                 param_hint="--background")
     jobs = plan_jobs(workers_t, tuple(str(s) for s in systems), topologies_t, losses_t,
-                     loss_models=tuple(loss_models),
+                     loss_models=tuple(loss_models), backgrounds=backgrounds_t or (None,),
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
                      auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription,
@@ -1081,12 +1096,15 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
                     f"links, {delay_us:g} us paths, {queues}"
                     f"{fabric}, CPU {cpu}{credit_note} (virtual time)")
-    for col in ("workers", "system", "topology", "loss", "p50 ms", "p99 ms", "mean ms",
-                "datagrams", "queue drops", "wall s"):
+    background_cols = ("background", "bg MB", "bg drops") if backgrounds_t else ()
+    for col in ("workers", "system", "topology", "loss", *background_cols, "p50 ms",
+                "p99 ms", "mean ms", "datagrams", "queue drops", "wall s"):
         t.add_column(col, justify="right")
     for r in rows:
+        background_cells = ((r.background or "none", f"{r.background_bytes / 1e6:,.1f}",
+                             f"{r.background_drops:,}") if backgrounds_t else ())
         t.add_row(str(r.workers), r.system, r.topology, r.loss_model or f"{r.loss:.1%}",
-                  f"{r.p50_ms:.2f}",
+                  *background_cells, f"{r.p50_ms:.2f}",
                   f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", f"{r.sim_datagrams:,}",
                   f"{r.queue_drops + r.fabric_drops:,}", f"{r.wall_s:.1f}")
     console.print(t)

@@ -9,7 +9,10 @@ lossy transfer of many megabytes takes milliseconds of real time. Each node has
 - a downlink of ``down_bps`` with a drop-tail queue of ``queue_datagrams`` and/or
   ``queue_bytes`` (incast: many senders into one shallow queue lose datagrams here) -
   or, with a ``shared_buffer``, queues that draw from one switch's memory;
-- a loss model applied to every datagram it receives (``net/loss.py``).
+- a loss model applied to every datagram it receives (``net/loss.py``);
+- optionally, a background source (``net/background.py``): other tenants' datagrams
+  that take its uplink in turn with its core's and queue at the destinations'
+  downlinks with the job's, counted apart (``add_background``).
 
 Between the two, every datagram that leaves an uplink passes through one *route*
 (as trio's ``FakeNet.route_packet``): a callable that is handed a :class:`Datagram`
@@ -30,6 +33,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
@@ -88,6 +92,17 @@ Route = Callable[[Datagram], Sequence[float]]
 which a copy of it reaches the destination; empty if it is lost."""
 
 _ARRIVE, _DELIVER, _WAKE, _CALL, _TAKE, _SPINE_UP, _SPINE_DOWN = 0, 1, 2, 3, 4, 5, 6
+#: background traffic's events (every kind from _BG_EMIT on): a source's next datagram
+#: at its host's uplink, and one at the spine's links or at its destination's downlink
+_BG_EMIT, _BG_SPINE_UP, _BG_SPINE_DOWN, _BG_ARRIVE = 7, 8, 9, 10
+
+
+class TrafficSource(Protocol):
+    """Open-loop traffic from one host (``net/background.py``)."""
+
+    def next(self) -> tuple[float, Hashable, int]:
+        """The next datagram: when it goes (never before the last), where, its bytes."""
+        ...
 
 
 class _Node:
@@ -121,7 +136,9 @@ class FakeNetwork:
     and ``node_loss`` (lost at the destination's downlink) and ``delivered`` (handed
     to the destination's core), so that
     sent + duplicated = no_route + path_loss + fabric_drop + queue_drop + node_loss
-    + delivered once nothing is in flight.
+    + delivered once nothing is in flight. Background traffic is counted apart, as
+    ``background_sent`` (and ``background_bytes``) = ``background_no_route`` +
+    ``background_fabric_drop`` + ``background_queue_drop`` + ``background_delivered``.
     """
 
     POLL_BATCH = 64
@@ -138,6 +155,10 @@ class FakeNetwork:
         self._default_path = path or PathProfile()
         self._events: list = []
         self._seq = 0
+        #: of the events waiting, how many are background traffic's, and how many are
+        #: cancelled calls: neither keeps a simulation going (background never ends)
+        self._background_events = 0
+        self._cancelled = 0
         self.counts: Counter[str] = Counter()
         self.route: Route = route if route is not None else self.default_route
         #: racks and a spine (None: every host on one switch)
@@ -197,10 +218,16 @@ class FakeNetwork:
         self._push(max(t, self.now), _CALL, None, None, handle)
         return handle
 
-    @staticmethod
-    def cancel(handle: list) -> None:
-        """The call ``handle`` stands for will not happen."""
-        handle[0] = None
+    def cancel(self, handle: list) -> None:
+        """The call ``handle`` stands for will not happen (nothing, if it has)."""
+        if handle[0] is not None:
+            handle[0] = None
+            self._cancelled += 1
+
+    def add_background(self, address, source: TrafficSource) -> None:
+        """Background traffic from the host at ``address``: ``source``'s datagrams, from
+        its first on (see the class's counts)."""
+        self._next_background(self._nodes[address], source)
 
     def set_path(self, src, dst, profile: PathProfile) -> None:
         self._paths[(src, dst)] = profile
@@ -240,7 +267,8 @@ class FakeNetwork:
             self._service(node)
         events = self._events
         n = 0
-        while events:
+        # (background traffic alone is silence, unless the network runs until a time)
+        while len(events) > (self._background_events if until is None else 0):
             if stop_when is not None and stop_when():
                 break
             if until is not None and events[0][0] > until:
@@ -253,19 +281,31 @@ class FakeNetwork:
         return self.now
 
     def next_time(self) -> float | None:
-        """When the next event happens (None: none is waiting)."""
+        """When the next event happens (None: none is waiting but background traffic's,
+        which never ends by itself)."""
         events = self._events
         while events and events[0][2] == _CALL and events[0][5][0] is None:
             heapq.heappop(events)  # (a cancelled call)
-        return events[0][0] if events else None
+            self._cancelled -= 1
+        if len(events) - self._cancelled <= self._background_events:
+            return None
+        return events[0][0]
 
     def step(self) -> None:
         """Process the next event (there must be one)."""
         t, _, kind, node, src, data = heapq.heappop(self._events)
         self.now = t
         if kind == _CALL:
-            if data[0] is not None:
-                data[0]()
+            fn = data[0]
+            if fn is None:
+                self._cancelled -= 1
+            else:
+                data[0] = None  # (done: a cancel now is no cancel)
+                fn()
+            return
+        if kind >= _BG_EMIT:
+            self._background_events -= 1
+            self._step_background(kind, node, src, data)
             return
         if node.detached:
             if kind != _WAKE:
@@ -387,30 +427,101 @@ class FakeNetwork:
             self.counts["queue_drop_payload"] += 1
 
     def _arrive(self, node: _Node, src, data: bytes) -> None:
+        if not self._admits(node, len(data)):
+            self.counts["queue_drop"] += 1
+            self._count_payload_drop(data)
+            return
+        prof = node.profile
+        if prof.loss is not None and prof.loss.drop(self.now, wire.peek_round(data)):
+            self.counts["node_loss"] += 1
+            return
+        t = self._enqueue(node, len(data))
+        self.counts["delivered"] += 1
+        self._push(t, _DELIVER, node, src, data)
+
+    def _admits(self, node: _Node, size: int) -> bool:
+        """Whether the downlink's queue (and the shared buffer) take ``size`` bytes now."""
         now = self.now
         prof = node.profile
         queue = node.queue
         while queue and queue[0][0] <= now:
             node.queued_bytes -= queue.popleft()[1]
-        size = len(data)
         shared = self.shared_buffer
-        if ((prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams)
-                or (prof.queue_bytes is not None
-                    and node.queued_bytes + size > prof.queue_bytes)
-                or (shared is not None and not shared.admits(now, node.queued_bytes, size))):
-            self.counts["queue_drop"] += 1
-            self._count_payload_drop(data)
-            return
-        if prof.loss is not None and prof.loss.drop(now, wire.peek_round(data)):
-            self.counts["node_loss"] += 1
-            return
-        t = max(now, node.down_free)
+        return not ((prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams)
+                    or (prof.queue_bytes is not None
+                        and node.queued_bytes + size > prof.queue_bytes)
+                    or (shared is not None
+                        and not shared.admits(now, node.queued_bytes, size)))
+
+    def _enqueue(self, node: _Node, size: int) -> float:
+        """Queue ``size`` bytes at the downlink; when they have crossed it."""
+        prof = node.profile
+        t = max(self.now, node.down_free)
         if prof.down_bps is not None:
             t += size * 8 / prof.down_bps
         node.down_free = t
-        queue.append((t, size))
+        node.queue.append((t, size))
         node.queued_bytes += size
-        if shared is not None:
-            shared.hold(t, size)
-        self.counts["delivered"] += 1
-        self._push(t, _DELIVER, node, src, data)
+        if self.shared_buffer is not None:
+            self.shared_buffer.hold(t, size)
+        return t
+
+    # ------------------------------------------------------- background traffic
+    def _push_background(self, t: float, kind: int, node: _Node, src, data) -> None:
+        self._background_events += 1
+        self._push(t, kind, node, src, data)
+
+    def _next_background(self, node: _Node, source: TrafficSource) -> None:
+        """Ask ``source`` for its next datagram and have it go then."""
+        when, dst, size = source.next()
+        self._push_background(max(when, self.now), _BG_EMIT, node, None, (source, dst, size))
+
+    def _step_background(self, kind: int, node: _Node, src, data) -> None:
+        counts = self.counts
+        if kind == _BG_EMIT:
+            if not node.detached:  # (a host that has left sends no more)
+                self._emit_background(node, *data)
+            return
+        if node.detached:
+            counts["background_no_route"] += 1
+        elif kind == _BG_ARRIVE:
+            if self._admits(node, data):
+                self._enqueue(node, data)  # (it leaves the downlink and is done with)
+                counts["background_delivered"] += 1
+            else:
+                counts["background_queue_drop"] += 1
+        else:  # at its rack's uplink, or at the spine's downlink to the other rack
+            fabric = self.fabric
+            assert fabric is not None
+            size, delay = data
+            up = kind == _BG_SPINE_UP
+            rack = fabric.rack(src if up else node.address)
+            assert rack is not None
+            left = (fabric.up if up else fabric.down)[rack].offer(self.now, size)
+            if left is None:
+                counts["background_fabric_drop"] += 1
+            elif up:
+                self._push_background(left, _BG_SPINE_DOWN, node, src, data)
+            else:
+                self._push_background(left + delay, _BG_ARRIVE, node, src, size)
+
+    def _emit_background(self, node: _Node, source: TrafficSource, peer, size: int) -> None:
+        """One of ``source``'s datagrams onto ``node``'s uplink, after what is on it
+        (its core's next poll waits for it in turn)."""
+        now = self.now
+        self.counts["background_sent"] += 1
+        self.counts["background_bytes"] += size
+        depart = max(now, node.up_free)
+        if node.profile.up_bps is not None:
+            depart += size * 8 / node.profile.up_bps
+            node.up_free = depart
+        dst = self._nodes.get(peer)
+        if dst is None:
+            self.counts["background_no_route"] += 1
+        else:  # (the path's delay, not its loss: background is dropped by queues alone)
+            delay = self.path(node.address, peer).delay
+            if self.fabric is not None and self.fabric.crosses(node.address, peer):
+                self._push_background(depart, _BG_SPINE_UP, dst, node.address, (size, delay))
+            else:
+                self._push_background(depart + delay, _BG_ARRIVE, dst, node.address, size)
+        self._next_background(node, source)

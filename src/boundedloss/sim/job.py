@@ -13,6 +13,8 @@ the switch's port toward each host (its downlink) and at each spine link, a one-
 delay of ``delay_us`` on every path, and
 random loss of ``loss`` on every path. Computing takes no virtual time unless the job
 names a CPU preset (``CPU_PRESETS``): then every host's work is charged to its cores.
+With ``background``, every host also carries other tenants' open-loop traffic over
+the same links and queues (``net/background.py``), counted apart from the job's.
 
 Rounds are timed as ``bench kernel-loss`` times them: every rank waits at a barrier
 before each round, and a round lasts from when the last rank entered it to when the
@@ -32,13 +34,14 @@ import numpy as np
 from .. import wire
 from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
+from ..net.background import BackgroundTraffic, start_background
 from ..net.buffer import SharedBuffer
 from ..net.cpu import CpuCosts
 from ..net.fabric import Fabric, FabricProfile
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
 from ..net.loss import Bernoulli, Bottleneck, Combined, LossModel, Microburst, parse_loss_spec
 from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
-from ..net.udp import largest_chunk
+from ..net.udp import IPV4_UDP_OVERHEAD, largest_chunk
 from ..policy import parse_policy
 from ..protocol import TransportConfig
 from ..protocol.auth import TRAILER_BYTES
@@ -135,6 +138,9 @@ class SimJob:
     #: the switch's ports draw from one buffer of this many bytes (net/buffer.py; None:
     #: each its own queue)
     shared_buffer_bytes: int | None = None
+    #: other tenants' traffic on every host's links and the switch's queues (None, or a
+    #: rate of 0: none)
+    background: BackgroundTraffic | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,11 @@ class SimRow:
     #: of the datagrams carrying payload (our DATA, the TCP model's data segments), the
     #: share lost at a full queue (a switch port's or the fabric's)
     payload_drop_fraction: float = 0.0
+    #: the background traffic's spec ("": none), the bytes it sent, and its datagrams
+    #: lost at full queues (a switch port's or the fabric's) - none of them the job's
+    background: str = ""
+    background_bytes: int = 0
+    background_drops: int = 0
 
 
 class _Barrier:
@@ -227,6 +238,7 @@ def run_job(job: SimJob) -> SimRow:
     if net.fabric is not None:
         for r, peer in enumerate(peers):
             net.fabric.place(peer, r * job.racks // job.workers)
+    background = job.background if job.background and job.background.rate > 0 else None
     barrier = _Barrier(runtime, job.workers)
     starts = np.zeros((job.workers, job.rounds))
     ends = np.zeros((job.workers, job.rounds))
@@ -270,6 +282,9 @@ def run_job(job: SimJob) -> SimRow:
             finally:
                 coll.close()
 
+    if background is not None:  # (a full packet of the MTU, counted as our datagrams are)
+        start_background(net, background, peers, peak_bps=bps,
+                         datagram_bytes=job.mtu - IPV4_UDP_OVERHEAD, seed=job.seed)
     for r in range(job.workers):
         runtime.spawn(functools.partial(rank_main, r), name=f"rank {r}")
     try:
@@ -293,21 +308,28 @@ def run_job(job: SimJob) -> SimRow:
         fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes,
         queue_bytes=job.queue_bytes, shared_buffer_bytes=job.shared_buffer_bytes,
         payload_drop_fraction=round(
-            net.counts["queue_drop_payload"] / max(1, net.counts["sent_payload"]), 5))
+            net.counts["queue_drop_payload"] / max(1, net.counts["sent_payload"]), 5),
+        background="" if background is None else str(background),
+        background_bytes=net.counts["background_bytes"],
+        background_drops=(net.counts["background_queue_drop"]
+                          + net.counts["background_fabric_drop"]))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
               losses: Sequence[float], loss_models: Sequence[str] = (),
+              backgrounds: Sequence[BackgroundTraffic | None] = (None,),
               **settings: Any) -> list[SimJob]:
     """The jobs of a sweep, world by world, loss by loss (random loss of each of
-    ``losses``, then each of ``loss_models``): each of our ``systems`` on each of
-    ``topologies``, and each baseline once, on its own topology (gloo's ring, tcp-ps's
-    server), as bench kernel-loss gives it; ``settings``: the rest of SimJob."""
+    ``losses``, then each of ``loss_models``), background by background: each of our
+    ``systems`` on each of ``topologies``, and each baseline once, on its own topology
+    (gloo's ring, tcp-ps's server), as bench kernel-loss gives it; ``settings``: the
+    rest of SimJob."""
     arms = [(s, BASELINE_TOPOLOGY[s]) for s in systems if s in BASELINE_TOPOLOGY]
     arms += [(s, t) for t in topologies for s in systems if s not in BASELINE_TOPOLOGY]
     network = [(p, "") for p in losses] + [(0.0, m) for m in loss_models]
-    return [SimJob(workers=w, system=s, topology=t, loss=p, loss_model=m, **settings)
-            for w in workers for p, m in network for s, t in arms]
+    return [SimJob(workers=w, system=s, topology=t, loss=p, loss_model=m, background=b,
+                   **settings)
+            for w in workers for p, m in network for b in backgrounds for s, t in arms]
 
 
 _KIND_AT = wire.OFFSET["kind"]
@@ -354,7 +376,9 @@ def run_sweep(jobs: list[SimJob],
     rows = []
     for i, job in enumerate(jobs, 1):
         if progress is not None:
+            background = f", background {job.background}" if job.background else ""
             progress(f"simulating {i}/{len(jobs)}: {job.workers} workers, {job.system}, "
-                     f"{job.topology}, {job.loss_model or f'{job.loss:.1%}'} loss")
+                     f"{job.topology}, {job.loss_model or f'{job.loss:.1%}'} loss"
+                     f"{background}")
         rows.append(run_job(job))
     return rows

@@ -1,6 +1,6 @@
 """`boundedloss sim --plot`: round time against the number of workers, log-log, one
-panel per loss (rate or model), a line per system and topology (p50 solid, p99
-dashed)."""
+panel per loss (rate or model) and background, a line per system and topology (p50
+solid, p99 dashed)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,20 @@ from ..experiments.report import _plt
 from .job import SimRow
 
 
+def _network(r: SimRow) -> tuple[str, float, str]:
+    """What a panel holds: the rows of one loss and one background."""
+    return r.loss_model, r.loss, r.background
+
+
 def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
     plt = _plt()
-    networks = sorted({(r.loss_model, r.loss) for r in rows})
+    networks = sorted({_network(r) for r in rows})
     fig, axes = plt.subplots(1, len(networks), figsize=(5.5 * len(networks), 4.2),
                              squeeze=False)
     for ax, network in zip(axes[0], networks):
-        arms = sorted({(r.system, r.topology) for r in rows if (r.loss_model, r.loss) == network})
+        arms = sorted({(r.system, r.topology) for r in rows if _network(r) == network})
         for i, (system, topology) in enumerate(arms):
-            mine = sorted((r for r in rows if (r.system, r.topology, r.loss_model, r.loss)
+            mine = sorted((r for r in rows if (r.system, r.topology, *_network(r))
                            == (system, topology, *network)), key=lambda r: r.workers)
             n = [r.workers for r in mine]
             color = f"C{i % 10}"
@@ -31,7 +36,9 @@ def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("workers")
         ax.set_ylabel("round ms (virtual)")
-        ax.set_title(network[0] or f"{network[1]:.1%} random loss", fontsize=10)
+        background = f", background {network[2]}" if network[2] else ""
+        ax.set_title((network[0] or f"{network[1]:.1%} random loss") + background,
+                     fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
