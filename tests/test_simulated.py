@@ -284,6 +284,51 @@ def test_a_host_s_cpu_costs_set_its_pace_and_shared_cores_slow_every_host():
     assert 1.6 < shared / own < 2.4
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_each_datagram_the_python_core_handles_costs_its_i_o_thread(compiled, monkeypatch):
+    """``datagram_core`` is charged for each datagram that reaches the Python core: with
+    the compiled path a message's closing DATA and its STOP, plus (under loss) the
+    retransmissions' BITMAPs; without it, every datagram. Each costs its I/O thread
+    that long before it goes on, so a transfer takes longer by about what they cost."""
+    from boundedloss.net import native
+    from boundedloss.net.cpu import CpuCosts
+
+    if compiled and not native.enabled():
+        pytest.skip(f"compiled data path: {native.status()}")
+    if not compiled:
+        monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "0")
+    payload = np.zeros(100_000, dtype=np.uint8)  # 72 chunks of the default 1,400 bytes
+    cost = 1e-3
+
+    def transfer(datagram_core: float, loss: float) -> tuple[float, int]:
+        net = FakeNetwork(seed=3, path=PathProfile(
+            delay=1e-6, loss=Bernoulli(loss, seed=3) if loss else None))
+        rt = SimRuntime(net)
+        profile = NodeProfile(cpu=CpuCosts(datagram_core=datagram_core))
+        a, b = (SimEndpoint(rt, _address(r), session=SESSION, profile=profile)
+                for r in range(2))
+        assert (a.data_path is not None) is compiled
+        rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
+        got = rt.spawn(lambda: b.receive(a.address, message_id=1,
+                                         nbytes=payload.nbytes).result())
+        end = rt.run()
+        assert got.result().complete
+        return end, a.mux.datagrams_in + b.mux.datagrams_in
+
+    for loss in (0.0, 0.1):
+        free, _ = transfer(0.0, loss)
+        charged, handed = transfer(cost, loss)
+        assert handed >= 2  # (the closing DATA and the STOP at least)
+        if compiled:
+            assert handed < 72 if loss == 0 else handed >= 3
+        else:
+            assert handed > 72
+        # (a charge the other host's thread waits out lengthens the transfer; one spent
+        # while its own datagrams are on the way need not)
+        # at least half of them hold up the transfer (the receiver's, before its STOP)
+        assert cost * handed / 2 - 1e-9 <= charged - free <= cost * handed + 1e-4
+
+
 def _tcp_world(world: int, loss: float = 0.0, seed: int = 0, rate: float = 10e9):
     from boundedloss.sim.baselines import SimTcp
 
@@ -593,3 +638,31 @@ def test_this_machine_s_cpu_preset_is_the_calibration_s_measurement():
                            / "sim-calibration-1500.json").read_text())["costs"]
     for name, value in dataclasses.asdict(MEASURED_COSTS).items():
         assert value == pytest.approx(measured[name], rel=0.005, abs=1e-12), name
+
+
+@pytest.mark.parametrize(("topology", "system", "credit"), [
+    ("allreduce", "dblp", None), ("ps", "reliable", 48 * 1024), ("ps", "ltp", None)])
+def test_a_simulated_job_gives_the_same_rows_on_the_compiled_path_and_the_python_one(
+        topology, system, credit, monkeypatch):
+    """Every host runs the compiled data path where it is built: the same datagrams as
+    the Python reference (test_native.py holds them to it message by message), so a
+    whole lossy, authenticated job - incast, credit, early closes - gives the same rows
+    either way, only faster."""
+    import dataclasses
+
+    from boundedloss.net import native
+    from boundedloss.sim import SimJob, run_job
+
+    if not native.enabled():
+        pytest.skip(f"compiled data path: {native.status()}")
+    job = SimJob(workers=6, system=system, topology=topology, loss=0.03, elements=150_000,
+                 rounds=3, queue_datagrams=48, credit_bytes=credit)
+
+    def row() -> dict:
+        return {k: v for k, v in dataclasses.asdict(run_job(job)).items() if k != "wall_s"}
+
+    compiled = row()
+    monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "0")
+    python = row()
+    assert compiled == python
+    assert compiled["sim_datagrams"] > 0 and compiled["p99_ms"] > compiled["p50_ms"] * 0.99

@@ -7,7 +7,9 @@
    both topologies, ``--losses``, ``--mtu``).
 3. Step 1 again (this machine's speed drifts: the costs are the mean of both, and
    their spread is printed).
-4. The same rows simulated: ``sim --like-testbed`` with the costs of steps 1 and 3.
+4. The same rows simulated: ``sim --like-testbed`` with the costs of steps 1 and 3 -
+   and again with the Python core's handling folded into the per-message cost, as the
+   model read it before charging each handed datagram (``datagram_core``).
 
 Prints testbed and simulated p50/p99 side by side with their ratios, and writes every
 figure (``--json``). Rows other than reliable's lossless allreduce are settings the
@@ -15,6 +17,7 @@ costs were not measured on.
 
     python tools/sim_calibrate.py --json calibration.json
     python tools/sim_calibrate.py --mtu 9000 --json calibration-9000.json
+    python tools/sim_calibrate.py --again calibration.json   # simulate its rows again
 
 (root, or a user namespace of its own, as ``boundedloss testbed``.)
 """
@@ -40,40 +43,10 @@ def measure_costs(a: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default="reliable,dblp")
-    ap.add_argument("--losses", default="0,0.01,0.05")
-    ap.add_argument("--mtu", type=int, default=1500,
-                    help="the testbed's (bench kernel-loss's default), and the costs'")
-    ap.add_argument("--rounds", type=int, default=60, help="testbed and simulated rounds")
-    ap.add_argument("--cost-rounds", type=int, default=60)
-    ap.add_argument("--elements", type=int, default=1 << 20)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args()
-
-    from boundedloss.net.cpu import CpuCosts
+def simulate(testbed: list[dict], costs, a: argparse.Namespace) -> list[dict]:
+    """The testbed's rows simulated with ``costs``: each row's figures side by side."""
     from boundedloss.sim import SimJob, run_job
-    from boundedloss.sim.job import LIKE_TESTBED, costs_from_round_cpu
-
-    with tempfile.TemporaryDirectory() as tmp:
-        before = measure_costs(a, Path(tmp, "cpu1.json"))
-        subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
-                        "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
-                        "--losses", a.losses, "--rounds", str(a.rounds), "--mtu", str(a.mtu),
-                        "--elements", str(a.elements), "--no-bare",
-                        "--json", str(Path(tmp, "testbed.json"))],
-                       check=True, stdout=subprocess.DEVNULL)
-        testbed = json.loads(Path(tmp, "testbed.json").read_text())
-        after = measure_costs(a, Path(tmp, "cpu2.json"))
-    measured = [costs_from_round_cpu(f) for f in (before, after)]
-    costs = CpuCosts(**{f.name: (getattr(measured[0], f.name) + getattr(measured[1], f.name)) / 2
-                        for f in dataclasses.fields(CpuCosts)})
-    print("costs (before, after, used):")
-    for f in dataclasses.fields(CpuCosts):
-        values = [getattr(c, f.name) for c in (*measured, costs)]
-        unit, scale = ("ns/B", 1e9) if f.name.startswith("byte") else ("us", 1e6)
-        print(f"  {f.name:13s} " + "  ".join(f"{scale * v:8.3f}" for v in values) + f" {unit}")
+    from boundedloss.sim.job import LIKE_TESTBED
 
     rows = []
     print(f"{'system':>9} {'topology':>9} {'loss':>5} | {'testbed p50':>11} {'sim p50':>8} "
@@ -97,12 +70,76 @@ def main() -> None:
               f"{row['testbed_p50_ms']:11.1f} {row['sim_p50_ms']:8.1f} {row['p50_ratio']:6.2f} | "
               f"{row['testbed_p99_ms']:11.1f} {row['sim_p99_ms']:8.1f} {row['p99_ratio']:6.2f}"
               + ("  (fitted)" if row["fitted"] else ""))
+    within = sum(abs(r["p50_ratio"] - 1) <= 0.15 for r in rows)
+    print(f"p50 within 15%: {within} of {len(rows)}")
+    return rows
+
+
+def folded(costs):
+    """``costs`` as the model read them before ``datagram_core``: the core's handling in
+    the per-message cost (the lossless fit hands it one datagram a message)."""
+    return dataclasses.replace(costs, message_io=costs.message_io + costs.datagram_core,
+                               datagram_core=0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default="reliable,dblp")
+    ap.add_argument("--losses", default="0,0.01,0.05")
+    ap.add_argument("--mtu", type=int, default=1500,
+                    help="the testbed's (bench kernel-loss's default), and the costs'")
+    ap.add_argument("--rounds", type=int, default=60, help="testbed and simulated rounds")
+    ap.add_argument("--cost-rounds", type=int, default=60)
+    ap.add_argument("--elements", type=int, default=1 << 20)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--again", type=Path, metavar="JSON",
+                    help="measure nothing: simulate a calibration's testbed rows again with "
+                         "its costs (this model's rows, then the per-message reading's)")
+    a = ap.parse_args()
+
+    from boundedloss.net.cpu import CpuCosts
+    from boundedloss.sim.job import costs_from_round_cpu
+
+    if a.again is not None:
+        done = json.loads(a.again.read_text())
+        a.mtu, a.rounds, a.elements = done["mtu"], done["rounds"], done["elements"]
+        testbed = [{"system": r["system"], "topology": r["topology"], "loss": r["loss"],
+                    "p50_ms": r["testbed_p50_ms"], "p99_ms": r["testbed_p99_ms"]}
+                   for r in done["rows"]]
+        costs = CpuCosts(**done["costs"])
+        simulate(testbed, costs, a)
+        print("the core's handling folded into the per-message cost:")
+        simulate(testbed, folded(costs), a)
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        before = measure_costs(a, Path(tmp, "cpu1.json"))
+        subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
+                        "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
+                        "--losses", a.losses, "--rounds", str(a.rounds), "--mtu", str(a.mtu),
+                        "--elements", str(a.elements), "--no-bare",
+                        "--json", str(Path(tmp, "testbed.json"))],
+                       check=True, stdout=subprocess.DEVNULL)
+        testbed = json.loads(Path(tmp, "testbed.json").read_text())
+        after = measure_costs(a, Path(tmp, "cpu2.json"))
+    measured = [costs_from_round_cpu(f) for f in (before, after)]
+    costs = CpuCosts(**{f.name: (getattr(measured[0], f.name) + getattr(measured[1], f.name)) / 2
+                        for f in dataclasses.fields(CpuCosts)})
+    print("costs (before, after, used):")
+    for f in dataclasses.fields(CpuCosts):
+        values = [getattr(c, f.name) for c in (*measured, costs)]
+        unit, scale = ("ns/B", 1e9) if f.name.startswith("byte") else ("us", 1e6)
+        print(f"  {f.name:13s} " + "  ".join(f"{scale * v:8.3f}" for v in values) + f" {unit}")
+
+    rows = simulate(testbed, costs, a)
+    rows_folded = simulate(testbed, folded(costs), a)
     if a.json:
         a.json.write_text(json.dumps({
             "mtu": a.mtu, "rounds": a.rounds, "elements": a.elements,
             "costs": dataclasses.asdict(costs),
             "costs_measured": [dataclasses.asdict(c) for c in measured],
-            "rows": rows}, indent=2) + "\n")
+            "round_cpu": [before, after],  # (what the costs were read from)
+            "rows": rows, "rows_folded": rows_folded}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -27,10 +27,15 @@ class CpuCosts:
     datagram_out: float = 0.0
     byte_out: float = 0.0
     #: per message posted: the main thread's share (posting, waiting, aggregating) and
-    #: the I/O thread's (the core's handling of the message's first and last datagrams,
-    #: its timers, its result)
+    #: the I/O thread's (its timers, its result, the loop's passes for it)
     message_main: float = 0.0
     message_io: float = 0.0
+    #: the I/O thread, per datagram the Python core handles itself, after taking it in:
+    #: what the compiled data path hands it (a receive's closing DATA, a send's STOP; under
+    #: loss the BITMAPs that decide retransmissions, PROBEs that change a receive's
+    #: state) - every datagram where there is no compiled path. Loss shows here: it
+    #: hands the core more of them.
+    datagram_core: float = 0.0
 
     def receive(self, nbytes: int) -> float:
         return self.datagram_in + nbytes * self.byte_in

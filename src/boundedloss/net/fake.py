@@ -107,9 +107,12 @@ class TrafficSource(Protocol):
 
 class _Node:
     def __init__(self, address, mux: TransferMux, profile: NodeProfile,
-                 serviced: Callable[[], None] | None):
+                 serviced: Callable[[], None] | None,
+                 receive: Callable[[bytes, Hashable, float], None] | None = None):
         self.address = address
         self.mux = mux
+        #: how its core takes a datagram in: the mux itself, or a data path above it
+        self.receive = receive or mux.datagram_received
         self.profile = profile
         self.serviced = serviced
         self.detached = False
@@ -173,13 +176,17 @@ class FakeNetwork:
 
     # ------------------------------------------------------------------ set-up
     def attach(self, address, mux: TransferMux, profile: NodeProfile | None = None, *,
-               serviced: Callable[[], None] | None = None) -> TransferMux:
+               serviced: Callable[[], None] | None = None,
+               receive: Callable[[bytes, Hashable, float], None] | None = None) -> TransferMux:
         """Add a node at ``address`` whose core is ``mux``; ``serviced`` is called each
         time the network has fed the core, fired its timers or sent what it polled (a
-        driver above the core hands on what finished there)."""
+        driver above the core hands on what finished there); ``receive(data, src, now)``
+        takes each datagram in instead of ``mux.datagram_received`` (the compiled data
+        path's ``take``, as on a real host)."""
         if address in self._nodes:
             raise ValueError(f"address {address!r} is taken")
-        node = self._nodes[address] = _Node(address, mux, profile or NodeProfile(), serviced)
+        node = self._nodes[address] = _Node(address, mux, profile or NodeProfile(), serviced,
+                                            receive)
         if node.profile.cpu is not None:
             node.cores = self._shared or Cores(1)
         return mux
@@ -320,13 +327,20 @@ class FakeNetwork:
         elif kind == _DELIVER:
             cpu = node.profile.cpu
             if cpu is None:
-                node.mux.datagram_received(data, src, t)
+                node.receive(data, src, t)
                 self._service(node)
             else:  # its I/O thread takes it in once free, and is busy that long
                 node.io_free = node.cores.run(max(t, node.io_free), cpu.receive(len(data)), t)
                 self._push(node.io_free, _TAKE, node, src, data)
         elif kind == _TAKE:
-            node.mux.datagram_received(data, src, t)
+            mux = node.mux
+            before = mux.datagrams_in  # (what reaches the Python core counts there)
+            node.receive(data, src, t)
+            cpu, cores = node.profile.cpu, node.cores
+            if (mux.datagrams_in > before and cpu is not None and cpu.datagram_core > 0
+                    and cores is not None):
+                # the I/O thread is busy with the core's handling before it goes on
+                node.io_free = cores.run(max(t, node.io_free), cpu.datagram_core, t)
             self._service(node)
         else:  # _WAKE
             if t >= node.timer_at:

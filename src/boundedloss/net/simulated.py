@@ -31,11 +31,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from .. import native
 from ..protocol.auth import DatagramAuth
 from ..protocol.mux import TransferMux
 from ..protocol.types import TransportConfig
 from .endpoint import Endpoint
 from .fake import FakeNetwork, NodeProfile
+from .native import NativeDataPath
 
 
 class SimDeadlock(RuntimeError):
@@ -227,6 +229,14 @@ class SimFuture(Future):
         return super().exception(timeout=0)
 
 
+def _compiled_path(mux: TransferMux) -> NativeDataPath | None:
+    """A compiled data path attached to ``mux``, or None where it is not in use (not
+    built, ``BOUNDEDLOSS_NATIVE=0``, or authenticating without OpenSSL in it)."""
+    if not native.enabled() or (mux.auth is not None and not native.authenticates()):
+        return None
+    return NativeDataPath(mux)
+
+
 class SimEndpoint(Endpoint):
     """An endpoint at ``address`` (an IPv4 ``(host, port)``, as a real one's) on the
     runtime's network; ``profile``: its links and queue there."""
@@ -242,11 +252,17 @@ class SimEndpoint(Endpoint):
         self.auth = None if auth_key is None else DatagramAuth(auth_key, self._address)
         self.trailer = 0 if self.auth is None else self.auth.trailer_bytes
         self.mux = TransferMux(session, self.config, auth=self.auth)
+        #: the compiled data path over the core, as on a real host where it is in use
+        #: (native.enabled(); the Python path with BOUNDEDLOSS_NATIVE=0): the DATA of
+        #: open receives, the ACKs, the PROBE answers taken in C, the rest handed to the
+        #: core - the same datagrams either way (tests/test_native.py's differential tests)
+        self.data_path = _compiled_path(self.mux)
         self._start_api()
         # (a wake costs an event, not a thread's hand-over: every posted timer wakes it)
         self.sleeps_until = math.inf
         self._profile = profile or NodeProfile()
-        runtime.network.attach(self._address, self.mux, self._profile, serviced=self._serviced)
+        runtime.network.attach(self._address, self.mux, self._profile, serviced=self._serviced,
+                               receive=None if self.data_path is None else self.data_path.take)
 
     def clock(self) -> float:
         return self.runtime.network.now

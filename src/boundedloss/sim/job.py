@@ -66,8 +66,8 @@ class CpuPreset:
 #: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 ranks,
 #: 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed run,
 #: through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500.json, "costs").
-MEASURED_COSTS = CpuCosts(byte_out=1.445e-9, byte_in=0.454e-9,
-                          message_io=262e-6, message_main=176e-6)
+MEASURED_COSTS = CpuCosts(byte_out=1.332e-9, byte_in=0.400e-9, message_io=155.6e-6,
+                          message_main=151.7e-6, datagram_core=53.2e-6)
 
 
 def costs_from_round_cpu(figures: dict) -> CpuCosts:
@@ -79,12 +79,15 @@ def costs_from_round_cpu(figures: dict) -> CpuCosts:
     moved = 2 * (n - 1) * 4 * figures["elements"] / n  # bytes out, and in, a rank-round
     messages = 2 * 2 * (n - 1)  # receives and sends, both halves
     core = steps["    core: handed back"] + steps["    core: handed back (plain)"]
+    calls = figures["calls"]
+    handed = calls.get("    core: handed back", 0) + calls.get("    core: handed back (plain)", 0)
     taking = steps["receive (recvmmsg, take)"] - core
     sending = steps["send runs (tags, sendmsg)"]
-    io_rest = steps["I/O thread, all"] - taking - sending
+    io_rest = steps["I/O thread, all"] - taking - sending - core
     return CpuCosts(byte_out=1e-3 * sending / moved, byte_in=1e-3 * taking / moved,
                     message_io=1e-3 * io_rest / messages,
-                    message_main=1e-3 * steps["collective call"] / messages)
+                    message_main=1e-3 * steps["collective call"] / messages,
+                    datagram_core=1e-3 * core / handed if handed else 0.0)
 
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
