@@ -138,7 +138,7 @@ class TransferMux:
         """What this endpoint has learned about the path to and from ``peer``."""
         path = self._paths.get(peer)
         if path is None:
-            path = self._paths[peer] = PeerPath(peer)
+            path = self._paths[peer] = PeerPath(peer, self.config.delay_loop)
         return path
 
     def start_send(self, peer, round_id: int, message_id: int, payload, now: float, *,
