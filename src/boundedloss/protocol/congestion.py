@@ -141,15 +141,15 @@ class AckSamples:
     leaves ``last_heard`` at its arrival: with when that datagram went (kept here per
     DATA run - a run goes at one poll), that is a round trip, queueing included; and
     how far ``ack_tseq`` moved since the last reading, over the time between, is the
-    rate the receiver is taking this send's DATA at is how far ``ack_delivered`` (the
-    chunks it had) moved over the time between. ``read`` looks at the send's
-    ``AckState`` (or the compiled path's ``Send``: the same fields) whenever the core
+    rate the path takes this send's DATA at (datagrams lost on the way included: random
+    loss is no slower path). ``read`` looks at the send's ``AckState`` (or the compiled
+    path's ``Send``: the same fields) whenever the core
     has the send in hand - after an ACK the Python core takes, and before anything else
     moves ``last_heard`` (a BITMAP, a STOP); an ACK the compiled path took is read at
     the next poll or timer, and of several taken between two readings only the latest
     is a sample."""
 
-    __slots__ = ("_control", "_datagram_bytes", "_delivered", "_heard", "_runs", "_tseq")
+    __slots__ = ("_control", "_datagram_bytes", "_heard", "_runs", "_tseq")
 
     def __init__(self, control: DelayRateControl, datagram_bytes: int):
         self._control = control
@@ -157,7 +157,6 @@ class AckSamples:
         self._runs: deque[tuple[int, float]] = deque()  # (first tseq, when it went)
         self._tseq = -1  # the ack_tseq last read
         self._heard: float | None = None  # and when its ACK came (first: the first DATA)
-        self._delivered = -1  # and the ack_delivered read with it (chunks before it, -1)
 
     def sent(self, first_tseq: int, now: float) -> None:
         """A run of DATA from ``first_tseq`` on went at ``now``."""
@@ -180,18 +179,17 @@ class AckSamples:
         tseq = acks.ack_tseq
         if tseq <= self._tseq:
             return
-        heard, delivered = acks.last_heard, acks.ack_delivered
+        heard = acks.last_heard
         control = self._control
         moved = tseq - self._tseq  # datagrams the receiver's word moved past
-        if self._heard is not None and heard > self._heard and self._delivered >= 0:
-            # (chunks delivered, not datagrams passed: at a full queue those include the
-            # drops, and the rate they pass at is the sending rate)
-            control.delivery_sample(
-                (delivered - self._delivered) * self._datagram_bytes / (heard - self._heard))
+        if self._heard is not None and heard > self._heard:
+            # (datagrams passed, arrived or lost, not chunks delivered: random loss
+            # must not read as a slower path, which would pull the rate down with it)
+            control.delivery_sample(moved * self._datagram_bytes / (heard - self._heard))
         sent_at = self.sent_at(tseq)
         if sent_at is not None:
             control.rtt_sample(heard - sent_at, heard, moved * self._datagram_bytes)
-        self._tseq, self._heard, self._delivered = tseq, heard, delivered
+        self._tseq, self._heard = tseq, heard
 
 
 class DelayRateControl:
