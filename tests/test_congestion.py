@@ -6,6 +6,7 @@ beside it - on the virtual clock; and "off" sends exactly what it sent before.""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 
 import numpy as np
@@ -305,3 +306,20 @@ def test_the_rate_is_the_peers_and_paces_the_next_messages_first_pass() -> None:
     # (an empty bucket at first, then what bucket_time holds at the peer's rate: two
     # datagrams or so at ~100 Mbit/s)
     assert paced[0] == 0 and 1 <= paced[1] <= 4
+
+
+def test_boundedloss_sim_runs_our_systems_with_congestion_control(tmp_path) -> None:
+    """``sim --congestion delay``: the rows say so, and the run is another one (its
+    receivers ACK every 16 datagrams at most: more datagrams cross the network)."""
+    from boundedloss.cli import main
+
+    def rows(congestion: str) -> list:
+        path = tmp_path / f"{congestion}.json"
+        assert main(["sim", "--workers", "3", "--systems", "reliable", "--topology", "ps",
+                     "--losses", "0.01", "--elements", "200000", "--rounds", "2",
+                     "--congestion", congestion, "--json", str(path)]) == 0
+        return json.loads(path.read_text())
+
+    off, on = rows("off"), rows("delay")
+    assert [r["congestion"] for r in off + on] == ["off", "delay"]
+    assert on[0]["sim_datagrams"] > off[0]["sim_datagrams"]
