@@ -12,6 +12,8 @@ import math
 import numpy as np
 import pytest
 
+from boundedloss import wire
+from boundedloss.net import native
 from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.loss import Bernoulli
 from boundedloss.policy import FixedBoundPolicy, ReliablePolicy
@@ -24,8 +26,9 @@ from boundedloss.protocol.congestion import (
     DelayRateControl,
     parse_congestion,
 )
-from boundedloss.protocol.types import CONGESTION_ACK_EVERY
+from boundedloss.protocol.types import CONGESTION_ACK_EVERY, DataRun
 from boundedloss.sim.shared_link import SharedLink, run_shared_link
+from boundedloss.wire import STOP_PAYLOAD, Kind
 from conftest import SESSION
 
 LOOP = DelayLoopConfig()
@@ -323,3 +326,49 @@ def test_boundedloss_sim_runs_our_systems_with_congestion_control(tmp_path) -> N
     off, on = rows("off"), rows("delay")
     assert [r["congestion"] for r in off + on] == ["off", "delay"]
     assert on[0]["sim_datagrams"] > off[0]["sim_datagrams"]
+
+
+@pytest.mark.skipif(native.status().startswith("python ("),
+                    reason=f"compiled data path: {native.status()}")
+def test_with_the_compiled_path_taking_the_acks_the_loop_sees_the_same_samples() -> None:
+    """Two sending cores, one with the compiled data path attached (which takes the ACKs
+    itself), fed the same ACKs - a poll after each - with round trips that grow, then
+    shrink: the compiled path's ACKs never reach the Python core, yet its delay loop
+    makes the same decisions from the fields the ACKs moved, and the two send the same
+    datagrams."""
+    config = TransportConfig(chunk_bytes=64, congestion="delay")
+    peer, payload = ("10.1.2.3", 4000), np.arange(64 * 2000, dtype=np.int64).view(np.uint8)
+    sides = []
+    for use_native in (False, True):
+        mux = TransferMux(SESSION, config)
+        if use_native:
+            native.NativeDataPath(mux)
+        sides.append((mux, mux.start_send(peer, 3, 7, payload, 0.0)))
+    (m0, t0), (m1, t1) = sides
+    handed: list[int] = []
+    real = m1.datagram_received
+    m1.datagram_received = lambda d, p, n: (handed.append(d[3]), real(d, p, n))  # type: ignore
+
+    def sent(mux: TransferMux, now: float) -> list[bytes]:
+        out = []
+        for item in mux.poll(now, 64, runs=True):
+            for parts, _ in (item.datagrams() if isinstance(item, DataRun) else [item]):
+                out.append(b"".join(bytes(p) for p in parts))
+        return out
+
+    assert sent(m0, 0.0) == sent(m1, 0.0)
+    now, every = 0.0, t0.acks.ack_every
+    for k in range(1, 40):
+        rtt = 100e-6 + (k if k < 20 else 40 - k) * 200e-6  # (queueing builds, then drains)
+        tseq = k * every - 1
+        now = max(now, t0.pacer.paced_until or now, t1.pacer.paced_until or now) + 1e-4
+        ack = wire.control_datagram(t0.message, Kind.ACK, 0, STOP_PAYLOAD.pack(tseq), tseq=tseq)
+        m0.datagram_received(ack, peer, now + rtt)
+        m1.data_path.take(ack, peer, now + rtt)  # type: ignore[union-attr]
+        now += rtt
+        assert sent(m0, now) == sent(m1, now)
+        c0, c1 = t0.path.congestion, t1.path.congestion
+        assert c0 is not None and c1 is not None
+        assert (c0.rate, c0.srtt, c0.min_rtt, c0.cuts) == (c1.rate, c1.srtt, c1.min_rtt, c1.cuts)
+    assert handed == [] and t1.acks.acks_heard == 39
+    assert c0.cuts > 0 and c0.srtt is not None
