@@ -272,6 +272,7 @@ def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint)
       "{dir}/k.json"], "--credit 16384"),
     (["sim", "--mtu", "9000", "--credit", "16k"], "--credit 16384"),
     (["sim", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
+    (["train", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
     (["bench", "fairness", "--congestion", "off,bbr", "--json", "{dir}/f.json"],
      "'bbr': choose from off, delay"),
     (["bench", "fairness", "--congestion", "delay,delay", "--json", "{dir}/f.json"],

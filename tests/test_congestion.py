@@ -5,6 +5,7 @@ beside it - on the virtual clock; and "off" sends exactly what it sent before.""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -372,3 +373,17 @@ def test_with_the_compiled_path_taking_the_acks_the_loop_sees_the_same_samples()
         assert (c0.rate, c0.srtt, c0.min_rtt, c0.cuts) == (c1.rate, c1.srtt, c1.min_rtt, c1.cuts)
     assert handed == [] and t1.acks.acks_heard == 39
     assert c0.cuts > 0 and c0.srtt is not None
+
+
+def test_train_hands_its_congestion_control_to_the_hook_transport() -> None:
+    """``train --congestion delay``: every rank's transport runs the delay loop (the
+    config a rank is started with carries it); ``off`` by default."""
+    from boundedloss.experiments.train import TrainConfig
+
+    assert TrainConfig().transport().congestion == "off"
+    cfg = TrainConfig(congestion="delay")
+    cfg.validate()
+    assert cfg.transport().congestion == "delay"
+    assert TrainConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))).congestion == "delay"
+    with pytest.raises(ValueError, match="--congestion: unknown congestion control 'bbr'"):
+        TrainConfig(congestion="bbr").validate()

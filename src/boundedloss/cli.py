@@ -428,7 +428,7 @@ CONGESTION_HELP = ("Sender-side congestion control: off (a first pass goes as fa
 
 
 def congestion_option():
-    """``--congestion off|delay`` (sim), one of CONGESTION_MODES."""
+    """``--congestion off|delay`` (train, sim), one of CONGESTION_MODES."""
     from .protocol.congestion import CONGESTION_MODES
 
     return click.option("--congestion", default="off", show_default=True,
@@ -663,6 +663,7 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
                    "precision over float32 master parameters. Not with --topology, "
                    "--hadamard, --checkpoint-every, --resume or tcp-ps.")
 @credit_option()
+@congestion_option()
 @click.option("--mlp-hidden", default=TRAIN_DEFAULTS.mlp_hidden, show_default=True,
               type=click.IntRange(1, 1 << 16), help="The MLP's hidden width (--model mlp).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
@@ -670,7 +671,7 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggregator,
           hadamard, stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
-          device, precision, sharded, credit, mlp_hidden, out) -> None:
+          device, precision, sharded, credit, congestion, mlp_hidden, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook, or FSDP2 with --sharded
     (starts local workers, or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
@@ -694,7 +695,7 @@ def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggre
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
                       checkpoint_every=checkpoint_every, resume=resume, auth=auth,
                       device=device, precision=precision, sharded=sharded,
-                      credit_bytes=credit, mlp_hidden=mlp_hidden)
+                      credit_bytes=credit, congestion=congestion, mlp_hidden=mlp_hidden)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
