@@ -387,3 +387,24 @@ def test_train_hands_its_congestion_control_to_the_hook_transport() -> None:
     assert TrainConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))).congestion == "delay"
     with pytest.raises(ValueError, match="--congestion: unknown congestion control 'bbr'"):
         TrainConfig(congestion="bbr").validate()
+
+
+def test_a_send_that_never_opened_holds_no_share_of_the_peers_rate() -> None:
+    """A data path that fails to take a new send fails it whole: the peer's rate is
+    split among the sends really open, not one more."""
+
+    class Refusing:
+        def send_opened(self, sender) -> None:
+            raise OSError("refused")
+
+    mux = TransferMux(SESSION, TransportConfig(congestion="delay"))
+    mux.data_path = Refusing()  # type: ignore[assignment]
+    with pytest.raises(OSError):
+        mux.start_send("peer", 1, 1, np.zeros(100, dtype=np.uint8), 0.0)
+    congestion = mux.path("peer").congestion
+    assert congestion is not None and congestion.senders == 0
+    mux.data_path = None
+    tx = mux.start_send("peer", 1, 1, np.zeros(100, dtype=np.uint8), 0.0)
+    assert congestion.senders == 1
+    mux.cancel_send(tx, 0.0)
+    assert congestion.senders == 0

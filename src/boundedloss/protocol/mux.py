@@ -152,7 +152,11 @@ class TransferMux:
             path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
-            self.data_path.send_opened(sender)
+            try:
+                self.data_path.send_opened(sender)
+            except BaseException:
+                sender.cancel(now)  # (it holds a share of its peer's rate until done)
+                raise
         self._senders[key] = sender
         self._rearm(sender)
         return sender
