@@ -85,17 +85,16 @@ class DelayLoopConfig:
     floor_gain: float = 1.0
     #: a congestion event: the queueing reaches this share of the deepest seen within
     #: min_rtt_window (a drop-tail queue drops when full: a paced flow seldom meets the
-    #: drops themselves, but sees the queue full). Below it, the delay loop's own
-    #: swings read as fills, and the floor keeps itself up (0.6 took a shared link from
-    #: TCP in the simulator); above it, a sample a burst inflated early on leaves later
-    #: fills short of it (0.8 starved beside TCP)
-    near_full: float = 0.7
+    #: drops themselves, but sees the queue full). Lower, the loop's own swings read as
+    #: fills and keep the floor up alone (0.7 took the link from TCP at 50 us delays in
+    #: the simulator); higher, samples a little short of a fill miss it
+    near_full: float = 0.8
     #: ...and is this many targets at least: the delay loop's own swings about its
     #: target are not a full queue (a queue this shallow leaves no room for a floor)
     full_above: float = 2.0
-    #: the TCP-fair floor lapses once this many average loss intervals' worth of data
-    #: went with no congestion event: nobody fills the queue to a drop any more (a
-    #: paced flow meets a drop-tail queue's drops seldom, so no span of time would do)
+    #: the TCP-fair floor lapses once this many average intervals' worth of data went
+    #: with no congestion event: nobody fills the queue any more (measured in data, not
+    #: time: a flow held low sends little between fills)
     floor_lapse: float = 4.0
     #: how long the least round trip stands before a newer sample replaces it (as BBR's
     #: min-RTT filter): a route change must not leave a stale floor for ever
@@ -198,7 +197,8 @@ class DelayRateControl:
 
     __slots__ = (
         "_decreased_at", "_delivered_before", "_epoch_delivered", "_epoch_start",
-        "_armed", "_deepest", "_deepest_at", "_intervals", "_min_rtt_at", "_since_event",
+        "_armed", "_deepest", "_deepest_at", "_intervals", "_min_rtt_at", "_paced_since",
+        "_since_event",
         "config", "cuts",
         "min_rtt", "rate", "senders", "srtt",
     )
@@ -219,6 +219,8 @@ class DelayRateControl:
         self._epoch_delivered = 0.0
         self._delivered_before = 0.0
         self._epoch_start: float | None = None
+        # since when the sends are paced (the first cut)
+        self._paced_since = math.inf
         # the deepest queueing seen within min_rtt_window, and when
         self._deepest = 0.0
         self._deepest_at = 0.0
@@ -292,7 +294,11 @@ class DelayRateControl:
         queueing = rtt - self.min_rtt
         congested = queueing > cfg.target_queue_delay
         self._since_event += acked_bytes / cfg.packet_bytes  # (in packets, as TCP's p)
-        if queueing > self._deepest or now - self._deepest_at > cfg.min_rtt_window:
+        if now - rtt >= self._paced_since and (
+                queueing > self._deepest or now - self._deepest_at > cfg.min_rtt_window):
+            # (only from datagrams sent paced: an unpaced burst of a whole poll's
+            # datagrams waits in the sender's own link, and its samples would set the
+            # deepest past any fill to come)
             self._deepest, self._deepest_at = queueing, now
         full = (queueing >= cfg.near_full * self._deepest
                 and queueing >= cfg.full_above * cfg.target_queue_delay)
@@ -325,6 +331,8 @@ class DelayRateControl:
         base = delivered if self.rate is None else min(self.rate, delivered or self.rate)
         if base <= 0:
             return  # nothing measured to cut from yet: the next sample will have it
+        if self.rate is None:
+            self._paced_since = now
         self.rate = max(self.config.min_rate, base * keep)
         self._decreased_at = now
         self.cuts += 1
