@@ -265,12 +265,15 @@ def test_a_shared_queue_stays_short_with_congestion_control() -> None:
     assert low > 0.8 * high  # (the two share it)
 
 
-def test_beside_a_tcp_flow_each_keeps_a_fair_share() -> None:
+@pytest.mark.parametrize("uplink_ratio", [10.0, 2.0])
+def test_beside_a_tcp_flow_each_keeps_a_fair_share(uplink_ratio: float) -> None:
     """A TCP bulk flow (the simulator's model of Linux's) and one boundedloss sender
     through a 100 Mbit/s link with a 64 KB queue, as bench fairness sets them up:
     without congestion control ours leaves TCP nothing; with it, each gets 40% or more
-    (a pure delay loop alone would give way to TCP: its floor holds the share)."""
-    link = SharedLink(tcp=True, seconds=3.0, settle_s=1.0)
+    (a pure delay loop alone would give way to TCP: its floor holds the share) - also
+    where the senders' links are only twice the bottleneck's, and the first pass's
+    burst waits in the sender's own link long enough to look like a fill."""
+    link = SharedLink(tcp=True, seconds=3.0, settle_s=1.0, uplink_ratio=uplink_ratio)
     off = run_shared_link(link)
     on = run_shared_link(SharedLink(**{**link.__dict__, "congestion": "delay"}))
     assert off.tcp_share < 0.1
