@@ -26,14 +26,15 @@ lately, and well above the target - which is where a drop-tail queue drops and a
 loss-based flow cuts; a paced flow seldom meets those drops itself, but sees every
 fill in its round trips. (Losses are not read at all: random loss looks the same.)
 The floor lapses once the fills stop coming (``floor_lapse``): alone on a path, the
-loop keeps the queue short, nothing fills it, and the floor is gone.
+loop keeps the queue short, nothing fills it, and the floor is gone. (Not always: a
+floor started by the first pass's burst into a queue as shallow as 64 KB can keep
+itself up on the fills it makes - design.md, "Congestion control".)
 
 Its samples (``AckSamples`` below, one per send): an ACK names the highest
-transmission sequence the receiver saw and the chunks it had delivered; the sender
-knows when that datagram went, and the ACK's arrival time is what
-``AckState.last_heard`` holds after it - fields both the Python path and the compiled
-data path keep, so no new sample comes from C. They come an ACK cadence apart, which
-congestion control shortens (``TransportConfig.ack_every_for``).
+transmission sequence the receiver saw; the sender knows when that datagram went, and
+the ACK's arrival time is what ``AckState.last_heard`` holds after it - fields both the
+Python path and the compiled data path keep, so no new sample comes from C. They come
+an ACK cadence apart, which congestion control shortens (``TransportConfig.ack_every_for``).
 
 The rate it sets is what the ``Pacer`` paces DATA at - first passes too - split evenly
 among the sends to the peer open at once. Until a sample first calls for a cut, the
