@@ -271,6 +271,12 @@ def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint)
     (["bench", "kernel-loss", "--mtu", "9000", "--credit", "off,16k", "--json",
       "{dir}/k.json"], "--credit 16384"),
     (["sim", "--mtu", "9000", "--credit", "16k"], "--credit 16384"),
+    (["sim", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
+    (["train", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
+    (["bench", "fairness", "--congestion", "off,bbr", "--json", "{dir}/f.json"],
+     "'bbr': choose from off, delay"),
+    (["bench", "fairness", "--congestion", "delay,delay", "--json", "{dir}/f.json"],
+     "--congestion names delay twice"),
     (["testbed", "up", "--subnet", "127.0.0.0/24"], "not loopback or link-local"),
 ])
 def test_bad_arguments_fail_in_one_line_before_anything_starts(tmp_path, capsys, argv, hint):

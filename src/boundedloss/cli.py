@@ -421,6 +421,33 @@ CREDIT_HELP = ("Receiver-driven credit: the DATA bytes all senders toward one re
                "of the receiver), or off.")
 
 
+CONGESTION_HELP = ("Sender-side congestion control: off (a first pass goes as fast as the "
+                   "window and any credit allow) or delay (every pass paced at a rate per "
+                   "peer a delay loop sets - random loss never lowers it - with a "
+                   "TCP-fair floor beside loss-based flows). Both ends must say the same.")
+
+
+def congestion_option():
+    """``--congestion off|delay`` (train, sim), one of CONGESTION_MODES."""
+    from .protocol.congestion import CONGESTION_MODES
+
+    return click.option("--congestion", default="off", show_default=True,
+                        type=click.Choice(list(CONGESTION_MODES)), help=CONGESTION_HELP)
+
+
+def _parse_congestions(text: str) -> tuple[str, ...]:
+    """bench's ``--congestion``: CONGESTION_MODES names, comma-separated, each once."""
+    from .protocol.congestion import CONGESTION_MODES
+
+    names = _parse_list(text, str.strip, "--congestion")
+    bad = [n for n in names if n not in CONGESTION_MODES]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r}: choose from {', '.join(CONGESTION_MODES)}",
+                                 param_hint="--congestion")
+    _check(checks.distinct, names, "--congestion")
+    return tuple(names)
+
+
 def credit_option(default: str = "off"):
     """``--credit SIZE|off`` (train, compare, sim), parsed to bytes or None."""
     return click.option("--credit", default=default, show_default=True,
@@ -463,13 +490,16 @@ def probe_copies_option(fn):
 @click.option("--credit", "credits", default="off,48k", show_default=True,
               help="boundedloss's receiver-driven credit, comma-separated, a run each: "
                    "sizes and/or off.")
+@click.option("--congestion", "congestions", default="off", show_default=True,
+              help="boundedloss's congestion control, comma-separated (off, delay): a run "
+                   "for each with each --credit.")
 @click.option("--seconds", default=8.0, show_default=True, type=FiniteFloatRange(3.0, 600.0),
               help="How long both flows run, each run.")
 @click.option("--rate", default="100mbit", show_default=True,
               help="The bottleneck's rate (tc's units: 100mbit, 1gbit).")
 @click.option("--queue", default="64kb", show_default=True,
               help="The bottleneck's queue (tc's units: 64kb).")
-def bench_fairness(json_path, credits, seconds, rate, queue) -> None:
+def bench_fairness(json_path, credits, congestions, seconds, rate, queue) -> None:
     """One boundedloss transfer and one TCP bulk flow share a bottleneck on the kernel
     testbed: each one's share of it (root, or a user namespace of its own)."""
     from dataclasses import replace
@@ -478,6 +508,7 @@ def bench_fairness(json_path, credits, seconds, rate, queue) -> None:
     from .emulate import TestbedError, rootless
 
     credits_t = _parse_credits(credits, 1500)
+    congestions_t = _parse_congestions(congestions)
     try:
         bottleneck = replace(fairness.DEFAULT_BOTTLENECK, rate=rate, limit=queue)
         bottleneck.check_mtu(1500)
@@ -487,18 +518,19 @@ def bench_fairness(json_path, credits, seconds, rate, queue) -> None:
         rootless.reexec()
     try:
         with console.status("measuring...") as status:
-            rows = fairness.run_fairness_bench(credits=credits_t, seconds=seconds,
+            rows = fairness.run_fairness_bench(credits=credits_t, congestions=congestions_t,
+                                               seconds=seconds,
                                                bottleneck=bottleneck,
                                                progress=lambda m: status.update(m))
     except (TestbedError, RuntimeError) as e:  # (a flow that failed says which, in one line)
         raise click.ClickException(str(e)) from e
     t = Table(title=f"one boundedloss transfer and one TCP flow through "
                     f"{bottleneck.describe()}")
-    for col in ("credit", "seconds", "TCP Mbit/s", "ours Mbit/s", "TCP share", "our share",
-                "utilization", "queue drops"):
+    for col in ("credit", "congestion", "seconds", "TCP Mbit/s", "ours Mbit/s", "TCP share",
+                "our share", "utilization", "queue drops"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row("off" if r.credit_bytes is None else f"{r.credit_bytes:,}",
+        t.add_row("off" if r.credit_bytes is None else f"{r.credit_bytes:,}", r.congestion,
                   f"{r.seconds:.1f}", f"{r.tcp_mbps:.1f}", f"{r.boundedloss_mbps:.1f}",
                   f"{r.tcp_share:.0%}", f"{r.boundedloss_share:.0%}", f"{r.utilization:.0%}",
                   f"{r.queue_drop_fraction:.1%}")
@@ -631,6 +663,7 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
                    "precision over float32 master parameters. Not with --topology, "
                    "--hadamard, --checkpoint-every, --resume or tcp-ps.")
 @credit_option()
+@congestion_option()
 @click.option("--mlp-hidden", default=TRAIN_DEFAULTS.mlp_hidden, show_default=True,
               type=click.IntRange(1, 1 << 16), help="The MLP's hidden width (--model mlp).")
 @click.option("--out", default=TRAIN_DEFAULTS.out, show_default=True,
@@ -638,7 +671,7 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
 def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggregator,
           hadamard, stale_broadcast, chunk_bytes, deadline, lr, batch_size, steps_per_epoch,
           probe_copies_max, guard_rounds, checkpoint_every, resume, auth, secret_file,
-          device, precision, sharded, credit, mlp_hidden, out) -> None:
+          device, precision, sharded, credit, congestion, mlp_hidden, out) -> None:
     """Data-parallel training with the bounded-loss DDP hook, or FSDP2 with --sharded
     (starts local workers, or runs as one rank under torchrun)."""
     from .experiments.train import run_rank_and_exit, run_training
@@ -662,7 +695,7 @@ def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggre
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
                       checkpoint_every=checkpoint_every, resume=resume, auth=auth,
                       device=device, precision=precision, sharded=sharded,
-                      credit_bytes=credit, mlp_hidden=mlp_hidden)
+                      credit_bytes=credit, congestion=congestion, mlp_hidden=mlp_hidden)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
@@ -1002,6 +1035,7 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="Authenticate every datagram, as a job does.")
 @credit_option()
+@congestion_option()
 @click.option("--cpu", default="none", show_default=True,
               type=click.Choice(["none", "this-machine", "cluster-node"]),
               help="What computing costs: nothing; this machine's measured costs with "
@@ -1018,7 +1052,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
         delay_us, queue_datagrams, queue_bytes, shared_buffer, backgrounds, mtu, racks,
-        oversubscription, auth, credit, cpu, like_testbed, seed, json_path, plot_path) -> None:
+        oversubscription, auth, credit, congestion, cpu, like_testbed, seed, json_path,
+        plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .net.background import parse_background
@@ -1085,11 +1120,13 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
                      auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription,
                      credit_bytes=credit, queue_bytes=queue_bytes,
-                     shared_buffer_bytes=shared_buffer)
+                     shared_buffer_bytes=shared_buffer, congestion=congestion)
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
     credit_note = "" if credit is None else f", credit {credit:,} bytes per receiver"
+    if congestion != "off":
+        credit_note += f", congestion control {congestion}"
     queues = f"queues of {queue_datagrams} datagrams" + (
         "" if queue_bytes is None else f" or {queue_bytes:,} bytes") + (
         "" if shared_buffer is None else f" sharing {shared_buffer:,} bytes")

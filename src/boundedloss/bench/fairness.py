@@ -4,7 +4,8 @@ bottleneck on the kernel testbed; what share of the link each one gets.
 Two workers send to the server through the testbed's tbf bottleneck on the switch port
 into it: worker 0 a TCP bulk flow (the kernel's default congestion control, CUBIC), worker
 1 boundedloss messages one after another (the reliable policy, authenticated, as a job
-sends them) - one run per ``credit`` setting, the TCP flow the same in each. Each
+sends them) - one run per ``credit`` setting and ``congestion`` control, the TCP flow the
+same in each. Each
 receiver stamps what arrives on the machine's monotonic clock (every namespace shares
 it); a row reports each flow's goodput over the time both were running (the first and
 last ``SETTLE_S`` left out) and its share of what the two got through together.
@@ -56,6 +57,8 @@ class FairnessRow:
     #: of the packets the bottleneck saw, the share its queue dropped
     queue_drop_fraction: float
     message_bytes: int
+    #: boundedloss's congestion control (TransportConfig.congestion)
+    congestion: str = "off"
 
 
 # ------------------------------------------------------------ one role, in a namespace
@@ -100,7 +103,7 @@ def _endpoint(a: argparse.Namespace, port: int):
     from ..protocol.auth import job_key
 
     return UdpEndpoint(a.host, port, session=SESSION, auth_key=job_key(b"fairness", SESSION),
-                       config=TransportConfig(credit_bytes=a.credit))
+                       config=TransportConfig(credit_bytes=a.credit, congestion=a.congestion))
 
 
 def _boundedloss_receive(a: argparse.Namespace) -> None:
@@ -155,6 +158,7 @@ def role_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--message-bytes", type=int, default=DEFAULT_MESSAGE_BYTES)
     ap.add_argument("--credit", type=int, default=None)
+    ap.add_argument("--congestion", default="off")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     ROLES[a.role](a)
@@ -167,12 +171,12 @@ def goodput_mbps(samples: list[tuple[float, int]], start: float, end: float) -> 
     return got * 8 / (end - start) / 1e6 if end > start else 0.0
 
 
-def _run_pair(tb, credit: int | None, seconds: float, message_bytes: int,
+def _run_pair(tb, credit: int | None, congestion: str, seconds: float, message_bytes: int,
               tmp: str) -> tuple[list, list]:
     server, tcp_node, bl_node = "server", "w0", "w1"
     addr = tb.addresses
     base = [sys.executable, "-m", "boundedloss.bench.fairness", "--seconds", str(seconds),
-            "--message-bytes", str(message_bytes),
+            "--message-bytes", str(message_bytes), "--congestion", congestion,
             *([] if credit is None else ["--credit", str(credit)])]
 
     def start(node: str, role: str, peer: str, out: str = "") -> subprocess.Popen:
@@ -206,26 +210,33 @@ def _run_pair(tb, credit: int | None, seconds: float, message_bytes: int,
 
 
 def run_fairness_bench(*, credits: tuple[int | None, ...] = (None,),
+                       congestions: tuple[str, ...] = ("off",),
                        seconds: float = DEFAULT_SECONDS,
                        message_bytes: int = DEFAULT_MESSAGE_BYTES,
                        bottleneck: Bottleneck = DEFAULT_BOTTLENECK, mtu: int = 1500,
                        progress: Callable[[str], None] | None = None) -> list[FairnessRow]:
-    """A row per credit setting (each once, None: off): both flows through one testbed's
-    bottleneck for ``seconds``."""
+    """A row per congestion control and credit setting (each once; credit None: off):
+    both flows through one testbed's bottleneck for ``seconds``."""
     from ..emulate import Testbed, TestbedConfig
+    from ..protocol.congestion import parse_congestion
 
     if not credits or len(set(credits)) != len(credits):
         raise ValueError("credits: each once")
+    if not congestions or len(set(congestions)) != len(congestions):
+        raise ValueError("congestions: each once")
+    for congestion in congestions:
+        parse_congestion(congestion)
     if seconds <= 2 * SETTLE_S:
         raise ValueError(f"seconds must be over {2 * SETTLE_S:g}")
     rows = []
     with Testbed(TestbedConfig(workers=2, mtu=mtu, bottleneck=bottleneck)) as tb:
-        for credit in credits:
+        for congestion, credit in [(g, c) for g in congestions for c in credits]:
             if progress:
-                progress(f"credit {credit or 'off'}: both flows for {seconds:g} s")
+                progress(f"credit {credit or 'off'}, congestion control {congestion}: both "
+                         f"flows for {seconds:g} s")
             before = tb.qdisc_stats()
             with tempfile.TemporaryDirectory() as tmp:
-                tcp, bl = _run_pair(tb, credit, seconds, message_bytes, tmp)
+                tcp, bl = _run_pair(tb, credit, congestion, seconds, message_bytes, tmp)
             after = tb.qdisc_stats()
             if not tcp or not bl:
                 raise RuntimeError("fairness: a flow delivered nothing")
@@ -246,7 +257,7 @@ def run_fairness_bench(*, credits: tuple[int | None, ...] = (None,),
                 boundedloss_share=round(b_mbps / both, 4) if both else 0.0,
                 utilization=round(both * 1e6 / bottleneck.rate_bps, 4),
                 queue_drop_fraction=round(dropped / max(1, sent + dropped), 5),
-                message_bytes=message_bytes))
+                message_bytes=message_bytes, congestion=congestion))
     return rows
 
 

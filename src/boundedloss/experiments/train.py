@@ -107,6 +107,8 @@ class TrainConfig:
     sharded: bool = False
     #: receiver-driven credit per receiver, bytes (TransportConfig.credit_bytes; None: off)
     credit_bytes: int | None = None
+    #: sender-side congestion control (TransportConfig.congestion: off, delay)
+    congestion: str = "off"
     #: the MLP's hidden width (``--model mlp``)
     mlp_hidden: int = 256
 
@@ -129,6 +131,10 @@ class TrainConfig:
             TransportConfig(chunk_bytes=self.chunk_bytes, credit_bytes=self.credit_bytes)
         except ValueError as e:
             raise ValueError(f"--chunk-bytes / --credit: {e}") from None
+        try:
+            TransportConfig(congestion=self.congestion)
+        except ValueError as e:
+            raise ValueError(f"--congestion: {e}") from None
         if self.workers < 2:
             raise ValueError("--workers must be >= 2")
         if self.mlp_hidden < 1:
@@ -208,7 +214,8 @@ class TrainConfig:
             "probe_copies_max": self.probe_copies_max}
         return hook_transport(chunk_bytes=self.chunk_bytes,
                               receive_deadline=self.receive_deadline,
-                              credit_bytes=self.credit_bytes, **copies)
+                              credit_bytes=self.credit_bytes, congestion=self.congestion,
+                              **copies)
 
 
 #: ``--device`` names

@@ -242,6 +242,15 @@ class FakeNetwork:
     def mux(self, address) -> TransferMux:
         return self._nodes[address].mux
 
+    def queued_bytes(self, address) -> int:
+        """Bytes in the downlink queue of the node at ``address`` now (waiting, or on
+        the link)."""
+        node = self._nodes[address]
+        queue = node.queue
+        while queue and queue[0][0] <= self.now:
+            node.queued_bytes -= queue.popleft()[1]
+        return node.queued_bytes
+
     def path(self, src, dst) -> PathProfile:
         """The profile of the path from ``src`` to ``dst`` (set_path's, or the default)."""
         return self._paths.get((src, dst), self._default_path)

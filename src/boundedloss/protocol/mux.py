@@ -138,7 +138,7 @@ class TransferMux:
         """What this endpoint has learned about the path to and from ``peer``."""
         path = self._paths.get(peer)
         if path is None:
-            path = self._paths[peer] = PeerPath(peer)
+            path = self._paths[peer] = PeerPath(peer, self.config.delay_loop)
         return path
 
     def start_send(self, peer, round_id: int, message_id: int, payload, now: float, *,
@@ -152,7 +152,11 @@ class TransferMux:
             path=self.path(peer), transfer_id=next(self._transfer_ids),
         )
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
-            self.data_path.send_opened(sender)
+            try:
+                self.data_path.send_opened(sender)
+            except BaseException:
+                sender.cancel(now)  # (it holds a share of its peer's rate until done)
+                raise
         self._senders[key] = sender
         self._rearm(sender)
         return sender

@@ -4,12 +4,16 @@ DATA is paced by a token bucket when the configuration sets a fixed rate
 (``rate_bps``), or - with ``retransmit_pacing_gain`` - retransmission passes go out at
 that many times the best delivery rate the peer has shown lately: under incast every
 sender's missing chunks otherwise go out at once into the queue that just dropped them.
-Each answered pass gives a delivery-rate sample: what it got through over the time from
-its first DATA to the answer. Sans-I/O: the sender feeds it ``now``.
+With congestion control on (``congestion``, the peer's ``DelayRateControl``), every pass
+- the first too - goes at most at the rate that loop sets for the peer, split among its
+open sends (the lower of the two where both pace a retransmission). Each answered pass
+gives a delivery-rate sample: what it got through over the time from its first DATA to
+the answer. Sans-I/O: the sender feeds it ``now``.
 """
 
 from __future__ import annotations
 
+from .congestion import DelayRateControl
 from .types import TransportConfig
 
 #: an adaptive pacing rate (bytes/s) above this is no pacing at all: 10 Gbit/s is beyond
@@ -18,12 +22,14 @@ UNPACED_ABOVE = 1.25e9
 
 
 class Pacer:
-    __slots__ = ("_best_rate", "_config", "_datagram_bytes", "_floor", "_tokens",
-                 "_tokens_at", "paced_until", "rate_samples")
+    __slots__ = ("_best_rate", "_config", "_congestion", "_datagram_bytes", "_floor",
+                 "_tokens", "_tokens_at", "paced_until", "rate_samples")
 
     def __init__(self, config: TransportConfig, datagram_bytes: int, now: float,
-                 best_rate: float | None = None):
+                 best_rate: float | None = None,
+                 congestion: DelayRateControl | None = None):
         self._config = config
+        self._congestion = congestion  # the peer's rate (None: no congestion control)
         self._datagram_bytes = datagram_bytes  # a full DATA datagram, header included
         self._tokens = 0.0
         self._tokens_at = now
@@ -83,6 +89,23 @@ class Pacer:
         cfg = self._config
         if cfg.rate_bps is not None:
             return cfg.rate_bps / 8.0, max(self._datagram_bytes, 64 * 1024)
+        retransmit = self._retransmit_rate(first_pass)
+        congestion = self._congestion
+        limit = None if congestion is None else congestion.send_rate()
+        if congestion is not None and limit is not None and limit < UNPACED_ABOVE:
+            rate = limit if retransmit is None else min(limit, retransmit)
+            return rate, congestion.bucket(rate, self._datagram_bytes)
+        if retransmit is None:
+            return None
+        rate = retransmit
+        # a millisecond's worth at once, at least 8 datagrams: small enough that the
+        # senders of an incast do not refill the queue in one go, large enough that a
+        # fast path is not slowed by a timer per datagram
+        return rate, max(8 * self._datagram_bytes, rate * 1e-3)
+
+    def _retransmit_rate(self, first_pass: bool) -> float | None:
+        """The rate ``retransmit_pacing_gain`` paces this pass at (None: unpaced)."""
+        cfg = self._config
         if first_pass or cfg.retransmit_pacing_gain is None:
             return None
         if self._best_rate <= 0.0:
@@ -90,7 +113,4 @@ class Pacer:
         rate = max(self._best_rate * cfg.retransmit_pacing_gain, self._floor)
         if rate >= UNPACED_ABOVE:
             return None  # faster than pacing could matter
-        # a millisecond's worth at once, at least 8 datagrams: small enough that the
-        # senders of an incast do not refill the queue in one go, large enough that a
-        # fast path is not slowed by a timer per datagram
-        return rate, max(8 * self._datagram_bytes, rate * 1e-3)
+        return rate

@@ -3,7 +3,9 @@
 The mux keeps one per peer and hands it to every send and receive with that peer. A new
 send starts from it (the round trip and delivery rate earlier sends measured, and the
 loss a receive from that peer saw lately); a finished send or receive adds what it
-measured. Sans-I/O: times are whatever clock drives the core.
+measured. With congestion control on, it keeps the rate sends to the peer may go at
+(``congestion``): it is learned across messages, as the round trip is. Sans-I/O: times
+are whatever clock drives the core.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .congestion import DelayLoopConfig, DelayRateControl
 
 #: delivery-rate samples kept per peer (a few messages' passes)
 RATE_SAMPLES = 8
@@ -30,9 +34,11 @@ class RttEstimate:
 
 
 class PeerPath:
-    __slots__ = ("_loss_seen", "_rates", "granted", "peer", "rtt")
+    __slots__ = ("_loss_seen", "_rates", "congestion", "granted", "peer", "rtt")
 
-    def __init__(self, peer: Hashable):
+    def __init__(self, peer: Hashable, delay_loop: DelayLoopConfig | None = None):
+        """``delay_loop``: the congestion control's (TransportConfig.delay_loop; None:
+        off)."""
         self.peer = peer
         #: the round trip the latest finished send to this peer had measured
         self.rtt: RttEstimate | None = None
@@ -43,6 +49,9 @@ class PeerPath:
         #: the credit the peer granted the latest finished send to it (credit.py): the
         #: next send's first pass goes that far ahead of its own first grant
         self.granted: int | None = None
+        #: the rate sends to this peer may go at, and the delay loop that sets it (None:
+        #: no congestion control)
+        self.congestion = None if delay_loop is None else DelayRateControl(delay_loop)
 
     def best_rate(self) -> float | None:
         """The best delivery rate (bytes/s) of the recent passes, None before any."""

@@ -26,6 +26,7 @@ import numpy as np
 from .. import wire
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, Flag, Kind
 from .acks import AckState
+from .congestion import AckSamples
 from .pacing import Pacer
 from .path import PeerPath
 from .recovery import Recovery
@@ -232,7 +233,7 @@ class MessageSender:
         self._queue = SendQueue(count, critical)
         self._state = SendState.SENDING
         self._probe = OutstandingProbe()
-        self.path = path if path is not None else PeerPath(peer)
+        self.path = path if path is not None else PeerPath(peer, config.delay_loop)
         self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
                                  ack_every=config.ack_every_for(count))
         #: what the ACKs move, for recovery, the window and this sender alike (the
@@ -245,7 +246,14 @@ class MessageSender:
                                 else max(1, granted))
         self._window = FlowWindow(config.window_datagrams, self.acks)
         self._acks_shared = False  # (share_acks: the flags then follow every step)
-        self.pacer = Pacer(config, cb + HEADER_BYTES, now, self.path.best_rate())
+        congestion = self.path.congestion
+        self.pacer = Pacer(config, cb + HEADER_BYTES, now, self.path.best_rate(), congestion)
+        #: the round trips and delivery rates the ACKs show, for the peer's congestion
+        #: control (None: off)
+        self._samples: AckSamples | None = None
+        if congestion is not None:
+            congestion.senders += 1  # (the peer's rate is split among its open sends)
+            self._samples = AckSamples(congestion, cb + HEADER_BYTES)
         self.started = now
         self.counts = SendCounts()
         self.result: SendResult | None = None
@@ -319,6 +327,8 @@ class MessageSender:
         ``runs``: the DATA of this poll as one ``DataRun`` instead."""
         if self._state is SendState.DONE:
             return 0
+        if self._samples is not None:  # (ACKs the compiled path took since)
+            self._samples.read(self.acks)
         sent = self._poll(now, limit, out, runs)
         self._share_ack_flags()
         return sent
@@ -362,6 +372,8 @@ class MessageSender:
         self._tseq_field[batch] = np.arange(tseq, tseq + k, dtype=np.uint32)
         acks.next_tseq = tseq + k
         self.recovery.data_sent(now, k)
+        if self._samples is not None:
+            self._samples.sent(tseq, now)
         run = DataRun(self.peer, self._headers, self._payload, self.chunk_bytes, batch)
         if runs:
             out.append(run)
@@ -399,6 +411,8 @@ class MessageSender:
         if self._state is SendState.DONE:
             return
         echo, delivered = BITMAP_PREFIX.unpack_from(payload)
+        if self._samples is not None:  # (before last_heard moves past the ACKs')
+            self._samples.read(self.acks)
         self._heard(delivered, now)
         if echo != self._probe.seq or self._state is not SendState.AWAITING_REPLY:
             # An answer to an earlier PROBE, or a second answer to this one (PROBEs go
@@ -433,6 +447,8 @@ class MessageSender:
             tseq_seen, delivered, now,
             self._state is SendState.AWAITING_REPLY and not self._queue.first_pass)
         self._window.acked_through(tseq_seen)
+        if self._samples is not None:
+            self._samples.read(self.acks)
         self._share_ack_flags()
 
     def _credited(self, credit: int) -> None:
@@ -467,6 +483,8 @@ class MessageSender:
     def stop_received(self, reason: int, delivered: int, now: float) -> None:
         if self._state is SendState.DONE:
             return
+        if self._samples is not None:  # (ACKs the compiled path took since)
+            self._samples.read(self.acks)
         self.acks.reported_delivered = delivered
         try:
             close_reason: CloseReason | None = CloseReason(reason)
@@ -505,6 +523,8 @@ class MessageSender:
         if now >= self.acks.last_heard + self.config.peer_timeout:
             self._finish(SendStatus.PEER_SILENT, None, now)
             return
+        if self._samples is not None:  # (ACKs the compiled path took since)
+            self._samples.read(self.acks)
         self.pacer.timer_fired(now)
         acks = self.acks
         if (
@@ -534,6 +554,8 @@ class MessageSender:
     def _finish(self, status: SendStatus, reason: CloseReason | None, now: float) -> None:
         self._queue.drained()
         self._transition(SendEvent.FINISHED)
+        if self.path.congestion is not None:
+            self.path.congestion.senders -= 1
         counts = self.counts
         recovery = self.recovery
         least = self.acks.granted_least

@@ -15,11 +15,15 @@ from ..wire import (
     CloseReason,
     check_chunk_bytes,
 )
+from .congestion import CONGESTION_MODES, DelayLoopConfig, parse_congestion
 
 #: ACKs a receiver sends over one pass of a long message (see ack_every_for)
 ACKS_PER_MESSAGE = 8
 #: DATA datagrams per ACK of a message too short for ACKS_PER_MESSAGE to be fewer
 ACK_EVERY_SHORT = 32
+#: with congestion control on, DATA datagrams per ACK at most: each ACK is a round-trip
+#: sample for the delay loop, which sees a queue build no sooner than its next one
+CONGESTION_ACK_EVERY = 16
 
 
 class SendStatus(enum.Enum):
@@ -87,9 +91,15 @@ class TransportConfig:
     #: (10 Gb/s over a rack's ~12 us round trip) - every sender of an incast sends it
     #: at once, before the receiver knows of them
     unscheduled_bytes: int = 16 * 1024
+    #: sender-side congestion control (protocol/congestion.py), one of
+    #: CONGESTION_MODES: "off" (each send's first pass unpaced, as the window and any
+    #: credit allow) or "delay" (every pass paced at a rate per peer that a delay loop
+    #: sets - random loss alone never lowers it). Off by default
+    congestion: str = "off"
 
     def __post_init__(self) -> None:
         check_chunk_bytes(self.chunk_bytes)
+        parse_congestion(self.congestion)
         if not 0 < self.min_rto <= self.initial_rto <= self.max_rto:
             raise ValueError("need 0 < min_rto <= initial_rto <= max_rto")
         if self.retransmit_pacing_gain is not None and self.retransmit_pacing_gain <= 0:
@@ -113,6 +123,11 @@ class TransportConfig:
             raise ValueError("credit_bytes must hold at least two datagrams (or None)")
         if self.unscheduled_bytes < datagram:
             raise ValueError("unscheduled_bytes must hold at least one datagram")
+
+    @property
+    def delay_loop(self) -> DelayLoopConfig | None:
+        """The congestion control's delay loop (None: off)."""
+        return CONGESTION_MODES[self.congestion]
 
     @property
     def window_datagrams(self) -> int:
@@ -140,6 +155,10 @@ class TransportConfig:
         receiver both know ``count``: the sender reads reverse loss from how many ACKs
         the receiver owed it."""
         per_message = max(ACK_EVERY_SHORT, count // ACKS_PER_MESSAGE)
+        if self.congestion != "off":
+            # (the delay loop's samples are ACKs: a long message's few would leave it
+            # blind for many round trips - and the receiver's config must say so too)
+            per_message = min(per_message, CONGESTION_ACK_EVERY)
         return max(1, min(per_message, self.window_datagrams // 8))
 
 

@@ -136,6 +136,8 @@ class SimJob:
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
+    #: our systems' sender-side congestion control (TransportConfig.congestion)
+    congestion: str = "off"
     #: each switch queue toward a host also bounded in bytes (None: datagrams only)
     queue_bytes: int | None = None
     #: the switch's ports draw from one buffer of this many bytes (net/buffer.py; None:
@@ -178,6 +180,7 @@ class SimRow:
     credit_bytes: int | None = None
     queue_bytes: int | None = None
     shared_buffer_bytes: int | None = None
+    congestion: str = "off"
     #: of the datagrams carrying payload (our DATA, the TCP model's data segments), the
     #: share lost at a full queue (a switch port's or the fabric's)
     payload_drop_fraction: float = 0.0
@@ -233,7 +236,7 @@ def run_job(job: SimJob) -> SimRow:
     # (every peer's receive of both phases, posted a round ahead, as the hook allows)
     config = TransportConfig(chunk_bytes=largest_chunk(job.mtu, TRAILER_BYTES if job.auth else 0),
                              max_open_receives=max(256, 4 * job.workers),
-                             credit_bytes=job.credit_bytes)
+                             credit_bytes=job.credit_bytes, congestion=job.congestion)
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           queue_bytes=job.queue_bytes,
@@ -310,6 +313,7 @@ def run_job(job: SimJob) -> SimRow:
         racks=job.racks, oversubscription=job.oversubscription,
         fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes,
         queue_bytes=job.queue_bytes, shared_buffer_bytes=job.shared_buffer_bytes,
+        congestion=job.congestion,
         payload_drop_fraction=round(
             net.counts["queue_drop_payload"] / max(1, net.counts["sent_payload"]), 5),
         background="" if background is None else str(background),
