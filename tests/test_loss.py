@@ -239,7 +239,11 @@ def test_explicit_rounds(explicit: set[int], r: int) -> None:
     "kwargs, match",
     [
         ({"rate": 1.2, "every": 3}, "probability"),
-        ({"rate": 0.5}, "needs rounds=, every= or window="),
+        ({"rate": 0.5}, "needs rounds=, every=, window= or every_s="),
+        ({"rate": 0.5, "every_s": 0.1}, "go together"),
+        ({"rate": 0.5, "length_s": 0.01}, "go together"),
+        ({"rate": 0.5, "every_s": 0.1, "length_s": 0.1}, "len_s"),
+        ({"rate": 0.5, "every_s": 0.1, "length_s": 0.0}, "len_s"),
         ({"rate": 0.5, "every": 0}, "every must be >= 1"),
         ({"rate": 0.5, "every": 3, "length": 4}, "len"),
         ({"rate": 0.5, "every": 3, "offset": -1}, "offset"),
@@ -254,6 +258,52 @@ def test_explicit_rounds(explicit: set[int], r: int) -> None:
 def test_microburst_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Microburst(**kwargs)
+
+
+def test_recurring_bursts_take_one_len_s_of_each_period_at_a_drawn_place() -> None:
+    """``every_s``/``len_s``: a burst of len_s in each every_s from the clock's every_s
+    on - its place in the period drawn from the seed, so no two periods need put it at
+    the same phase (a strictly periodic burst phase-locks with timers that are multiples
+    of its period on a virtual clock); the same seed, the same places."""
+    step = 1e-4
+    ts = [i * step for i in range(int(3.0 / step))]
+
+    def starts(seed: int) -> list[float]:
+        m = Microburst(1.0, every_s=0.1, length_s=0.01, seed=seed)
+        inside = [m.in_burst(t, -1) for t in ts]
+        assert not any(inside[: int(0.1 / step)])  # (nothing before the first period)
+        return [t for t, a, b in zip(ts[1:], inside, inside[1:]) if b and not a]
+
+    got = starts(7)
+    assert len(got) == 29  # one in each period from 0.1 s to 3.0 s
+    for k, t in enumerate(got, start=1):  # each within its own period, whole
+        assert k * 0.1 - step <= t <= (k + 1) * 0.1 - 0.01 + step
+    phases = {round(t % 0.1, 3) for t in got}
+    assert len(phases) > 20  # drawn, not one phase
+    assert starts(7) == got and starts(8) != got
+    m = Microburst(1.0, every_s=0.1, length_s=0.01, seed=7)
+    duty = sum(m.in_burst(t, -1) for t in ts) / len(ts)
+    assert duty == pytest.approx(29 * 0.01 / 3.0, abs=2e-3)
+    # asked out of order, a period's burst is where it is asked in order
+    late = Microburst(1.0, every_s=0.1, length_s=0.01, seed=7)
+    assert late.in_burst(got[5] + 0.005, -1) and late.in_burst(got[2] + 0.005, -1)
+    assert not late.in_burst(got[2] - 0.001, -1)
+
+
+def test_recurring_bursts_as_a_spec() -> None:
+    m = parse_loss_spec("bernoulli:0.01+burst:rate=0.8,every_s=0.1,len_s=0.01,rank=0", seed=3)
+    assert isinstance(m, Combined)
+    burst = m.models[1]
+    assert isinstance(burst, Microburst) and burst.rank == 0
+    assert (burst.every_s, burst.length_s, burst.rate) == (0.1, 0.01, 0.8)
+    assert not m.needs_round  # (time alone: it meets segments without our header too)
+    again = parse_loss_spec(m.to_spec(), seed=3)
+    assert again.to_spec() == m.to_spec()
+    assert "every_s=0.1" in burst.describe() and "len_s=0.01" in burst.describe()
+    for bad in ("burst:rate=0.8,every_s=0.1", "burst:rate=0.8,every_s=x,len_s=0.01",
+                "burst:rate=0.8,every_s=0.01,len_s=0.1"):
+        with pytest.raises(ValueError):
+            parse_loss_spec(bad)
 
 
 # ----------------------------------------------------------------------- Combined
@@ -359,7 +409,7 @@ def test_parse_round_trip(spec: str) -> None:
         ("ge:p_gb=0.1", ["ge needs p_bg="]),
         ("ge:rate=0.9,burst=1", ["unreachable"]),
         ("burst:every=20", ["'burst:every=20'", "burst needs rate="]),
-        ("burst:rate=0.5", ["needs rounds=, every= or window="]),
+        ("burst:rate=0.5", ["needs rounds=, every=, window= or every_s="]),
         ("burst:rate=0.5,every=x", ["every='x' is not an integer"]),
         ("burst:rate=0.5,every=2.5", ["is not an integer"]),
         ("burst:rate=0.5,rounds=1;two", ["rounds='two' is not an integer"]),

@@ -1002,8 +1002,10 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Random loss on every path, comma-separated rates in [0, 1).")
 @click.option("--loss-model", "loss_models", multiple=True,
               help="A loss spec on every path, rows of its own (repeatable): e.g. "
-                   "ge:rate=0.01,burst=8, or burst:rate=0.8,window=0.05-0.06 (bursts as "
-                   "time windows, in virtual seconds).")
+                   "ge:rate=0.01,burst=8, burst:rate=0.8,window=0.05-0.06 (bursts as "
+                   "time windows, in virtual seconds) or burst:rate=0.8,every_s=0.1,"
+                   "len_s=0.01 (recurring); a burst with rank=R happens at rank R's "
+                   "host.")
 @click.option("--elements", default=1 << 20, show_default=True, type=click.IntRange(1, 1 << 28),
               help="float32 values exchanged per round.")
 @click.option("--rounds", default=5, show_default=True, type=click.IntRange(1, 100_000))
@@ -1059,7 +1061,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     from .net.background import parse_background
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
     from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
-    from .sim.job import LIKE_TESTBED_MTU, check_loss_model
+    from .sim.job import LIKE_TESTBED_MTU, burst_ranks, check_loss_model
 
     if like_testbed:
         given = [f"--{name.replace('_', '-')}" for name in LIKE_TESTBED
@@ -1102,9 +1104,13 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     _check(checks.credit_fits, credit, mtu)  # (the simulated job's chunk fills the MTU)
     for spec in loss_models:
         try:
-            check_loss_model(spec)
+            ranks = burst_ranks(check_loss_model(spec))
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--loss-model") from None
+        if ranks and max(ranks) >= min(workers_t):
+            raise click.BadParameter(f"{spec!r}: a burst at rank {max(ranks)}, but "
+                                     f"{min(workers_t)} workers have ranks 0 to "
+                                     f"{min(workers_t) - 1}", param_hint="--loss-model")
     try:
         backgrounds_t = tuple(parse_background(spec) for spec in backgrounds)
     except ValueError as e:

@@ -312,7 +312,14 @@ class Microburst(LossModel):
     - ``round_id in rounds``;
     - ``every`` is set, ``round_id >= offset`` and ``(round_id - offset) % every <
       length`` (rounds ``offset .. offset+length-1``, then every ``every`` rounds);
-    - ``start <= now < end`` for some ``(start, end)`` in ``windows``.
+    - ``start <= now < end`` for some ``(start, end)`` in ``windows``;
+    - ``every_s`` is set and ``now`` lies in the burst of its period: one burst of
+      ``length_s`` in every ``every_s`` from the clock's ``every_s`` on, each at a place
+      in its period drawn from ``seed`` (bursts that recur in time, as the kernel
+      testbed's timed microbursts, which know no rounds; drawn, because on a virtual
+      clock a strictly periodic burst phase-locks with timers that are multiples of its
+      period - a TCP retransmission timeout of 200 ms, doubled, would meet a burst of a
+      100 ms period every time, which no real clock's drift allows).
 
     Round -1 (unknown) is never in a round burst. ``rank`` names the one receiver rank
     that applies the burst (None: every rank); see :meth:`for_rank`.
@@ -329,6 +336,9 @@ class Microburst(LossModel):
         "length",
         "offset",
         "windows",
+        "every_s",
+        "length_s",
+        "_period",
         "base",
         "rank",
         "seed",
@@ -344,6 +354,8 @@ class Microburst(LossModel):
         length: int = 1,
         offset: int = 0,
         windows: Iterable[tuple[float, float]] | None = None,
+        every_s: float | None = None,
+        length_s: float | None = None,
         base: LossModel | None = None,
         rank: int | None = None,
         seed: int = 0,
@@ -362,8 +374,16 @@ class Microburst(LossModel):
         self.length = length
         self.offset = offset
         self.windows = tuple(_check_window(w) for w in windows or ())
-        if not self.rounds and every is None and not self.windows:
-            raise ValueError("burst needs rounds=, every= or window=")
+        if (every_s is None) != (length_s is None):
+            raise ValueError("burst every_s= and len_s= go together")
+        if every_s is not None and length_s is not None and not (
+                0 < length_s < every_s < math.inf):
+            raise ValueError(f"burst needs 0 < len_s ({length_s}) < every_s ({every_s})")
+        self.every_s = every_s
+        self.length_s = length_s
+        self._period = (-1, 0.0)  # (the period now falls in, where its burst starts)
+        if not self.rounds and every is None and not self.windows and every_s is None:
+            raise ValueError("burst needs rounds=, every=, window= or every_s=")
         if base is not None and not isinstance(base, LossModel):
             raise TypeError(f"burst base must be a LossModel, got {type(base).__name__}")
         self.base = base
@@ -385,7 +405,22 @@ class Microburst(LossModel):
         for start, end in self.windows:
             if start <= now < end:
                 return True
+        every_s = self.every_s
+        if every_s is not None and now >= every_s:
+            return 0.0 <= now - self._burst_start(int(now // every_s)) < self.length_s  # type: ignore[operator]
         return False
+
+    def _burst_start(self, k: int) -> float:
+        """Where period ``k``'s burst starts: a draw from the seed and ``k`` alone (the
+        same whatever was asked before), remembered for the period the clock is in."""
+        period, start = self._period
+        if period != k:
+            every_s, length_s = self.every_s, self.length_s
+            assert every_s is not None and length_s is not None
+            u = float(np.random.default_rng([self.seed, k]).random())
+            start = k * every_s + u * (every_s - length_s)
+            self._period = (k, start)
+        return start
 
     @property
     def needs_round(self) -> bool:
@@ -403,6 +438,7 @@ class Microburst(LossModel):
     def reset(self, seed: int | None = None) -> None:
         if seed is not None:
             self.seed = seed
+        self._period = (-1, 0.0)
         self._burst.reset(self.seed)
         if self.base is not None:
             self.base.reset(None if seed is None else derive_seed(seed, 1))
@@ -422,6 +458,9 @@ class Microburst(LossModel):
                 parts.append(f"offset={self.offset}")
         if self.rounds:
             parts.append("rounds=" + ";".join(str(r) for r in sorted(self.rounds)))
+        if self.every_s is not None:
+            parts.append(f"every_s={self.every_s!r}")
+            parts.append(f"len_s={self.length_s!r}")
         return parts
 
     def describe(self) -> str:
@@ -615,7 +654,8 @@ def _check_window(window: Sequence[float]) -> tuple[float, float]:
 
 SPEC_FORMS = (
     "none | bernoulli:P | ge:rate=R,burst=B | ge:p_gb=P,p_bg=P[,loss_good=P,loss_bad=P]"
-    " | burst:rate=R,(every=N[,len=L][,offset=O] | rounds=A;B;... | window=S-E;...)"
+    " | burst:rate=R,(every=N[,len=L][,offset=O] | rounds=A;B;... | window=S-E;..."
+    " | every_s=S,len_s=S)"
     "[,rank=K] | bottleneck:rate=DATAGRAMS_PER_S,queue=N[,rank=K];"
     " join components with '+'"
 )
@@ -705,7 +745,8 @@ def _parse_component(kind: str, text: str, seed: int) -> LossModel:
         )
     if kind == "burst":
         args = _args(kind, text, positional=None)
-        _only(args, {"rate", "every", "len", "offset", "rounds", "window", "rank"}, kind)
+        _only(args, {"rate", "every", "len", "offset", "rounds", "window", "every_s", "len_s",
+                     "rank"}, kind)
         rate = _num("rate", _need(args, "rate", kind))
         rounds = None
         if "rounds" in args:
@@ -725,6 +766,8 @@ def _parse_component(kind: str, text: str, seed: int) -> LossModel:
             length=_int("len", args["len"]) if "len" in args else 1,
             offset=_int("offset", args["offset"]) if "offset" in args else 0,
             windows=windows,
+            every_s=_num("every_s", args["every_s"]) if "every_s" in args else None,
+            length_s=_num("len_s", args["len_s"]) if "len_s" in args else None,
             rank=_int("rank", args["rank"]) if "rank" in args else None,
             seed=seed,
         )

@@ -23,6 +23,7 @@ last rank left it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -189,6 +190,8 @@ class SimRow:
     background: str = ""
     background_bytes: int = 0
     background_drops: int = 0
+    #: datagrams a burst at a rank's host (``rank=`` in the loss spec) lost there
+    node_losses: int = 0
 
 
 class _Barrier:
@@ -220,8 +223,9 @@ def run_job(job: SimJob) -> SimRow:
     wall0 = time.perf_counter()
     cpu = CPU_PRESETS[job.cpu]
     costs = job.cpu_costs or cpu.costs
+    on_paths, at_node = job_losses(job)
     net = FakeNetwork(seed=job.seed, path=PathProfile(
-        delay=job.delay_us * 1e-6, loss=path_loss(job)), shared_cores=cpu.shared_cores)
+        delay=job.delay_us * 1e-6, loss=on_paths), shared_cores=cpu.shared_cores)
     net.carries_payload = carries_payload
     if job.shared_buffer_bytes is not None:
         net.shared_buffer = SharedBuffer(job.shared_buffer_bytes)
@@ -241,6 +245,8 @@ def run_job(job: SimJob) -> SimRow:
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           queue_bytes=job.queue_bytes,
                           cpu=costs)
+    profiles = [dataclasses.replace(profile, loss=at_node[r]) if r in at_node else profile
+                for r in range(job.workers)]
     if net.fabric is not None:
         for r, peer in enumerate(peers):
             net.fabric.place(peer, r * job.racks // job.workers)
@@ -254,7 +260,7 @@ def run_job(job: SimJob) -> SimRow:
         if costs is not None:
             raise ValueError(f"{job.system} runs over a TCP model without CPU costs: "
                              "simulate it with --cpu none")
-        tcp = [SimTcp(runtime, peer, job.mtu, profile) for peer in peers]
+        tcp = [SimTcp(runtime, peer, job.mtu, profiles[r]) for r, peer in enumerate(peers)]
         exchange = EXCHANGES[job.system]
 
         def rank_main(r: int) -> None:
@@ -265,8 +271,8 @@ def run_job(job: SimJob) -> SimRow:
                 ends[r, t] = runtime.now
     else:
         endpoints = [SimEndpoint(runtime, peer, session=SESSION, config=config,
-                                 auth_key=KEY if job.auth else None, profile=profile)
-                     for peer in peers]
+                                 auth_key=KEY if job.auth else None, profile=profiles[r])
+                     for r, peer in enumerate(peers)]
         collective = TOPOLOGIES[job.topology]
 
         def rank_main(r: int) -> None:
@@ -307,7 +313,8 @@ def run_job(job: SimJob) -> SimRow:
         p99_ms=round(_percentile(latencies, 0.99), 3),
         mean_ms=round(float(np.mean(latencies)), 3), max_ms=round(float(max(latencies)), 3),
         sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
-        path_losses=net.counts["path_loss"], wall_s=round(time.perf_counter() - wall0, 3),
+        path_losses=net.counts["path_loss"], node_losses=net.counts["node_loss"],
+        wall_s=round(time.perf_counter() - wall0, 3),
         seed=job.seed, cpu=job.cpu, loss_model=job.loss_model,
         path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
         racks=job.racks, oversubscription=job.oversubscription,
@@ -350,16 +357,39 @@ def carries_payload(data: bytes) -> bool:
             and data[:2] == _MAGIC) or is_data_segment(data)
 
 
-def path_loss(job: SimJob) -> LossModel | None:
-    """What every path of ``job``'s network loses."""
-    if job.loss_model:
-        return check_loss_model(job.loss_model, seed=job.seed)
-    return Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None
+def burst_ranks(model: LossModel) -> set[int]:
+    """The ranks whose hosts a burst of ``model`` is at (``rank=``)."""
+    parts = model.models if isinstance(model, Combined) else (model,)
+    return {p.rank for p in parts if isinstance(p, Microburst) and p.rank is not None}
+
+
+def job_losses(job: SimJob) -> tuple[LossModel | None, dict[int, LossModel]]:
+    """What every path of ``job``'s network loses, and what the datagrams arriving at a
+    rank's host lose there (a time burst given ``rank=``: the kernel testbed's timed
+    microbursts at a node - the demo's at the server)."""
+    if not job.loss_model:
+        return (Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None), {}
+    model = check_loss_model(job.loss_model, seed=job.seed)
+    parts = list(model.models) if isinstance(model, Combined) else [model]
+    at_node: dict[int, list[LossModel]] = {}
+    on_paths = []
+    for part in parts:  # (split, not parsed again: each part keeps its own seeded stream)
+        if isinstance(part, Microburst) and part.rank is not None:
+            if part.rank >= job.workers:
+                raise ValueError(f"{job.loss_model!r}: a burst at rank {part.rank} of "
+                                 f"{job.workers} workers")
+            at_node.setdefault(part.rank, []).append(part)
+        else:
+            on_paths.append(part)
+    nodes = {r: ms[0] if len(ms) == 1 else Combined(ms) for r, ms in at_node.items()}
+    paths = None if not on_paths else on_paths[0] if len(on_paths) == 1 else Combined(on_paths)
+    return paths, nodes
 
 
 def check_loss_model(spec: str, seed: int = 0) -> LossModel:
-    """``spec`` as a path loss model every system meets alike: random, Gilbert-Elliott
-    and time-windowed bursts, not bursts keyed on our rounds (a TCP segment carries no
+    """``spec`` as a loss model every system meets alike: random, Gilbert-Elliott and
+    bursts in time (windows, or recurring: ``every_s``; on every path, or with ``rank=``
+    at that rank's host), not bursts keyed on our rounds (a TCP segment carries no
     round) nor a bottleneck (the links and queues are that); ValueError, one line, if
     not."""
     model = parse_loss_spec(spec, seed=seed)
@@ -371,9 +401,6 @@ def check_loss_model(spec: str, seed: int = 0) -> LossModel:
         if isinstance(part, Microburst) and (part.rounds or part.every):
             raise ValueError(f"{spec!r}: bursts keyed on rounds meet our datagrams alone (a "
                              "TCP segment carries no round): give them as time windows")
-        if isinstance(part, Microburst) and part.rank is not None:
-            raise ValueError(f"{spec!r}: a path's loss has no rank (every path runs the "
-                             "model): leave out rank=")
     return model
 
 
