@@ -405,9 +405,9 @@ class Microburst(LossModel):
         for start, end in self.windows:
             if start <= now < end:
                 return True
-        every_s = self.every_s
-        if every_s is not None and now >= every_s:
-            return 0.0 <= now - self._burst_start(int(now // every_s)) < self.length_s  # type: ignore[operator]
+        every_s, length_s = self.every_s, self.length_s
+        if every_s is not None and length_s is not None and now >= every_s:
+            return 0.0 <= now - self._burst_start(int(now // every_s)) < length_s
         return False
 
     def _burst_start(self, k: int) -> float:
