@@ -290,6 +290,17 @@ def test_recurring_bursts_take_one_len_s_of_each_period_at_a_drawn_place() -> No
     assert not late.in_burst(got[2] - 0.001, -1)
 
 
+def test_a_bursts_time_windows_are_the_ones_it_drops_in() -> None:
+    m = Microburst(1.0, every_s=0.1, length_s=0.01, windows=[(0.02, 0.03)], seed=5)
+    windows = m.time_windows(1.0)
+    assert len(windows) == 1 + 9 and windows[0] == (0.02, 0.03)
+    for start, end in windows:
+        assert m.in_burst(start + 1e-6, -1) and m.in_burst(end - 1e-6, -1)
+        assert not m.in_burst(start - 1e-6, -1) and not m.in_burst(end + 1e-6, -1)
+    assert m.time_windows(0.05) == [(0.02, 0.03)]
+    assert Microburst(1.0, every=3).time_windows(10.0) == []  # (rounds, not time)
+
+
 def test_recurring_bursts_as_a_spec() -> None:
     m = parse_loss_spec("bernoulli:0.01+burst:rate=0.8,every_s=0.1,len_s=0.01,rank=0", seed=3)
     assert isinstance(m, Combined)

@@ -601,9 +601,31 @@ def test_a_burst_at_one_rank_meets_what_arrives_at_its_host_alone(tmp_path):
         assert burst["node_losses"] > 0 and plain["node_losses"] == 0
         assert burst["path_losses"] > 0  # (the 1% stays on every path)
         assert burst["mean_ms"] > plain["mean_ms"]
+        assert burst["burst_rounds"] > 0  # (rounds this long meet one most times)
+        assert plain["burst_rounds"] == 0 and plain["burst_over_normal_round"] is None
         # (phase-locked, TCP's retries met a burst every time: rounds of hours)
         assert burst["max_ms"] < 20_000
     assert rows[("reliable", at_server)]["max_ms"] < rows[("tcp-ps", at_server)]["max_ms"]
+
+
+def test_a_row_sets_the_rounds_that_met_a_burst_against_the_others():
+    """As compare reports a burst round against a normal one: the rounds whose span
+    overlapped a burst in time (at a host or on the paths), their mean, the others'
+    median, and the one over the other."""
+    from boundedloss.sim import SimJob, run_job
+
+    spec = "burst:rate=0.8,every_s=0.02,len_s=0.002,rank=0"
+    rows = {system: run_job(SimJob(workers=4, system=system, topology="ps", loss=0.0,
+                                   loss_model=spec, elements=50_000, rounds=80))
+            for system in ("tcp-ps", "reliable")}
+    for row in rows.values():
+        assert 0 < row.burst_rounds < row.rounds
+        assert row.burst_round_ms_mean > row.normal_round_ms_p50 > 0
+        assert row.burst_over_normal_round == pytest.approx(
+            row.burst_round_ms_mean / row.normal_round_ms_p50, rel=1e-3)
+    # a burst costs TCP's stream its timeouts, ours a PROBE's round trip
+    assert (rows["tcp-ps"].burst_over_normal_round
+            > 5 * rows["reliable"].burst_over_normal_round)
 
 
 def test_a_link_to_the_spine_serialises_and_drops_beyond_its_queue():

@@ -1140,16 +1140,22 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                     f"links, {delay_us:g} us paths, {queues}"
                     f"{fabric}, CPU {cpu}{credit_note} (virtual time)")
     background_cols = ("background", "bg MB", "bg drops") if backgrounds_t else ()
+    # (bursts in time: the rounds that met one, against the others)
+    burst_cols = ("burst rounds", "burst/rnd") if any(r.burst_rounds for r in rows) else ()
     for col in ("workers", "system", "topology", "loss", *background_cols, "p50 ms",
-                "p99 ms", "mean ms", "datagrams", "queue drops", "wall s"):
+                "p99 ms", "mean ms", *burst_cols, "datagrams", "queue drops", "wall s"):
         t.add_column(col, justify="right")
     for r in rows:
         background_cells = ((r.background or "none", f"{r.background_bytes / 1e6:,.1f}",
                              f"{r.background_drops:,}") if backgrounds_t else ())
+        ratio = r.burst_over_normal_round
+        burst_cells = ((f"{r.burst_rounds:,}", "-" if ratio is None else f"{ratio:.2f}x")
+                       if burst_cols else ())
         t.add_row(str(r.workers), r.system, r.topology, r.loss_model or f"{r.loss:.1%}",
                   *background_cells, f"{r.p50_ms:.2f}",
-                  f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", f"{r.sim_datagrams:,}",
-                  f"{r.queue_drops + r.fabric_drops:,}", f"{r.wall_s:.1f}")
+                  f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", *burst_cells,
+                  f"{r.sim_datagrams:,}", f"{r.queue_drops + r.fabric_drops:,}",
+                  f"{r.wall_s:.1f}")
     console.print(t)
     if json_path is not None:
         write_json(rows, json_path)

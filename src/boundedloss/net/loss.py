@@ -410,6 +410,18 @@ class Microburst(LossModel):
             return 0.0 <= now - self._burst_start(int(now // every_s)) < length_s
         return False
 
+    def time_windows(self, until: float) -> list[tuple[float, float]]:
+        """The bursts in time (``windows``, and the recurring ones) that start before
+        ``until``, as ``(start, end)``: what a round overlapping one met."""
+        out = [w for w in self.windows if w[0] < until]
+        every_s, length_s = self.every_s, self.length_s
+        if every_s is not None and length_s is not None:
+            for k in range(1, int(until // every_s) + 1):
+                start = self._burst_start(k)
+                if start < until:
+                    out.append((start, start + length_s))
+        return out
+
     def _burst_start(self, k: int) -> float:
         """Where period ``k``'s burst starts: a draw from the seed and ``k`` alone (the
         same whatever was asked before), remembered for the period the clock is in."""

@@ -192,6 +192,13 @@ class SimRow:
     background_drops: int = 0
     #: datagrams a burst at a rank's host (``rank=`` in the loss spec) lost there
     node_losses: int = 0
+    #: with bursts in time (``window=``, ``every_s=``): the rounds that overlapped one,
+    #: their mean, the other rounds' median, and the one over the other (as ``compare``
+    #: reports a burst round against a normal one); None without such bursts
+    burst_rounds: int = 0
+    burst_round_ms_mean: float | None = None
+    normal_round_ms_p50: float | None = None
+    burst_over_normal_round: float | None = None
 
 
 class _Barrier:
@@ -306,6 +313,7 @@ def run_job(job: SimJob) -> SimRow:
         for ep in endpoints:
             ep.close()
     latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
+    bursts = burst_round_figures(on_paths, at_node, starts.max(axis=0), ends.max(axis=0))
     return SimRow(
         workers=job.workers, system=job.system, topology=job.topology, loss=job.loss,
         rounds=job.rounds, elements=job.elements,
@@ -313,7 +321,7 @@ def run_job(job: SimJob) -> SimRow:
         p99_ms=round(_percentile(latencies, 0.99), 3),
         mean_ms=round(float(np.mean(latencies)), 3), max_ms=round(float(max(latencies)), 3),
         sim_datagrams=net.counts["sent"], queue_drops=net.counts["queue_drop"],
-        path_losses=net.counts["path_loss"], node_losses=net.counts["node_loss"],
+        path_losses=net.counts["path_loss"], node_losses=net.counts["node_loss"], **bursts,
         wall_s=round(time.perf_counter() - wall0, 3),
         seed=job.seed, cpu=job.cpu, loss_model=job.loss_model,
         path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
@@ -355,6 +363,29 @@ def carries_payload(data: bytes) -> bool:
     """Our DATA, or one of the TCP model's data segments (asked of every datagram)."""
     return (len(data) > wire.HEADER_BYTES and data[_KIND_AT] == _DATA
             and data[:2] == _MAGIC) or is_data_segment(data)
+
+
+def burst_round_figures(on_paths: LossModel | None, at_node: dict[int, LossModel],
+                        starts: np.ndarray, ends: np.ndarray) -> dict[str, Any]:
+    """The rows' burst-round fields: which rounds (``starts[t]`` to ``ends[t]``, virtual
+    seconds) overlapped a burst in time, on the paths or at a host."""
+    models = [m for m in (on_paths, *at_node.values()) if m is not None]
+    parts = [p for m in models for p in (m.models if isinstance(m, Combined) else (m,))]
+    windows = [w for p in parts if isinstance(p, Microburst)
+               for w in p.time_windows(float(ends.max()) if ends.size else 0.0)]
+    if not windows:
+        return {}
+    hit = np.array([any(a < e and b > s for a, b in windows) for s, e in zip(starts, ends)])
+    ms = (ends - starts) * 1e3
+    figures: dict[str, Any] = {"burst_rounds": int(hit.sum())}
+    if hit.any():
+        figures["burst_round_ms_mean"] = round(float(ms[hit].mean()), 3)
+    if (~hit).any():
+        figures["normal_round_ms_p50"] = round(float(np.median(ms[~hit])), 3)
+    if hit.any() and (~hit).any() and figures["normal_round_ms_p50"] > 0:
+        figures["burst_over_normal_round"] = round(
+            figures["burst_round_ms_mean"] / figures["normal_round_ms_p50"], 3)
+    return figures
 
 
 def burst_ranks(model: LossModel) -> set[int]:
