@@ -51,6 +51,15 @@ def ctypes_gmac():
         yield
 
 
+def spawn_transfer(rt, a, b, payload, message_id: int = 1) -> tuple:
+    """Programs on the SimRuntime ``rt``: endpoint ``a`` sends ``payload`` to ``b``, and
+    ``b`` receives it; the two programs (sender's, receiver's), their results once run."""
+    sent = rt.spawn(lambda: a.send(b.address, payload, message_id=message_id).result())
+    got = rt.spawn(lambda: b.receive(a.address, message_id=message_id,
+                                     nbytes=payload.nbytes).result())
+    return sent, got
+
+
 def source_bytes(nbytes: int, seed: int) -> np.ndarray:
     """``nbytes`` random bytes that never contain SENTINEL."""
     return np.random.default_rng(seed).integers(0, SENTINEL, size=nbytes, dtype=np.uint8)

@@ -19,6 +19,7 @@ from boundedloss.net.background import (
 from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.simulated import SimDeadlock, SimEndpoint, SimFuture, SimRuntime
 from boundedloss.sim import SimJob, run_job
+from conftest import spawn_transfer
 
 SESSION = 0xB6_0001
 GBPS10 = 10e9
@@ -205,8 +206,7 @@ def test_background_fills_the_switch_queue_and_the_job_s_datagrams_are_dropped_t
     # port's queue stays full for the 2.4 ms the background lasts
     net.add_background(c.address, _Script(b.address, 3000, size=1000, gap=0.8e-6))
     payload = np.zeros(200_000, dtype=np.uint8)
-    rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
-    got = rt.spawn(lambda: b.receive(a.address, message_id=1, nbytes=payload.nbytes).result())
+    _, got = spawn_transfer(rt, a, b, payload)
     rt.run()
     net.run(until=net.now + 1.0)  # (what is still on its way arrives)
     c_ = net.counts
@@ -370,7 +370,7 @@ def test_boundedloss_sim_runs_rows_of_each_background(tmp_path):
     (["--background", "0.3:bursty"], "'bursty' is no pattern"),
     (["--background", "0.3:pareto,shape=4"], "shape must be in (1, 2]"),
     (["--workers", "4,8", "--background", "0.3:to=4"],
-     "to=4: a world of 4 workers has ranks 0 to 3"),
+     "to=4, but 4 workers have ranks 0 to 3"),
 ])
 def test_boundedloss_sim_refuses_a_bad_background_in_one_line(argv, message, capsys):
     from boundedloss.cli import main

@@ -17,6 +17,7 @@ from boundedloss.net.simulated import SimDeadlock, SimEndpoint, SimFuture, SimRu
 from boundedloss.policy import parse_policy
 from boundedloss.protocol import TransportConfig
 from boundedloss.protocol.types import CloseReason, SendStatus
+from conftest import spawn_transfer
 
 SESSION = 0x51_3E7D
 KEY = bytes(range(32))
@@ -113,8 +114,7 @@ def _pair(loss: float = 0.0, seed: int = 3):
 def test_a_message_crosses_a_lossy_simulated_network_whole_in_virtual_time():
     net, rt, a, b = _pair(loss=0.05)
     payload = np.arange(1 << 18, dtype=np.float32)
-    sent = rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
-    got = rt.spawn(lambda: b.receive(a.address, message_id=1, nbytes=payload.nbytes).result())
+    sent, got = spawn_transfer(rt, a, b, payload)
     end = rt.run()
     res = got.result()
     assert res.complete and res.close_reason == CloseReason.COMPLETE
@@ -310,9 +310,7 @@ def test_each_datagram_the_python_core_handles_costs_its_i_o_thread(compiled, mo
         a, b = (SimEndpoint(rt, _address(r), session=SESSION, profile=profile)
                 for r in range(2))
         assert (a.data_path is not None) is compiled
-        rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
-        got = rt.spawn(lambda: b.receive(a.address, message_id=1,
-                                         nbytes=payload.nbytes).result())
+        _, got = spawn_transfer(rt, a, b, payload)
         end = rt.run()
         assert got.result().complete
         return end, a.mux.datagrams_in + b.mux.datagrams_in
@@ -667,8 +665,7 @@ def test_the_counts_balance_with_drops_at_the_spine():
     net.fabric.place(a.address, 0)
     net.fabric.place(b.address, 1)
     payload = np.zeros(300_000, dtype=np.uint8)
-    rt.spawn(lambda: a.send(b.address, payload, message_id=1).result())
-    got = rt.spawn(lambda: b.receive(a.address, message_id=1, nbytes=payload.nbytes).result())
+    _, got = spawn_transfer(rt, a, b, payload)
     rt.run()
     net.run(until=net.now + 1.0)  # (what is still on its way arrives)
     c = net.counts
@@ -715,4 +712,4 @@ def test_a_simulated_job_gives_the_same_rows_on_the_compiled_path_and_the_python
     monkeypatch.setenv("BOUNDEDLOSS_NATIVE", "0")
     python = row()
     assert compiled == python
-    assert compiled["sim_datagrams"] > 0 and compiled["p99_ms"] > compiled["p50_ms"] * 0.99
+    assert compiled["path_losses"] > 0  # (a lossy run: recovery took part)

@@ -435,6 +435,13 @@ def congestion_option():
                         type=click.Choice(list(CONGESTION_MODES)), help=CONGESTION_HELP)
 
 
+def _check_ranks(ranks: set[int], world: int, what: str, hint: str) -> None:
+    """A rank an option names must be in the smallest world simulated (one line if not)."""
+    if ranks and max(ranks) >= world:
+        raise click.BadParameter(f"{what}{max(ranks)}, but {world} workers have ranks 0 "
+                                 f"to {world - 1}", param_hint=hint)
+
+
 def _parse_congestions(text: str) -> tuple[str, ...]:
     """bench's ``--congestion``: CONGESTION_MODES names, comma-separated, each once."""
     from .protocol.congestion import CONGESTION_MODES
@@ -1107,19 +1114,13 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
             ranks = burst_ranks(check_loss_model(spec))
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--loss-model") from None
-        if ranks and max(ranks) >= min(workers_t):
-            raise click.BadParameter(f"{spec!r}: a burst at rank {max(ranks)}, but "
-                                     f"{min(workers_t)} workers have ranks 0 to "
-                                     f"{min(workers_t) - 1}", param_hint="--loss-model")
+        _check_ranks(ranks, min(workers_t), f"{spec!r}: a burst at rank ", "--loss-model")
     try:
         backgrounds_t = tuple(parse_background(spec) for spec in backgrounds)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--background") from None
-    toward = [b.toward for b in backgrounds_t if b.toward is not None]
-    if toward and max(toward) >= min(workers_t):
-        raise click.BadParameter(f"to={max(toward)}: a world of {min(workers_t)} workers "
-                                 f"has ranks 0 to {min(workers_t) - 1}",
-                                 param_hint="--background")
+    _check_ranks({b.toward for b in backgrounds_t if b.toward is not None}, min(workers_t),
+                 "to=", "--background")
     jobs = plan_jobs(workers_t, tuple(str(s) for s in systems), topologies_t, losses_t,
                      loss_models=tuple(loss_models), backgrounds=backgrounds_t or (None,),
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,

@@ -242,6 +242,10 @@ def peek_round(data) -> int:
     return int.from_bytes(data[ROUND_SLICE], "little")
 
 
+#: the bytes every one of our datagrams starts with (a quick look: ``data[:2] ==``)
+MAGIC_BYTES = MAGIC.to_bytes(2, "little")
+
+
 SESSION_SLICE = slice(OFFSET["session"], OFFSET["session"] + FIELD_BYTES["session"])
 
 

@@ -246,9 +246,7 @@ class FakeNetwork:
         """Bytes in the downlink queue of the node at ``address`` now (waiting, or on
         the link)."""
         node = self._nodes[address]
-        queue = node.queue
-        while queue and queue[0][0] <= self.now:
-            node.queued_bytes -= queue.popleft()[1]
+        self._drain(node)
         return node.queued_bytes
 
     def path(self, src, dst) -> PathProfile:
@@ -431,12 +429,8 @@ class FakeNetwork:
     def _cross_spine(self, kind: int, dst: _Node, src, data: bytes, delay: float) -> None:
         """A datagram at its rack's uplink (_SPINE_UP) or at the spine's downlink to the
         destination's rack (_SPINE_DOWN): queued there, or dropped (``fabric_drop``)."""
-        fabric = self.fabric
-        assert fabric is not None
         up = kind == _SPINE_UP
-        rack = fabric.rack(src if up else dst.address)
-        assert rack is not None
-        left = (fabric.up if up else fabric.down)[rack].offer(self.now, len(data))
+        left = self._spine_offer(up, src, dst, len(data))
         if left is None:
             self.counts["fabric_drop"] += 1
             self._count_payload_drop(data)
@@ -444,6 +438,16 @@ class FakeNetwork:
             self._push(left, _SPINE_DOWN, dst, src, (data, delay))
         else:
             self._push(left + delay, _ARRIVE, dst, src, data)
+
+    def _spine_offer(self, up: bool, src, dst: _Node, size: int) -> float | None:
+        """``size`` bytes from ``src`` to ``dst`` offered to its rack's uplink (``up``)
+        or to the spine's downlink into ``dst``'s rack: when they have crossed it, or
+        None if its queue is full."""
+        fabric = self.fabric
+        assert fabric is not None
+        rack = fabric.rack(src if up else dst.address)
+        assert rack is not None
+        return (fabric.up if up else fabric.down)[rack].offer(self.now, size)
 
     def _count_payload_drop(self, data: bytes) -> None:
         if self.carries_payload is not None and self.carries_payload(data):
@@ -462,13 +466,18 @@ class FakeNetwork:
         self.counts["delivered"] += 1
         self._push(t, _DELIVER, node, src, data)
 
+    def _drain(self, node: _Node) -> None:
+        """What has crossed the node's downlink by now leaves its queue."""
+        queue = node.queue
+        while queue and queue[0][0] <= self.now:
+            node.queued_bytes -= queue.popleft()[1]
+
     def _admits(self, node: _Node, size: int) -> bool:
         """Whether the downlink's queue (and the shared buffer) take ``size`` bytes now."""
         now = self.now
         prof = node.profile
         queue = node.queue
-        while queue and queue[0][0] <= now:
-            node.queued_bytes -= queue.popleft()[1]
+        self._drain(node)
         shared = self.shared_buffer
         return not ((prof.queue_datagrams is not None and len(queue) >= prof.queue_datagrams)
                     or (prof.queue_bytes is not None
@@ -514,13 +523,9 @@ class FakeNetwork:
             else:
                 counts["background_queue_drop"] += 1
         else:  # at its rack's uplink, or at the spine's downlink to the other rack
-            fabric = self.fabric
-            assert fabric is not None
             size, delay = data
             up = kind == _BG_SPINE_UP
-            rack = fabric.rack(src if up else node.address)
-            assert rack is not None
-            left = (fabric.up if up else fabric.down)[rack].offer(self.now, size)
+            left = self._spine_offer(up, src, node, size)
             if left is None:
                 counts["background_fabric_drop"] += 1
             elif up:

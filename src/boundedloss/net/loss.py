@@ -589,6 +589,11 @@ class Bottleneck(LossModel):
         return text
 
 
+def components(model: LossModel) -> tuple[LossModel, ...]:
+    """The models ``model`` joins (``+`` in a spec), or ``model`` alone."""
+    return model.models if isinstance(model, Combined) else (model,)
+
+
 class Combined(LossModel):
     """Drops a datagram if any component drops it.
 

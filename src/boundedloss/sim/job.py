@@ -40,7 +40,15 @@ from ..net.buffer import SharedBuffer
 from ..net.cpu import CpuCosts
 from ..net.fabric import Fabric, FabricProfile
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
-from ..net.loss import Bernoulli, Bottleneck, Combined, LossModel, Microburst, parse_loss_spec
+from ..net.loss import (
+    Bernoulli,
+    Bottleneck,
+    Combined,
+    LossModel,
+    Microburst,
+    components,
+    parse_loss_spec,
+)
 from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
 from ..net.udp import IPV4_UDP_OVERHEAD, largest_chunk
 from ..policy import parse_policy
@@ -355,7 +363,7 @@ def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequen
 
 
 _KIND_AT = wire.OFFSET["kind"]
-_MAGIC = wire.MAGIC.to_bytes(2, "little")
+_MAGIC = wire.MAGIC_BYTES
 _DATA = int(wire.Kind.DATA)
 
 
@@ -370,12 +378,17 @@ def burst_round_figures(on_paths: LossModel | None, at_node: dict[int, LossModel
     """The rows' burst-round fields: which rounds (``starts[t]`` to ``ends[t]``, virtual
     seconds) overlapped a burst in time, on the paths or at a host."""
     models = [m for m in (on_paths, *at_node.values()) if m is not None]
-    parts = [p for m in models for p in (m.models if isinstance(m, Combined) else (m,))]
-    windows = [w for p in parts if isinstance(p, Microburst)
-               for w in p.time_windows(float(ends.max()) if ends.size else 0.0)]
+    until = float(ends.max()) if ends.size else 0.0
+    windows = sorted(w for m in models for p in components(m) if isinstance(p, Microburst)
+                     for w in p.time_windows(until))
     if not windows:
         return {}
-    hit = np.array([any(a < e and b > s for a, b in windows) for s, e in zip(starts, ends)])
+    # a round meets a burst if one that starts before the round ends ends after it
+    # starts: the latest end among the bursts started by then (they may overlap)
+    opened, closed = np.array(windows).T
+    latest_end = np.maximum.accumulate(closed)
+    last = np.searchsorted(opened, ends, side="left") - 1
+    hit = (last >= 0) & (latest_end[np.maximum(last, 0)] > starts)
     ms = (ends - starts) * 1e3
     figures: dict[str, Any] = {"burst_rounds": int(hit.sum())}
     if hit.any():
@@ -390,8 +403,8 @@ def burst_round_figures(on_paths: LossModel | None, at_node: dict[int, LossModel
 
 def burst_ranks(model: LossModel) -> set[int]:
     """The ranks whose hosts a burst of ``model`` is at (``rank=``)."""
-    parts = model.models if isinstance(model, Combined) else (model,)
-    return {p.rank for p in parts if isinstance(p, Microburst) and p.rank is not None}
+    return {p.rank for p in components(model) if isinstance(p, Microburst)
+            and p.rank is not None}
 
 
 def job_losses(job: SimJob) -> tuple[LossModel | None, dict[int, LossModel]]:
@@ -401,10 +414,9 @@ def job_losses(job: SimJob) -> tuple[LossModel | None, dict[int, LossModel]]:
     if not job.loss_model:
         return (Bernoulli(job.loss, seed=job.seed) if job.loss > 0 else None), {}
     model = check_loss_model(job.loss_model, seed=job.seed)
-    parts = list(model.models) if isinstance(model, Combined) else [model]
     at_node: dict[int, list[LossModel]] = {}
     on_paths = []
-    for part in parts:  # (split, not parsed again: each part keeps its own seeded stream)
+    for part in components(model):  # (split, not parsed again: each keeps its own stream)
         if isinstance(part, Microburst) and part.rank is not None:
             if part.rank >= job.workers:
                 raise ValueError(f"{job.loss_model!r}: a burst at rank {part.rank} of "
@@ -424,8 +436,7 @@ def check_loss_model(spec: str, seed: int = 0) -> LossModel:
     round) nor a bottleneck (the links and queues are that); ValueError, one line, if
     not."""
     model = parse_loss_spec(spec, seed=seed)
-    parts = model.models if isinstance(model, Combined) else [model]
-    for part in parts:
+    for part in components(model):
         if isinstance(part, Bottleneck):
             raise ValueError(f"{spec!r}: a bottleneck is the simulator's links and queues "
                              "(--link-gbps, --queue-datagrams), not a path's loss")

@@ -37,12 +37,9 @@ MTU = 1500
 SAMPLE_EVERY = 100e-6
 
 
-_MAGIC = wire.MAGIC.to_bytes(2, "little")
-
-
 def _is_ours(data: bytes) -> bool:
     """Our datagram (its magic first) rather than a TCP segment (zeros there)."""
-    return data[:2] == _MAGIC
+    return data[:2] == wire.MAGIC_BYTES
 
 
 class SharedHost:
