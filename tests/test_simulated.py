@@ -11,6 +11,7 @@ import pytest
 
 from boundedloss.aggregate import UnbiasedRescale
 from boundedloss.collective import TOPOLOGIES, PeerFailure
+from boundedloss.net.cpu import CpuCosts
 from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.loss import Bernoulli
 from boundedloss.net.simulated import SimDeadlock, SimEndpoint, SimFuture, SimRuntime
@@ -259,7 +260,6 @@ def test_cores_place_work_in_the_first_gap_long_enough_on_the_core_free_first():
 
 
 def test_a_host_s_cpu_costs_set_its_pace_and_shared_cores_slow_every_host():
-    from boundedloss.net.cpu import CpuCosts
 
     costs = CpuCosts(byte_out=1e-9, byte_in=1e-9, message_main=1e-3, message_io=1e-3)
     payload = np.zeros(1 << 20, dtype=np.uint8)
@@ -293,7 +293,6 @@ def test_each_datagram_the_python_core_handles_costs_its_i_o_thread(compiled, mo
     retransmissions' BITMAPs; without it, every datagram. Each costs its I/O thread
     that long before it goes on, so a transfer takes longer by about what they cost."""
     from boundedloss.net import native
-    from boundedloss.net.cpu import CpuCosts
 
     if compiled and not native.enabled():
         pytest.skip(f"compiled data path: {native.status()}")
@@ -329,13 +328,14 @@ def test_each_datagram_the_python_core_handles_costs_its_i_o_thread(compiled, mo
         assert cost * handed / 2 - 1e-9 <= charged - free <= cost * handed + 1e-4
 
 
-def _tcp_world(world: int, loss: float = 0.0, seed: int = 0, rate: float = 10e9):
+def _tcp_world(world: int, loss: float = 0.0, seed: int = 0, rate: float = 10e9,
+               cpu: CpuCosts | None = None):
     from boundedloss.sim.baselines import SimTcp
 
     net = FakeNetwork(seed=seed, path=PathProfile(
         delay=5e-6, loss=Bernoulli(loss, seed=seed) if loss else None))
     rt = SimRuntime(net)
-    profile = NodeProfile(up_bps=rate, down_bps=rate, queue_datagrams=1024)
+    profile = NodeProfile(up_bps=rate, down_bps=rate, queue_datagrams=1024, cpu=cpu)
     return net, rt, [SimTcp(rt, _address(r), 9000, profile) for r in range(world)]
 
 
@@ -431,12 +431,38 @@ def test_boundedloss_sim_runs_gloo_and_tcp_ps_on_their_own_topologies(tmp_path):
     assert all(r["p50_ms"] > 0 for r in rows)
 
 
-def test_a_baseline_with_cpu_costs_is_refused_in_one_line(capsys):
-    from boundedloss.cli import main
+def test_a_ring_allreduce_over_tcp_pays_its_hosts_cpu():
+    from boundedloss.sim.baselines import ring_allreduce
 
-    assert main(["sim", "--systems", "gloo", "--cpu", "this-machine"]) == 2
-    err = capsys.readouterr().err
-    assert "no CPU costs" in err and err.count("\n") == 1
+    n, nbytes = 4, 4 << 20
+    steps, chunk = 2 * (n - 1), nbytes // n
+    costs = CpuCosts(byte_out=4e-9, byte_in=1e-9, message_main=1e-3)
+    ends = []
+    for cpu in (None, costs):
+        _, rt, tcp = _tcp_world(n, cpu=cpu)
+        for r in range(n):
+            rt.spawn(functools.partial(ring_allreduce, tcp, r, nbytes))
+        ends.append(rt.run())
+    # each host's one core: its segments out and in, and a send and a receive a step
+    work = steps * chunk * (costs.byte_out + costs.byte_in) + 2 * steps * costs.message_main
+    assert work < ends[1] < ends[0] + 1.3 * work
+
+
+def test_like_testbed_simulates_the_baselines_with_tcp_s_measured_costs(tmp_path):
+    from boundedloss.cli import main
+    from boundedloss.sim import SimJob, run_job
+    from boundedloss.sim.job import MEASURED_TCP_COSTS
+
+    path = tmp_path / "sim.json"
+    assert main(["sim", "--like-testbed", "--workers", "4", "--systems", "gloo",
+                 "--losses", "0", "--elements", "262144", "--rounds", "3",
+                 "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())
+    free = run_job(SimJob(workers=4, system="gloo", topology="allreduce", loss=0.0,
+                          elements=262144, rounds=3, mtu=1500, link_gbps=100.0))
+    assert row["cpu"] == "this-machine" and MEASURED_TCP_COSTS.message_main > 0
+    # (at 100 Gb/s the wire takes 0.1 ms of the round: the rest is the CPU's)
+    assert row["p50_ms"] > 10 * free.p50_ms
 
 
 def test_a_program_unwound_while_its_cleanup_waits_ends_its_thread():
@@ -489,7 +515,6 @@ def test_a_segment_takes_as_many_bytes_of_the_link_as_the_packet_it_stands_for()
 
 
 def test_a_detached_host_s_undelivered_datagrams_keep_the_counts_balanced():
-    from boundedloss.net.cpu import CpuCosts
 
     payload = np.zeros(200_000, dtype=np.uint8)
     for cpu in (None, CpuCosts(datagram_in=1e-3)):
@@ -510,7 +535,6 @@ def test_a_detached_host_s_undelivered_datagrams_keep_the_counts_balanced():
 
 
 def test_a_closed_endpoint_with_cpu_costs_refuses_a_post_as_any_closed_one():
-    from boundedloss.net.cpu import CpuCosts
     from boundedloss.protocol import TransportError
 
     net = FakeNetwork(seed=0)

@@ -1067,7 +1067,6 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     collectives over a simulated network, in virtual time."""
     from .net.background import parse_background
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
-    from .sim.baselines import TOPOLOGY as BASELINE_TOPOLOGY
     from .sim.job import LIKE_TESTBED_MTU, burst_ranks, check_loss_model
 
     if like_testbed:
@@ -1079,8 +1078,6 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
         link_gbps, delay_us, queue_datagrams, cpu = (
             LIKE_TESTBED["link_gbps"], LIKE_TESTBED["delay_us"],
             LIKE_TESTBED["queue_datagrams"], LIKE_TESTBED["cpu"])
-        if ctx.get_parameter_source("systems") is click.core.ParameterSource.DEFAULT:
-            systems = tuple(s for s in systems if s.name not in BASELINE_TOPOLOGY)
         if ctx.get_parameter_source("mtu") is click.core.ParameterSource.DEFAULT:
             mtu = LIKE_TESTBED_MTU
 
@@ -1094,12 +1091,6 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     if unknown:
         raise click.BadParameter(f"{unknown[0]!r}: the simulator runs {', '.join(SIM_SYSTEMS)}",
                                  param_hint="--systems")
-    baselines = [str(s) for s in systems if s.name in BASELINE_TOPOLOGY]
-    if baselines and cpu != "none":
-        raise click.BadParameter(
-            f"{baselines[0]} runs over the simulator's TCP model, which has no CPU costs: "
-            "compare it with --cpu none (with --like-testbed, leave it out)",
-            param_hint="--systems")
     topologies_t = _parse_list(topologies, str.strip, "--topology")
     bad = [t for t in topologies_t if t not in TOPOLOGIES]
     if bad:

@@ -17,24 +17,34 @@ TOPOLOGY = {GLOO: "gloo", TCP_PS: "ps"}
 
 class SimTcp:
     """A host's TCP stack on the runtime's network: ``send``/``recv`` of byte counts to
-    and from peers, each a future a program waits on."""
+    and from peers, each a future a program waits on. With CPU costs (``profile.cpu``)
+    the network charges the stack's segments to the host's I/O thread, and each send or
+    receive costs its caller ``message_main`` first (a gloo step's own work)."""
 
     def __init__(self, runtime: SimRuntime, address: Hashable, mtu: int,
                  profile: NodeProfile):
         self.runtime = runtime
         self.address = address
         self.stack = TcpHost(mtu, lambda: SimFuture(runtime))
+        self._message_cost = 0.0 if profile.cpu is None else profile.cpu.message_main
         runtime.network.attach(address, self.stack, profile)  # type: ignore[arg-type]
 
     def send(self, peer: Hashable, nbytes: int) -> SimFuture:
+        self._spend()
         self.stack.now = self.runtime.now
         fut = self.stack.send(peer, nbytes)
         self.runtime.network.wake(self.address)
         return fut  # type: ignore[return-value]
 
     def recv(self, peer: Hashable, nbytes: int) -> SimFuture:
+        self._spend()
         self.stack.now = self.runtime.now
         return self.stack.recv(peer, nbytes)  # type: ignore[return-value]
+
+    def _spend(self) -> None:
+        if self._message_cost > 0:
+            self.runtime.sleep_until(
+                self.runtime.network.charge(self.address, main=self._message_cost))
 
 
 def ring_allreduce(tcp: list[SimTcp], rank: int, nbytes: int) -> None:

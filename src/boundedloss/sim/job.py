@@ -69,6 +69,9 @@ class CpuPreset:
 
     costs: CpuCosts | None
     shared_cores: int | None  # None: every host has a core of its own
+    #: the TCP baselines' hosts' (gloo, tcp-ps): the kernel's TCP path per byte, and
+    #: per message the caller's
+    tcp_costs: CpuCosts | None = None
 
 
 #: What a rank's CPU spends on this machine (2 cores): the mean of the two
@@ -98,13 +101,19 @@ def costs_from_round_cpu(figures: dict) -> CpuCosts:
                     message_main=1e-3 * steps["collective call"] / messages,
                     datagram_core=1e-3 * core / handed if handed else 0.0)
 
+#: What a TCP baseline's host spends on this machine: ``tools/tcp_cpu.py`` (gloo's
+#: allreduce and tcp-ps on the kernel testbed, 4 ranks, 4 MB, MTU 1,500; a bulk
+#: transfer for the split between sending and receiving), benchmarks/tcp-cpu-1500.json.
+MEASURED_TCP_COSTS = CpuCosts(byte_out=1.135e-9, byte_in=0.254e-9,
+                              message_main=78.0e-6)
+
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
     "none": CpuPreset(None, None),
     #: every rank on this machine's 2 cores, as the kernel testbed runs them
-    "this-machine": CpuPreset(MEASURED_COSTS, 2),
+    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS),
     #: a cluster node: a rank to itself on a core as fast as this machine's
-    "cluster-node": CpuPreset(MEASURED_COSTS, None),
+    "cluster-node": CpuPreset(MEASURED_COSTS, None, MEASURED_TCP_COSTS),
 }
 
 
@@ -140,8 +149,10 @@ class SimJob:
     #: rack's uplink falls short of its hosts' links together
     racks: int = 1
     oversubscription: float = 1.0
-    #: costs that replace the preset's (a calibration's own measurement)
+    #: costs that replace the preset's (a calibration's own measurement): our hosts',
+    #: and the TCP baselines'
     cpu_costs: CpuCosts | None = None
+    tcp_costs: CpuCosts | None = None
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
@@ -238,6 +249,8 @@ def run_job(job: SimJob) -> SimRow:
     wall0 = time.perf_counter()
     cpu = CPU_PRESETS[job.cpu]
     costs = job.cpu_costs or cpu.costs
+    if job.system in EXCHANGES:  # (a baseline's hosts run TCP)
+        costs = job.tcp_costs or cpu.tcp_costs
     on_paths, at_node = job_losses(job)
     net = FakeNetwork(seed=job.seed, path=PathProfile(
         delay=job.delay_us * 1e-6, loss=on_paths), shared_cores=cpu.shared_cores)
@@ -272,9 +285,6 @@ def run_job(job: SimJob) -> SimRow:
     endpoints: list[SimEndpoint] = []
 
     if job.system in EXCHANGES:  # a baseline, over the TCP model
-        if costs is not None:
-            raise ValueError(f"{job.system} runs over a TCP model without CPU costs: "
-                             "simulate it with --cpu none")
         tcp = [SimTcp(runtime, peer, job.mtu, profiles[r]) for r, peer in enumerate(peers)]
         exchange = EXCHANGES[job.system]
 

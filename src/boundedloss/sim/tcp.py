@@ -18,7 +18,9 @@ reordering timer); one tail loss probe per tail (the last segment again, 2 x SRT
 2 ms after the last send, + 200 ms with a single segment out), not in recovery; the
 retransmission timeout at max(200 ms, SRTT + 4 x RTTVAR), doubled on each expiry, with
 the window back to one segment; slow start again after an idle RTO. Not modelled:
-delayed ACKs, the receive window (it never limits), Nagle, and any CPU cost.
+delayed ACKs, the receive window (it never limits) and Nagle. The CPU a host spends
+(its profile's costs: per byte and segment on the kernel's side, per message sent or
+received on the caller's) is the network's and ``SimTcp``'s to charge.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class TcpHost:
         self._make_future = make_future
         self._conns: dict[Hashable, _Connection] = {}
         self._acks: list = []  # ACKs to send, as (parts, peer)
+        self.datagrams_in = 0  # segments taken in (FakeNetwork reads a core's count)
         self.retransmits = 0
         self.timeouts = 0
         self.probes = 0
@@ -170,6 +173,7 @@ class TcpHost:
     # ------------------------------------------------ the core, for the network
     def datagram_received(self, data: bytes, peer: Hashable, now: float) -> None:
         self.now = now
+        self.datagrams_in += 1
         kind, index, ack, size, echo, number = _HEAD.unpack_from(data, len(_PAD))
         conn = self.connection(peer)
         if kind == _DATA:
