@@ -45,19 +45,16 @@ def measure_costs(a: argparse.Namespace, out: Path) -> dict:
 
 def simulate(testbed: list[dict], costs, a: argparse.Namespace) -> list[dict]:
     """The testbed's rows simulated with ``costs``: each row's figures side by side."""
-    from boundedloss.sim import SimJob, run_job
-    from boundedloss.sim.job import LIKE_TESTBED
+    from boundedloss.sim import run_job
+    from boundedloss.sim.calibration import P50_TOLERANCE, job_for_testbed_row
 
     rows = []
     print(f"{'system':>9} {'topology':>9} {'loss':>5} | {'testbed p50':>11} {'sim p50':>8} "
           f"{'ratio':>6} | {'testbed p99':>11} {'sim p99':>8} {'ratio':>6}")
     for t in testbed:
-        job = SimJob(workers=4, system=t["system"], topology=t["topology"], loss=t["loss"],
-                     elements=a.elements, rounds=a.rounds, mtu=a.mtu,
-                     link_gbps=LIKE_TESTBED["link_gbps"], delay_us=LIKE_TESTBED["delay_us"],
-                     queue_datagrams=LIKE_TESTBED["queue_datagrams"],
-                     cpu=LIKE_TESTBED["cpu"], cpu_costs=costs)
-        s = run_job(job)
+        s = run_job(job_for_testbed_row(t["system"], t["topology"], t["loss"],
+                                        elements=a.elements, rounds=a.rounds, mtu=a.mtu,
+                                        costs=costs))
         row = {"system": t["system"], "topology": t["topology"], "loss": t["loss"],
                "testbed_p50_ms": t["p50_ms"], "sim_p50_ms": s.p50_ms,
                "p50_ratio": round(s.p50_ms / t["p50_ms"], 3),
@@ -70,8 +67,8 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace) -> list[dict]:
               f"{row['testbed_p50_ms']:11.1f} {row['sim_p50_ms']:8.1f} {row['p50_ratio']:6.2f} | "
               f"{row['testbed_p99_ms']:11.1f} {row['sim_p99_ms']:8.1f} {row['p99_ratio']:6.2f}"
               + ("  (fitted)" if row["fitted"] else ""))
-    within = sum(abs(r["p50_ratio"] - 1) <= 0.15 for r in rows)
-    print(f"p50 within 15%: {within} of {len(rows)}")
+    within = sum(abs(r["p50_ratio"] - 1) <= P50_TOLERANCE for r in rows)
+    print(f"p50 within {P50_TOLERANCE:.0%}: {within} of {len(rows)}")
     return rows
 
 

@@ -28,7 +28,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -117,12 +117,21 @@ CPU_PRESETS = {
 }
 
 
+class KernelTestbedSettings(TypedDict):
+    """The SimJob settings that make its network and CPU the kernel testbed's."""
+
+    link_gbps: float
+    delay_us: float
+    queue_datagrams: int
+    cpu: str
+
+
 #: ``boundedloss sim --like-testbed``: the kernel testbed as ``bench kernel-loss`` runs
 #: it - veths with no rate limit (the CPU is the limit: the preset's costs include the
 #: kernel's forwarding), the switch ports' pfifo of 1,000 packets, every rank on this
 #: machine's 2 cores (and, unless --mtu says otherwise, its MTU of 1,500)
-LIKE_TESTBED = {"link_gbps": 100.0, "delay_us": 10.0, "queue_datagrams": 1000,
-                "cpu": "this-machine"}
+LIKE_TESTBED: KernelTestbedSettings = {"link_gbps": 100.0, "delay_us": 10.0,
+                                       "queue_datagrams": 1000, "cpu": "this-machine"}
 LIKE_TESTBED_MTU = 1500
 
 
