@@ -703,12 +703,14 @@ def test_this_machine_s_cpu_preset_is_the_calibration_s_measurement():
     import dataclasses
     from pathlib import Path
 
-    from boundedloss.sim.job import MEASURED_COSTS
+    from boundedloss.sim.job import MEASURED_COSTS, MEASURED_TCP_COSTS
 
-    measured = json.loads((Path(__file__).parent.parent / "benchmarks"
-                           / "sim-calibration-1500.json").read_text())["costs"]
-    for name, value in dataclasses.asdict(MEASURED_COSTS).items():
-        assert value == pytest.approx(measured[name], rel=0.005, abs=1e-12), name
+    calibration = json.loads((Path(__file__).parent.parent / "benchmarks"
+                              / "sim-calibration-1500.json").read_text())
+    for preset, measured in ((MEASURED_COSTS, calibration["costs"]),
+                             (MEASURED_TCP_COSTS, calibration["tcp_costs"])):
+        for name, value in dataclasses.asdict(preset).items():
+            assert value == pytest.approx(measured[name], rel=0.005, abs=1e-12), name
 
 
 @pytest.mark.parametrize(("topology", "system", "credit"), [

@@ -2,7 +2,9 @@
 
 1. A rank's CPU costs on this machine, now: ``tools/round_cpu.py`` (reliable, the
    transpose allreduce, authenticated, 4 ranks, lossless, at the same MTU) - the one
-   setting the simulator is fitted to.
+   setting the simulator is fitted to - and TCP's, for the baselines' hosts
+   (``tools/tcp_cpu.py``: a bulk transfer's cost per byte, gloo's lossless ring's per
+   message).
 2. The testbed's rounds: ``boundedloss bench kernel-loss`` (4 ranks, ``--systems``,
    both topologies, ``--losses``, ``--mtu``).
 3. Step 1 again (this machine's speed drifts: the costs are the mean of both, and
@@ -12,8 +14,8 @@
    model read it before charging each handed datagram (``datagram_core``).
 
 Prints testbed and simulated p50/p99 side by side with their ratios, and writes every
-figure (``--json``). Rows other than reliable's lossless allreduce are settings the
-costs were not measured on.
+figure (``--json``). Rows other than reliable's lossless allreduce and gloo's lossless
+ring are settings the costs were not measured on.
 
     python tools/sim_calibrate.py --json calibration.json
     python tools/sim_calibrate.py --mtu 9000 --json calibration-9000.json
@@ -33,6 +35,8 @@ import tempfile
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
+#: the rows the costs are read from (lossless): ours from round_cpu, TCP's from tcp_cpu
+FITTED = {("reliable", "allreduce"), ("gloo", "gloo")}
 
 
 def measure_costs(a: argparse.Namespace, out: Path) -> dict:
@@ -43,8 +47,16 @@ def measure_costs(a: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def simulate(testbed: list[dict], costs, a: argparse.Namespace) -> list[dict]:
-    """The testbed's rows simulated with ``costs``: each row's figures side by side."""
+def measure_tcp_costs(a: argparse.Namespace, out: Path) -> dict:
+    subprocess.run([sys.executable, str(TOOLS / "tcp_cpu.py"), "--rounds", str(a.cost_rounds),
+                    "--elements", str(a.elements), "--mtu", str(a.mtu), "--json", str(out)],
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None) -> list[dict]:
+    """The testbed's rows simulated with ``costs`` (and the TCP baselines' hosts with
+    ``tcp_costs``; None: the preset's): each row's figures side by side."""
     from boundedloss.sim import run_job
     from boundedloss.sim.calibration import P50_TOLERANCE, job_for_testbed_row
 
@@ -54,14 +66,13 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace) -> list[dict]:
     for t in testbed:
         s = run_job(job_for_testbed_row(t["system"], t["topology"], t["loss"],
                                         elements=a.elements, rounds=a.rounds, mtu=a.mtu,
-                                        costs=costs))
+                                        costs=costs, tcp_costs=tcp_costs))
         row = {"system": t["system"], "topology": t["topology"], "loss": t["loss"],
                "testbed_p50_ms": t["p50_ms"], "sim_p50_ms": s.p50_ms,
                "p50_ratio": round(s.p50_ms / t["p50_ms"], 3),
                "testbed_p99_ms": t["p99_ms"], "sim_p99_ms": s.p99_ms,
                "p99_ratio": round(s.p99_ms / t["p99_ms"], 3),
-               "fitted": t["system"] == "reliable" and t["topology"] == "allreduce"
-               and t["loss"] == 0}
+               "fitted": t["loss"] == 0 and (t["system"], t["topology"]) in FITTED}
         rows.append(row)
         print(f"{row['system']:>9} {row['topology']:>9} {row['loss']:>5.0%} | "
               f"{row['testbed_p50_ms']:11.1f} {row['sim_p50_ms']:8.1f} {row['p50_ratio']:6.2f} | "
@@ -70,6 +81,23 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace) -> list[dict]:
     within = sum(abs(r["p50_ratio"] - 1) <= P50_TOLERANCE for r in rows)
     print(f"p50 within {P50_TOLERANCE:.0%}: {within} of {len(rows)}")
     return rows
+
+
+def mean_costs(measured: list, what: str):
+    """The mean of the costs measured before and after the testbed's run, printed with
+    them (this machine's speed drifts)."""
+    from boundedloss.net.cpu import CpuCosts
+
+    mean = CpuCosts(**{f.name: sum(getattr(c, f.name) for c in measured) / len(measured)
+                       for f in dataclasses.fields(CpuCosts)})
+    print(f"{what} (before, after, used):")
+    for f in dataclasses.fields(CpuCosts):
+        values = [getattr(c, f.name) for c in (*measured, mean)]
+        if any(values):
+            unit, scale = ("ns/B", 1e9) if f.name.startswith("byte") else ("us", 1e6)
+            print(f"  {f.name:13s} " + "  ".join(f"{scale * v:8.3f}" for v in values)
+                  + f" {unit}")
+    return mean
 
 
 def folded(costs):
@@ -81,7 +109,7 @@ def folded(costs):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default="reliable,dblp")
+    ap.add_argument("--systems", default="gloo,tcp-ps,reliable,dblp")
     ap.add_argument("--losses", default="0,0.01,0.05")
     ap.add_argument("--mtu", type=int, default=1500,
                     help="the testbed's (bench kernel-loss's default), and the costs'")
@@ -104,13 +132,15 @@ def main() -> None:
                     "p50_ms": r["testbed_p50_ms"], "p99_ms": r["testbed_p99_ms"]}
                    for r in done["rows"]]
         costs = CpuCosts(**done["costs"])
-        simulate(testbed, costs, a)
+        tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
+        simulate(testbed, costs, a, tcp_costs)
         print("the core's handling folded into the per-message cost:")
-        simulate(testbed, folded(costs), a)
+        simulate(testbed, folded(costs), a, tcp_costs)
         return
 
     with tempfile.TemporaryDirectory() as tmp:
         before = measure_costs(a, Path(tmp, "cpu1.json"))
+        tcp_before = measure_tcp_costs(a, Path(tmp, "tcp1.json"))
         subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
                         "--losses", a.losses, "--rounds", str(a.rounds), "--mtu", str(a.mtu),
@@ -119,23 +149,22 @@ def main() -> None:
                        check=True, stdout=subprocess.DEVNULL)
         testbed = json.loads(Path(tmp, "testbed.json").read_text())
         after = measure_costs(a, Path(tmp, "cpu2.json"))
+        tcp_after = measure_tcp_costs(a, Path(tmp, "tcp2.json"))
     measured = [costs_from_round_cpu(f) for f in (before, after)]
-    costs = CpuCosts(**{f.name: (getattr(measured[0], f.name) + getattr(measured[1], f.name)) / 2
-                        for f in dataclasses.fields(CpuCosts)})
-    print("costs (before, after, used):")
-    for f in dataclasses.fields(CpuCosts):
-        values = [getattr(c, f.name) for c in (*measured, costs)]
-        unit, scale = ("ns/B", 1e9) if f.name.startswith("byte") else ("us", 1e6)
-        print(f"  {f.name:13s} " + "  ".join(f"{scale * v:8.3f}" for v in values) + f" {unit}")
+    tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
+    costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
 
-    rows = simulate(testbed, costs, a)
-    rows_folded = simulate(testbed, folded(costs), a)
+    rows = simulate(testbed, costs, a, tcp_costs)
+    rows_folded = simulate(testbed, folded(costs), a, tcp_costs)
     if a.json:
         a.json.write_text(json.dumps({
             "mtu": a.mtu, "rounds": a.rounds, "elements": a.elements,
             "costs": dataclasses.asdict(costs),
             "costs_measured": [dataclasses.asdict(c) for c in measured],
             "round_cpu": [before, after],  # (what the costs were read from)
+            "tcp_costs": dataclasses.asdict(tcp_costs),
+            "tcp_costs_measured": [dataclasses.asdict(c) for c in tcp_measured],
+            "tcp_cpu": [tcp_before, tcp_after],
             "rows": rows, "rows_folded": rows_folded}, indent=2) + "\n")
 
 

@@ -78,8 +78,8 @@ class CpuPreset:
 #: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 ranks,
 #: 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed run,
 #: through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500.json, "costs").
-MEASURED_COSTS = CpuCosts(byte_out=1.332e-9, byte_in=0.400e-9, message_io=155.6e-6,
-                          message_main=151.7e-6, datagram_core=53.2e-6)
+MEASURED_COSTS = CpuCosts(byte_out=1.273e-9, byte_in=0.377e-9, message_io=143.5e-6,
+                          message_main=135.9e-6, datagram_core=43.2e-6)
 
 
 def costs_from_round_cpu(figures: dict) -> CpuCosts:
@@ -101,11 +101,12 @@ def costs_from_round_cpu(figures: dict) -> CpuCosts:
                     message_main=1e-3 * steps["collective call"] / messages,
                     datagram_core=1e-3 * core / handed if handed else 0.0)
 
-#: What a TCP baseline's host spends on this machine: ``tools/tcp_cpu.py`` (gloo's
-#: allreduce and tcp-ps on the kernel testbed, 4 ranks, 4 MB, MTU 1,500; a bulk
-#: transfer for the split between sending and receiving), benchmarks/tcp-cpu-1500.json.
-MEASURED_TCP_COSTS = CpuCosts(byte_out=1.135e-9, byte_in=0.254e-9,
-                              message_main=78.0e-6)
+#: What a TCP baseline's host spends on this machine: the mean of the two
+#: ``tools/tcp_cpu.py`` runs (a bulk transfer's cost per byte; what gloo's ring, 4 ranks,
+#: 4 MB, MTU 1,500, spends beyond it per message) around the same testbed run
+#: (benchmarks/sim-calibration-1500.json, "tcp_costs").
+MEASURED_TCP_COSTS = CpuCosts(byte_out=1.177e-9, byte_in=0.255e-9,
+                              message_main=79.5e-6)
 
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
