@@ -1,10 +1,11 @@
 """The simulator against the kernel testbed, row by row, measured in one run.
 
 1. A rank's CPU costs on this machine, now: ``tools/round_cpu.py`` (reliable, the
-   transpose allreduce, authenticated, 4 ranks, lossless, at the same MTU) - the one
-   setting the simulator is fitted to - and TCP's, for the baselines' hosts
-   (``tools/tcp_cpu.py``: a bulk transfer's cost per byte, gloo's lossless ring's per
-   message).
+   transpose allreduce, authenticated, lossless, at the same MTU, at each world size
+   of ``--fit-ranks``: 4 and 16 ranks split what a round costs beyond its bytes into
+   per posting call and per message) - the one setting the simulator is fitted to -
+   and TCP's, for the baselines' hosts (``tools/tcp_cpu.py``: a bulk transfer's cost per
+   byte, gloo's lossless ring's per message).
 2. The testbed's rounds: ``boundedloss bench kernel-loss`` (4 ranks, ``--systems``,
    both topologies, ``--losses``, ``--mtu``).
 3. Step 1 again (this machine's speed drifts: the costs are the mean of both, and
@@ -39,12 +40,18 @@ TOOLS = Path(__file__).resolve().parent
 FITTED = {("reliable", "allreduce"), ("gloo", "gloo")}
 
 
-def measure_costs(a: argparse.Namespace, out: Path) -> dict:
-    subprocess.run([sys.executable, str(TOOLS / "round_cpu.py"), "--system", "reliable",
-                    "--topology", "allreduce", "--auth", "on", "--rounds", str(a.cost_rounds),
-                    "--elements", str(a.elements), "--mtu", str(a.mtu), "--json", str(out)],
-                   check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+def measure_costs(a: argparse.Namespace, out: Path) -> list[dict]:
+    """round_cpu's figures at each of ``--fit-ranks``' world sizes."""
+    figures = []
+    for ranks in a.fit_ranks:
+        path = out.with_name(f"{out.stem}-{ranks}.json")
+        subprocess.run([sys.executable, str(TOOLS / "round_cpu.py"), "--system", "reliable",
+                        "--topology", "allreduce", "--auth", "on", "--ranks", str(ranks),
+                        "--rounds", str(a.cost_rounds), "--elements", str(a.elements),
+                        "--mtu", str(a.mtu), "--json", str(path)],
+                       check=True, stdout=subprocess.DEVNULL)
+        figures.append(json.loads(path.read_text()))
+    return figures
 
 
 def measure_tcp_costs(a: argparse.Namespace, out: Path) -> dict:
@@ -115,6 +122,9 @@ def main() -> None:
                     help="the testbed's (bench kernel-loss's default), and the costs'")
     ap.add_argument("--rounds", type=int, default=60, help="testbed and simulated rounds")
     ap.add_argument("--cost-rounds", type=int, default=60)
+    ap.add_argument("--fit-ranks", default="4,16", type=lambda v: [int(x) for x in v.split(",")],
+                    help="world sizes round_cpu measures at: from two or more, our costs "
+                         "split into per posting call and per message")
     ap.add_argument("--elements", type=int, default=1 << 20)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--again", type=Path, metavar="JSON",
@@ -150,7 +160,7 @@ def main() -> None:
         testbed = json.loads(Path(tmp, "testbed.json").read_text())
         after = measure_costs(a, Path(tmp, "cpu2.json"))
         tcp_after = measure_tcp_costs(a, Path(tmp, "tcp2.json"))
-    measured = [costs_from_round_cpu(f) for f in (before, after)]
+    measured = [costs_from_round_cpu(*f) for f in (before, after)]
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
 

@@ -30,6 +30,10 @@ class CpuCosts:
     #: the I/O thread's (its timers, its result, the loop's passes for it)
     message_main: float = 0.0
     message_io: float = 0.0
+    #: per posting call (a batch of a round's receives or sends, however many): what a
+    #: round costs whatever the world's size - the lock, the wake, the loop's passes
+    post_main: float = 0.0
+    post_io: float = 0.0
     #: the I/O thread, per datagram the Python core handles itself, after taking it in:
     #: what the compiled data path hands it (a receive's closing DATA, a send's STOP; under
     #: loss the BITMAPs that decide retransmissions, PROBEs that change a receive's

@@ -278,14 +278,15 @@ class SimEndpoint(Endpoint):
         return super()._receive(messages, message_id, round_id, policy)
 
     def _spend(self, messages: int) -> None:
-        """What ``messages`` posted cost the host's CPU (its profile's ``cpu``): the
-        caller goes on once its main thread's share is done."""
+        """What one call posting ``messages`` cost the host's CPU (its profile's
+        ``cpu``): the caller goes on once its main thread's share is done."""
         cpu = self._profile.cpu
         if cpu is None or messages == 0:
             return
         self._check_open()  # (a closed host has left the network: nothing to charge)
-        done = self.runtime.network.charge(self._address, main=messages * cpu.message_main,
-                                           io=messages * cpu.message_io)
+        done = self.runtime.network.charge(
+            self._address, main=cpu.post_main + messages * cpu.message_main,
+            io=cpu.post_io + messages * cpu.message_io)
         self.runtime.sleep_until(done)
 
     @property

@@ -82,24 +82,44 @@ MEASURED_COSTS = CpuCosts(byte_out=1.273e-9, byte_in=0.377e-9, message_io=143.5e
                           message_main=135.9e-6, datagram_core=43.2e-6)
 
 
-def costs_from_round_cpu(figures: dict) -> CpuCosts:
+def costs_from_round_cpu(*figures: dict) -> CpuCosts:
     """A rank's costs from ``tools/round_cpu.py --json``'s figures for a transpose
-    allreduce (its world, elements and per-step milliseconds a rank and round)."""
-    if figures["topology"] != "allreduce":
+    allreduce (its world, elements and per-step milliseconds a rank and round). From
+    figures of two or more world sizes, what each thread spends beyond the bytes and the
+    handed datagrams splits into a cost per posting call and one per message (least
+    squares: a round posts four batches whatever the world, and 4(N-1) messages); from
+    one world size, it is all per message."""
+    if any(f["topology"] != "allreduce" for f in figures):
         raise ValueError("costs are read from a transpose allreduce's figures")
-    n, steps = figures["ranks"], figures["steps_ms"]
-    moved = 2 * (n - 1) * 4 * figures["elements"] / n  # bytes out, and in, a rank-round
-    messages = 2 * 2 * (n - 1)  # receives and sends, both halves
-    core = steps["    core: handed back"] + steps["    core: handed back (plain)"]
-    calls = figures["calls"]
-    handed = calls.get("    core: handed back", 0) + calls.get("    core: handed back (plain)", 0)
-    taking = steps["receive (recvmmsg, take)"] - core
-    sending = steps["send runs (tags, sendmsg)"]
-    io_rest = steps["I/O thread, all"] - taking - sending - core
-    return CpuCosts(byte_out=1e-3 * sending / moved, byte_in=1e-3 * taking / moved,
-                    message_io=1e-3 * io_rest / messages,
-                    message_main=1e-3 * steps["collective call"] / messages,
-                    datagram_core=1e-3 * core / handed if handed else 0.0)
+    per_byte, io_rest, main, counts = [], [], [], []
+    for f in figures:
+        n, steps, calls = f["ranks"], f["steps_ms"], f["calls"]
+        moved = 2 * (n - 1) * 4 * f["elements"] / n  # bytes out, and in, a rank-round
+        core = steps["    core: handed back"] + steps["    core: handed back (plain)"]
+        handed = (calls.get("    core: handed back", 0)
+                  + calls.get("    core: handed back (plain)", 0))
+        taking = steps["receive (recvmmsg, take)"] - core
+        sending = steps["send runs (tags, sendmsg)"]
+        per_byte.append((1e-3 * sending / moved, 1e-3 * taking / moved,
+                         1e-3 * core / handed if handed else 0.0))
+        io_rest.append(1e-3 * (steps["I/O thread, all"] - taking - sending - core))
+        main.append(1e-3 * steps["collective call"])
+        counts.append((calls["  post receives"] + calls["  post sends"],
+                       2 * 2 * (n - 1)))  # (posting calls, receives and sends)
+    byte_out, byte_in, datagram_core = (float(np.mean(c)) for c in zip(*per_byte))
+    if len({m for _, m in counts}) > 1:
+        a = np.array(counts, dtype=float)
+        (post_io, message_io), *_ = np.linalg.lstsq(a, np.array(io_rest), rcond=None)
+        (post_main, message_main), *_ = np.linalg.lstsq(a, np.array(main), rcond=None)
+    else:
+        messages = counts[0][1]
+        post_io = post_main = 0.0
+        message_io = float(np.mean(io_rest)) / messages
+        message_main = float(np.mean(main)) / messages
+    return CpuCosts(byte_out=byte_out, byte_in=byte_in, message_io=float(message_io),
+                    message_main=float(message_main), post_io=float(post_io),
+                    post_main=float(post_main), datagram_core=datagram_core)
+
 
 #: What a TCP baseline's host spends on this machine: the mean of the two
 #: ``tools/tcp_cpu.py`` runs (a bulk transfer's cost per byte; what gloo's ring, 4 ranks,
