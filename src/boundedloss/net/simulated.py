@@ -29,6 +29,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures._base import PENDING
 from typing import Any
 
 from .. import native
@@ -223,11 +224,46 @@ class SimRuntime:
         self._ready.clear()
 
 
+class _Unlocked:
+    """Stands for a SimFuture's condition: the simulation's threads take turns, one at
+    a time, so no two touch a future at once, and none blocks on one (its wait hands
+    the turn to the simulation) - a real Condition per future cost a lock each."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def acquire(self) -> bool:  # (concurrent.futures.wait's, as_completed's)
+        return True
+
+    def release(self) -> None:
+        return None
+
+    def notify_all(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False
+
+
+_UNLOCKED = _Unlocked()
+
+
 class SimFuture(Future):
     """A future whose wait, in a program, hands the turn to the simulation."""
 
     def __init__(self, runtime: SimRuntime):
-        super().__init__()
+        # (Future.__init__'s state, with _Unlocked for its Condition)
+        self._condition = _UNLOCKED  # type: ignore[assignment]
+        self._state = PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list = []
+        self._done_callbacks: list = []
         self._runtime = runtime
 
     def result(self, timeout: float | None = None) -> Any:
