@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import json
+from concurrent import futures
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -189,6 +191,25 @@ def test_waiting_on_a_simulated_future_outside_a_program_is_refused():
     _, rt, _, _ = _pair()
     with pytest.raises(RuntimeError, match="outside the simulation"):
         SimFuture(rt).result()
+
+
+def test_a_simulated_future_is_a_future_to_its_callers_without_a_condition_of_its_own():
+    _, rt, _, _ = _pair()
+    done, failed, cancelled = SimFuture(rt), SimFuture(rt), SimFuture(rt)
+    seen = []
+    done.add_done_callback(lambda f: seen.append(f.result()))
+    assert isinstance(done, Future) and not done.done() and not done.running()
+    done.set_result(5)
+    failed.set_exception(ValueError("lost"))
+    assert cancelled.cancel() and cancelled.cancelled()
+    done.add_done_callback(lambda f: seen.append(-f.result()))  # (called at once)
+    assert seen == [5, -5] and done.result() == 5 and done.exception() is None
+    assert isinstance(failed.exception(), ValueError)
+    with pytest.raises(ValueError, match="lost"):
+        failed.result()
+    assert futures.wait([done, failed], timeout=0).not_done == set()
+    assert set(futures.as_completed([done, failed])) == {done, failed}
+    assert "finished returned int" in repr(done)
 
 
 def test_a_closed_endpoint_is_detached_and_what_reaches_it_is_counted_lost():

@@ -28,6 +28,7 @@ datagrams it leaves alone to ``default_route``).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
@@ -157,13 +158,13 @@ class FakeNetwork:
         self._paths: dict = {}
         self._default_path = path or PathProfile()
         self._events: list = []
-        self._seq = 0
+        self._order = itertools.count(1)  # (ties in time go in the order pushed)
         #: of the events waiting, how many are background traffic's, and how many are
         #: cancelled calls: neither keeps a simulation going (background never ends)
         self._background_events = 0
         self._cancelled = 0
         self.counts: Counter[str] = Counter()
-        self.route: Route = route if route is not None else self.default_route
+        self.route = route if route is not None else self.default_route
         #: racks and a spine (None: every host on one switch)
         self.fabric: Fabric | None = None
         #: one switch's memory that every host's downlink queue draws from (None: each
@@ -254,6 +255,16 @@ class FakeNetwork:
         return self._paths.get((src, dst), self._default_path)
 
     # ------------------------------------------------------------------ routing
+    @property
+    def route(self) -> Route:
+        return self._route
+
+    @route.setter
+    def route(self, route: Route) -> None:
+        self._route = route
+        # (the default route's datagrams go without a Datagram: nothing inspects them)
+        self._routes_by_default = route == self.default_route
+
     def default_route(self, datagram: Datagram) -> tuple[float, ...]:
         """The path profile's decision: its loss model may lose the datagram, else it
         is duplicated with probability ``duplicate``, and each copy takes ``delay``
@@ -261,8 +272,12 @@ class FakeNetwork:
         no random draw)."""
         if datagram.dst not in self._nodes:
             return ()
-        path = self.path(datagram.src, datagram.dst)
-        if path.loss is not None and path.loss.drop(datagram.departed, datagram.round_id):
+        return self._path_delays(datagram.src, datagram.dst, datagram.data, datagram.departed)
+
+    def _path_delays(self, src, dst, data: bytes, departed: float) -> tuple[float, ...]:
+        """default_route's decision for a datagram to a node that is there."""
+        path = self._paths.get((src, dst), self._default_path)
+        if path.loss is not None and path.loss.drop(departed, wire.peek_round(data)):
             return ()
         copies = 2 if path.duplicate and self._rng.random() < path.duplicate else 1
         if not path.jitter:
@@ -370,8 +385,7 @@ class FakeNetwork:
 
     # ----------------------------------------------------------------- internals
     def _push(self, t: float, kind: int, node: _Node | None, src=None, data=None) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (t, self._seq, kind, node, src, data))
+        heapq.heappush(self._events, (t, next(self._order), kind, node, src, data))
 
     def _service(self, node: _Node) -> None:
         """Send what the node's core has (as its uplink allows) and arm its timer."""
@@ -404,18 +418,24 @@ class FakeNetwork:
             node.serviced()
 
     def _transmit(self, src: _Node, peer, data: bytes, depart: float) -> None:
-        self.counts["sent"] += 1
+        counts = self.counts
+        counts["sent"] += 1
         if self.carries_payload is not None and self.carries_payload(data):
-            self.counts["sent_payload"] += 1
-        delays = self.route(Datagram(src.address, peer, data, depart))
-        dst = self._nodes.get(peer)
+            counts["sent_payload"] += 1
+        delays: Sequence[float]
+        if self._routes_by_default:
+            dst = self._nodes.get(peer)
+            delays = () if dst is None else self._path_delays(src.address, peer, data, depart)
+        else:
+            delays = self._route(Datagram(src.address, peer, data, depart))
+            dst = self._nodes.get(peer)
         if dst is None:
-            self.counts["no_route"] += 1
+            counts["no_route"] += 1
             return
         if not delays:
-            self.counts["path_loss"] += 1
+            counts["path_loss"] += 1
             return
-        self.counts["duplicated"] += len(delays) - 1
+        counts["duplicated"] += len(delays) - 1
         spine = self.fabric is not None and self.fabric.crosses(src.address, peer)
         for delay in delays:
             if not delay >= 0:
