@@ -74,12 +74,15 @@ class CpuPreset:
     tcp_costs: CpuCosts | None = None
 
 
-#: What a rank's CPU spends on this machine (2 cores): the mean of the two
-#: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 ranks,
-#: 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed run,
-#: through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500.json, "costs").
-MEASURED_COSTS = CpuCosts(byte_out=1.273e-9, byte_in=0.377e-9, message_io=143.5e-6,
-                          message_main=135.9e-6, datagram_core=43.2e-6)
+#: What a rank's CPU spends on this machine (2 cores): the mean of the two pairs of
+#: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 and 16
+#: ranks, 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed
+#: run, through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500.json,
+#: "costs").
+MEASURED_COSTS = CpuCosts(byte_out=1.280e-9, byte_in=0.455e-9,
+                          message_io=59.0e-6, message_main=53.0e-6,
+                          post_io=269.9e-6, post_main=294.4e-6,
+                          datagram_core=49.7e-6)
 
 
 def costs_from_round_cpu(*figures: dict) -> CpuCosts:
@@ -125,8 +128,8 @@ def costs_from_round_cpu(*figures: dict) -> CpuCosts:
 #: ``tools/tcp_cpu.py`` runs (a bulk transfer's cost per byte; what gloo's ring, 4 ranks,
 #: 4 MB, MTU 1,500, spends beyond it per message) around the same testbed run
 #: (benchmarks/sim-calibration-1500.json, "tcp_costs").
-MEASURED_TCP_COSTS = CpuCosts(byte_out=1.177e-9, byte_in=0.255e-9,
-                              message_main=79.5e-6)
+MEASURED_TCP_COSTS = CpuCosts(byte_out=1.143e-9, byte_in=0.255e-9,
+                              message_main=119.6e-6)
 
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
