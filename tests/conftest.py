@@ -51,6 +51,23 @@ def ctypes_gmac():
         yield
 
 
+def two_racks_with_a_narrow_spine(net: FakeNetwork, session: int, address) -> tuple:
+    """On ``net``: two racks whose spine links carry 100 Mbit/s into 4-datagram queues,
+    and an endpoint in each (``address(0)`` with a 10 Gb/s uplink, ``address(1)``).
+    ``(runtime, a, b)``."""
+    from boundedloss.net.fabric import Fabric, FabricProfile
+    from boundedloss.net.fake import NodeProfile
+    from boundedloss.net.simulated import SimEndpoint, SimRuntime
+
+    net.fabric = Fabric(FabricProfile(uplink_bps=1e8, queue_datagrams=4), racks=2)
+    rt = SimRuntime(net)
+    a = SimEndpoint(rt, address(0), session=session, profile=NodeProfile(up_bps=1e10))
+    b = SimEndpoint(rt, address(1), session=session)
+    net.fabric.place(a.address, 0)
+    net.fabric.place(b.address, 1)
+    return rt, a, b
+
+
 def spawn_transfer(rt, a, b, payload, message_id: int = 1) -> tuple:
     """Programs on the SimRuntime ``rt``: endpoint ``a`` sends ``payload`` to ``b``, and
     ``b`` receives it; the two programs (sender's, receiver's), their results once run."""

@@ -19,7 +19,7 @@ from boundedloss.net.background import (
 from boundedloss.net.fake import FakeNetwork, NodeProfile, PathProfile
 from boundedloss.net.simulated import SimDeadlock, SimEndpoint, SimFuture, SimRuntime
 from boundedloss.sim import SimJob, run_job
-from conftest import spawn_transfer
+from conftest import spawn_transfer, two_racks_with_a_narrow_spine
 
 SESSION = 0xB6_0001
 GBPS10 = 10e9
@@ -236,15 +236,8 @@ def test_background_meets_no_path_loss_only_the_queues():
 
 
 def test_background_crosses_the_spine_and_its_queues_drop_it():
-    from boundedloss.net.fabric import Fabric, FabricProfile
-
     net = FakeNetwork(seed=0, path=PathProfile(delay=1e-6))
-    net.fabric = Fabric(FabricProfile(uplink_bps=1e8, queue_datagrams=4), racks=2)
-    rt = SimRuntime(net)
-    a = SimEndpoint(rt, _address(0), session=SESSION, profile=NodeProfile(up_bps=1e10))
-    b = SimEndpoint(rt, _address(1), session=SESSION)
-    net.fabric.place(a.address, 0)
-    net.fabric.place(b.address, 1)
+    rt, a, b = two_racks_with_a_narrow_spine(net, SESSION, _address)
     net.add_background(a.address, _Script(b.address, 50))
     net.run(until=1.0)
     c = net.counts

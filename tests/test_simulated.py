@@ -20,7 +20,7 @@ from boundedloss.net.simulated import SimDeadlock, SimEndpoint, SimFuture, SimRu
 from boundedloss.policy import parse_policy
 from boundedloss.protocol import TransportConfig
 from boundedloss.protocol.types import CloseReason, SendStatus
-from conftest import spawn_transfer
+from conftest import spawn_transfer, two_racks_with_a_narrow_spine
 
 SESSION = 0x51_3E7D
 KEY = bytes(range(32))
@@ -700,15 +700,8 @@ def test_traffic_between_racks_shares_the_spine_and_traffic_within_does_not():
 
 
 def test_the_counts_balance_with_drops_at_the_spine():
-    from boundedloss.net.fabric import Fabric, FabricProfile
-
     net = FakeNetwork(seed=0)
-    net.fabric = Fabric(FabricProfile(uplink_bps=1e8, queue_datagrams=4), racks=2)
-    rt = SimRuntime(net)
-    a = SimEndpoint(rt, _address(0), session=SESSION, profile=NodeProfile(up_bps=1e10))
-    b = SimEndpoint(rt, _address(1), session=SESSION)
-    net.fabric.place(a.address, 0)
-    net.fabric.place(b.address, 1)
+    rt, a, b = two_racks_with_a_narrow_spine(net, SESSION, _address)
     payload = np.zeros(300_000, dtype=np.uint8)
     _, got = spawn_transfer(rt, a, b, payload)
     rt.run()

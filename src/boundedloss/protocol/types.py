@@ -155,7 +155,7 @@ class TransportConfig:
         receiver both know ``count``: the sender reads reverse loss from how many ACKs
         the receiver owed it."""
         per_message = max(ACK_EVERY_SHORT, count // ACKS_PER_MESSAGE)
-        if self.congestion != "off":
+        if self.delay_loop is not None:
             # (the delay loop's samples are ACKs: a long message's few would leave it
             # blind for many round trips - and the receiver's config must say so too)
             per_message = min(per_message, CONGESTION_ACK_EVERY)
