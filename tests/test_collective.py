@@ -24,6 +24,8 @@ from boundedloss.collective import (
     ParameterServer,
     PeerFailure,
     TransposeAllreduce,
+    TwoLevelAllreduce,
+    default_group_size,
     shard_bounds,
 )
 from boundedloss.net.fake import Datagram, FakeNetwork, NodeProfile, PathProfile
@@ -250,6 +252,98 @@ def test_a_reliable_round_never_hands_on_part_of_a_message():
     assert re.search(r"push from rank 1 .* 2 of 3 chunks arrived within the 1 s "
                      r"receive deadline, and this receive tolerates no loss",
                      str(run.errors[0])), run.errors
+    assert not run.outputs
+
+
+# ------------------------------------------------------------ two levels
+@pytest.mark.parametrize("world", [4, 6, 8, 9])
+def test_the_two_level_allreduce_is_the_exact_mean(world):
+    """Groups of 2 (4 ranks), 3 (6, 9) and 4 (8): every rank ends with the mean of every
+    rank's vector, two buckets in flight at once, sizes that do not divide evenly."""
+    _assert_the_exact_mean(_run_world(TwoLevelAllreduce, world, ReliablePolicy,
+                                      UnbiasedRescale(), rounds=3, buckets=2), world)
+
+
+def test_the_two_level_allreduce_sends_a_rank_fewer_messages():
+    """16 ranks in groups of 4: each rank sends 2 x (3 + 3) = 12 messages a round where
+    the transpose allreduce sends 2 x 15 = 30 - counted at the endpoints."""
+    sent: dict[str, list[int]] = {"two": [], "one": []}
+
+    def counting(into):
+        def setup(coll):
+            send_many = coll.endpoint.send_many
+
+            def counted(messages, **kw):
+                messages = list(messages)
+                into.append(len(messages))
+                return send_many(messages, **kw)
+
+            coll.endpoint.send_many = counted
+        return setup
+
+    for cls, key in ((TwoLevelAllreduce, "two"), (TransposeAllreduce, "one")):
+        _assert_the_exact_mean(_run_world(cls, 16, ReliablePolicy, UnbiasedRescale(),
+                                          rounds=2, buckets=1, setup=counting(sent[key])), 16)
+    assert sum(sent["two"]) == 16 * 2 * 12
+    assert sum(sent["one"]) == 16 * 2 * 30
+
+
+@pytest.mark.parametrize("world,group,messages", [
+    (2, 2, 2), (3, 3, 4), (4, 2, 4), (6, 3, 6), (16, 4, 12), (17, 17, 32), (64, 8, 28),
+    (1024, 32, 124)])
+def test_the_group_size_makes_a_ranks_messages_fewest(world, group, messages):
+    assert default_group_size(world) == group
+    ep = _Simulated().endpoint(0, TransportConfig())
+    coll = TwoLevelAllreduce(ep, world - 1, [ep.address] * world, policy=ReliablePolicy(),
+                             aggregator=UnbiasedRescale())
+    assert coll.messages_per_round == messages
+    divisors = [g for g in range(2, world) if world % g == 0]
+    assert messages == min([2 * (world - 1)] + [2 * (g + world // g - 2) for g in divisors])
+    ep.close()
+
+
+def test_a_group_size_that_does_not_divide_the_world_is_refused():
+    ep = _Simulated().endpoint(0, TransportConfig())
+    with pytest.raises(ValueError, match="group size 4 does not divide a world of 6"):
+        TwoLevelAllreduce(ep, 0, [ep.address] * 6, policy=ReliablePolicy(),
+                          aggregator=UnbiasedRescale(), group_size=4)
+    ep.close()
+
+
+def test_the_two_level_allreduce_under_loss_meets_the_bound_at_both_levels():
+    world = 8
+    losses = [Bernoulli(0.1, seed=r) for r in range(world)]
+    run = _run_world(TwoLevelAllreduce, world, lambda: FixedBoundPolicy(0.25),
+                     UnbiasedRescale(), rounds=3, buckets=2, losses=losses,
+                     stale_broadcast=True, size=20_000)
+    assert not run.errors, run.errors
+    assert len(run.stats) == len(run.inputs)
+    for key, st in run.stats.items():
+        assert st.min_delivered_fraction >= 0.75 - 1e-9, key
+    assert any(st.delivered_fraction < 1.0 for st in run.stats.values())
+    for (r, t, b), out in run.outputs.items():
+        expected = np.mean([run.inputs[(q, t, b)] for q in range(world)], axis=0)
+        rel = np.linalg.norm(out - expected) / np.linalg.norm(expected)
+        assert rel < 0.9, (r, t, b, rel)
+
+
+def test_the_two_level_allreduce_with_hadamard_dispersion_is_the_exact_mean():
+    _assert_the_exact_mean(_run_world(TwoLevelAllreduce, 4, ReliablePolicy, UnbiasedRescale(),
+                                      rounds=2, buckets=1, hadamard=True), 4)
+
+
+def test_a_dead_peer_fails_every_two_level_round_within_the_deadline():
+    """Rank 3 never runs. In groups of 2, rank 2 (its group) waits for its shard and
+    rank 1 (its column) for its piece; rank 0, which hears neither from rank 3, waits
+    for rank 2's piece. Each fails with PeerFailure at its 1 s receive deadline."""
+    run = _run_world(TwoLevelAllreduce, 4, ReliablePolicy, UnbiasedRescale(), rounds=1,
+                     buckets=1, deadline=1.0, absent=(3,))
+    assert set(run.errors) == {0, 1, 2}
+    assert all(isinstance(e, PeerFailure) for e in run.errors.values()), run.errors
+    assert "from rank 3 (round 0" in str(run.errors[1])
+    assert "from rank 3 (round 0" in str(run.errors[2])
+    assert "from rank 2 (round 0" in str(run.errors[0])
+    assert all(1.0 <= t <= 1.01 for t in run.failed_at.values()), run.failed_at
     assert not run.outputs
 
 

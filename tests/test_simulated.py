@@ -66,7 +66,7 @@ def _world(topology: str, world: int, *, loss: float = 0.0, seed: int = 1, round
     return end, inputs, programs
 
 
-@pytest.mark.parametrize("topology", ["ps", "allreduce"])
+@pytest.mark.parametrize("topology", ["ps", "allreduce", "two-level"])
 def test_a_reliable_collective_on_the_simulated_network_is_the_exact_mean(topology):
     _, inputs, programs = _world(topology, 4, loss=0.05, policy="reliable")
     for p in programs:
@@ -75,7 +75,7 @@ def test_a_reliable_collective_on_the_simulated_network_is_the_exact_mean(topolo
             assert stats.latency_s > 0
 
 
-@pytest.mark.parametrize("topology", ["ps", "allreduce"])
+@pytest.mark.parametrize("topology", ["ps", "allreduce", "two-level"])
 def test_the_same_seed_gives_the_same_run_to_the_bit(topology):
     def run():
         end, _, programs = _world(topology, 4, loss=0.05, policy="dblp")

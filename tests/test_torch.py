@@ -24,17 +24,20 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("topology", "dtype"), [
-    ("ps", "float32"), ("allreduce", "float32"), ("ps", "float16"), ("allreduce", "bfloat16")])
-def test_reliable_hook_equals_gloo_allreduce(topology, dtype):
+@pytest.mark.parametrize(("topology", "dtype", "world"), [
+    ("ps", "float32", 3), ("allreduce", "float32", 3), ("ps", "float16", 3),
+    ("allreduce", "bfloat16", 3), ("two-level", "float32", 4)])
+def test_reliable_hook_equals_gloo_allreduce(topology, dtype, world):
     """float32 exactly; float16 and bfloat16 buckets travel in their own dtype (half the
-    bytes) and are averaged in float32, within a rounding of Gloo's."""
+    bytes) and are averaged in float32, within a rounding of Gloo's. (Two levels need a
+    world with a divisor: 4 ranks in groups of 2.)"""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "dist_equality.py"), "3", str(_port()), topology, dtype],
+        [sys.executable, str(HERE / "dist_equality.py"), str(world), str(_port()), topology,
+         dtype],
         capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == 3
+    assert proc.stdout.count(": ok") == world
 
 
 def test_the_guard_and_the_state_dict_on_a_live_job():

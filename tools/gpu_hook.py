@@ -170,7 +170,7 @@ def main() -> int:
     ap.add_argument("--model", default="charlm",
                     help="charlm (a GRU language model: the shipped model with the most "
                          "GPU work a step), mlp or cnn")
-    ap.add_argument("--topology", default="ps", choices=["ps", "allreduce"],
+    ap.add_argument("--topology", default="ps", choices=["ps", "allreduce", "two-level"],
                     help="the DDP hook's collective (not with --sharded)")
     ap.add_argument("--sharded", action="store_true",
                     help="FSDP2 instead of DDP (train --sharded); rows and JSON say so")

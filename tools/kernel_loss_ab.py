@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, required=True, help="another checkout's src")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--systems", default="gloo,reliable")
-    ap.add_argument("--topology", default="allreduce", choices=["ps", "allreduce"])
+    ap.add_argument("--topology", default="allreduce", choices=["ps", "allreduce", "two-level"])
     ap.add_argument("--losses", default="0")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--ranks", type=int, default=4)

@@ -62,6 +62,8 @@ MAIN_STEPS = {
                         "allreduce_mean"),
     "collective call (ps)": ("boundedloss.collective.parameter_server", "ParameterServer",
                              "allreduce_mean"),
+    "collective call (two-level)": ("boundedloss.collective.two_level", "TwoLevelAllreduce",
+                                    "allreduce_mean"),
     "  post receives": ("boundedloss.collective.base", "Collective", "_post_many"),
     "  post sends": ("boundedloss.net.udp", "UdpEndpoint", "send_many"),
     "  wait for results": ("boundedloss.collective.base", "Collective", "_wait"),
@@ -162,7 +164,7 @@ def rank(argv: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system", default="reliable", help="as bench kernel-loss --systems")
-    ap.add_argument("--topology", default="allreduce", choices=["ps", "allreduce"])
+    ap.add_argument("--topology", default="allreduce", choices=["ps", "allreduce", "two-level"])
     ap.add_argument("--auth", default="on", choices=["on", "off"])
     ap.add_argument("--loss", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=60)
@@ -245,7 +247,7 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
                 + mean("ms", "sendmmsg (control datagrams)") + mean("ms", "select"))
     compiled = take - core_back
     kernel = syscalls + sends
-    main_all = mean("ms", "collective call") + mean("ms", "collective call (ps)")
+    main_all = sum(mean("ms", step) for step in MAIN_STEPS if step.startswith("collective call"))
     python = (io_all - compiled - kernel) + main_all
     messages = sum(mean("calls", step + ", messages") for step in POSTS)
     handed = sum(mean("calls", "kind " + k) for k in KINDS.values())

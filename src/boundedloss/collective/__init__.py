@@ -1,4 +1,5 @@
-"""Collectives: who sends what to whom. Parameter server and transpose allreduce."""
+"""Collectives: who sends what to whom. Parameter server, transpose allreduce, and the
+transpose allreduce in two levels (groups, then across them)."""
 
 from .base import (
     BFLOAT16,
@@ -13,9 +14,11 @@ from .base import (
 from .guard import DEFAULT_GUARD_ROUNDS, NO_GUARD, LossGuard, LossGuards
 from .parameter_server import ParameterServer, PendingBroadcast
 from .transpose import TransposeAllreduce, shard_bounds
+from .two_level import TwoLevelAllreduce, default_group_size
 
 #: topology names (``--topology``, ``register(topology=...)``) and their collectives
-TOPOLOGIES: dict[str, type[Collective]] = {"ps": ParameterServer, "allreduce": TransposeAllreduce}
+TOPOLOGIES: dict[str, type[Collective]] = {
+    "ps": ParameterServer, "allreduce": TransposeAllreduce, "two-level": TwoLevelAllreduce}
 
 __all__ = [
     "BFLOAT16",
@@ -33,6 +36,8 @@ __all__ = [
     "RoundStats",
     "TOPOLOGIES",
     "TransposeAllreduce",
+    "TwoLevelAllreduce",
+    "default_group_size",
     "message_id",
     "shard_bounds",
 ]

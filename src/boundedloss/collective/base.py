@@ -290,9 +290,12 @@ class Collective(abc.ABC):
         return rounds
 
     def _reduce(self, own: np.ndarray, posted: dict[int, Posted], round_id: int, bucket: int,
-                what: str, tally: Tally, memory_key: MemoryKey) -> np.ndarray:
+                what: str, tally: Tally, memory_key: MemoryKey,
+                guard: bool = True) -> np.ndarray:
         """Aggregate ``own`` with what arrived from each peer in ``posted`` (posting
-        each peer's receive for the next round as soon as this one is in)."""
+        each peer's receive for the next round as soon as this one is in). ``guard``:
+        show these receives' loss to the loss guard (once a call: a call that reduces
+        twice shows it the first)."""
         contributions = [widen(own)]  # (16-bit values are aggregated in float32)
         masks = [self._every_element(own.size)]  # (shared, read-only: every element)
         for peer_rank, receive in posted.items():
@@ -302,7 +305,8 @@ class Collective(abc.ABC):
             contributions.append(widen(values))
             masks.append(mask)
             tally.add(res, receive)
-        self._guard_round(bucket, round_id, tally)
+        if guard:
+            self._guard_round(bucket, round_id, tally)
         # (no peer sends its next before it has this round's result)
         self._post_ahead(dict.fromkeys(posted, own.nbytes), bucket, PUSH, round_id + 1)
         previous = self._remembered(memory_key, own.shape)
@@ -367,7 +371,8 @@ class Collective(abc.ABC):
     def allreduce_mean(self, x: np.ndarray, round_id: int,
                        bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
         """The mean of every rank's ``x`` (1-D float array) - as far as it arrived;
-        each topology (ParameterServer, TransposeAllreduce) is one way of computing it."""
+        each topology (ParameterServer, TransposeAllreduce, TwoLevelAllreduce) is one way
+        of computing it."""
 
     def close(self) -> None:
         for pending in self._pending.values():

@@ -16,11 +16,15 @@ bucket's own: give the two halves different buckets.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
 
 import numpy as np
 
 from .base import PULL, PUSH, Collective, Posted, RoundStats, Tally, message_id
+
+#: rank -> the (lo, hi) of the piece of a vector that rank owns
+Bounds = dict[int, tuple[int, int]]
 
 
 def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
@@ -40,7 +44,7 @@ class TransposeAllreduce(Collective):
         t0 = self._clock()
         n = x.size
         coded = np.ascontiguousarray(self._encode(np.ascontiguousarray(x), round_id, bucket))
-        bounds = shard_bounds(coded.size, self.world_size)
+        bounds = dict(enumerate(shard_bounds(coded.size, self.world_size)))
         lo, hi = bounds[self.rank]
 
         # Post (or take the pre-posted) receives for both phases before sending anything.
@@ -72,7 +76,7 @@ class TransposeAllreduce(Collective):
         self._whole_vectors_only("reduce-scatter")
         t0 = self._clock()
         x = np.ascontiguousarray(x)
-        bounds = shard_bounds(x.size, self.world_size)
+        bounds = dict(enumerate(shard_bounds(x.size, self.world_size)))
         lo, hi = bounds[self.rank]
         scatter_in = self._take_contributions(bucket, round_id, (hi - lo) * x.itemsize)
         sends = self._scatter(x, bounds, bucket, round_id)
@@ -92,7 +96,7 @@ class TransposeAllreduce(Collective):
         self._whole_vectors_only("all-gather")
         t0 = self._clock()
         k = shard.size
-        bounds = [(r * k, (r + 1) * k) for r in range(self.world_size)]
+        bounds = {r: (r * k, (r + 1) * k) for r in range(self.world_size)}
         if out is None:
             out = np.empty(k * self.world_size, dtype=shard.dtype)
         elif out.shape != (k * self.world_size,) or out.dtype != shard.dtype:
@@ -115,42 +119,45 @@ class TransposeAllreduce(Collective):
                              "a shard of the transform decodes only with all the others")
 
     # ----------------------------------------------------------- the steps
-    def _others(self) -> list[int]:
-        return [r for r in range(self.world_size) if r != self.rank]
+    # (``bounds``: rank -> the (lo, hi) of the piece of a vector that rank owns, this
+    # rank's own included; ``role``: the memory slots' name for what is gathered)
+    def _others(self, ranks: Iterable[int] | None = None) -> list[int]:
+        ranks = range(self.world_size) if ranks is None else ranks
+        return [r for r in ranks if r != self.rank]
 
-    def _take_contributions(self, bucket: int, round_id: int,
-                            nbytes: int) -> dict[int, Posted]:
-        """This round's receives of my shard from every other rank."""
-        return {r: self._take(r, bucket, PUSH, round_id, nbytes) for r in self._others()}
+    def _take_contributions(self, bucket: int, round_id: int, nbytes: int,
+                            ranks: Iterable[int] | None = None) -> dict[int, Posted]:
+        """This round's receives of my shard from every other rank (of ``ranks``)."""
+        return {r: self._take(r, bucket, PUSH, round_id, nbytes) for r in self._others(ranks)}
 
-    def _take_shards(self, bounds: list[tuple[int, int]], bucket: int, round_id: int,
-                     itemsize: int, check_memory: bool = False) -> dict[int, Posted]:
+    def _take_shards(self, bounds: Bounds, bucket: int, round_id: int, itemsize: int,
+                     check_memory: bool = False, role: str = "gather") -> dict[int, Posted]:
         """This round's receives of every other rank's (reduced) shard; ``check_memory``:
         reliably where no last value of it is remembered."""
         return {r: self._take(r, bucket, PULL, round_id, (hi - lo) * itemsize,
                               remembered=not check_memory or self._remembered(
-                                  (bucket, f"gather{r}"), (hi - lo,)) is not None)
-                for r, (lo, hi) in enumerate(bounds) if r != self.rank}
+                                  (bucket, f"{role}{r}"), (hi - lo,)) is not None)
+                for r, (lo, hi) in bounds.items() if r != self.rank}
 
-    def _scatter(self, x: np.ndarray, bounds: list[tuple[int, int]], bucket: int,
+    def _scatter(self, x: np.ndarray, bounds: Bounds, bucket: int,
                  round_id: int) -> list[tuple[int, Future]]:
         """Send every other rank its shard of my ``x``."""
-        others = self._others()
+        others = self._others(bounds)
         return list(zip(others, self.endpoint.send_many(
             [(self.peers[r], x[bounds[r][0]:bounds[r][1]]) for r in others],
             message_id=message_id(bucket, PUSH), round_id=round_id)))
 
-    def _broadcast(self, mine: np.ndarray, bucket: int,
-                   round_id: int) -> list[tuple[int, Future]]:
-        """Send my (reduced) shard to every other rank."""
-        others = self._others()
+    def _broadcast(self, mine: np.ndarray, bucket: int, round_id: int,
+                   ranks: Iterable[int] | None = None) -> list[tuple[int, Future]]:
+        """Send my (reduced) shard to every other rank (of ``ranks``)."""
+        others = self._others(ranks)
         return list(zip(others, self.endpoint.send_many(
             [(self.peers[r], mine) for r in others], message_id=message_id(bucket, PULL),
             round_id=round_id)))
 
-    def _gather(self, out: np.ndarray, mine: np.ndarray, bounds: list[tuple[int, int]],
+    def _gather(self, out: np.ndarray, mine: np.ndarray, bounds: Bounds,
                 gather_in: dict[int, Posted], bucket: int, round_id: int,
-                tally: Tally) -> None:
+                tally: Tally, role: str = "gather") -> None:
         """``out``: my shard and every other rank's as it arrived (missing values kept
         from the last round)."""
         lo, hi = bounds[self.rank]
@@ -160,9 +167,9 @@ class TransposeAllreduce(Collective):
             res = self._wait(posted, f"shard from rank {r} (round {round_id}, bucket {bucket})")
             tally.add(res, posted)
             out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, out.dtype,
-                                                  (bucket, f"gather{r}"))
+                                                  (bucket, f"{role}{r}"))
 
-    def _post_shards_ahead(self, bounds: list[tuple[int, int]], bucket: int, round_id: int,
+    def _post_shards_ahead(self, bounds: Bounds, bucket: int, round_id: int,
                            itemsize: int) -> None:
-        self._post_ahead({r: (hi - lo) * itemsize for r, (lo, hi) in enumerate(bounds)
+        self._post_ahead({r: (hi - lo) * itemsize for r, (lo, hi) in bounds.items()
                           if r != self.rank}, bucket, PULL, round_id + 1)

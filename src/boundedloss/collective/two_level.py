@@ -1,0 +1,123 @@
+"""TwoLevelAllreduce: the transpose allreduce done twice, in groups and then across them,
+so that a rank handles 2(G + N/G - 2) messages a round instead of 2(N - 1).
+
+The transpose allreduce sends every rank a message from every other rank in each of its
+two halves; each message costs a rank the same CPU whatever its size, so past a few
+dozen ranks a round is its messages (4,092 a rank at 1,024). Here the world is cut into
+groups of ``G`` consecutive ranks (rank ``r`` is member ``r % G`` of group ``r // G``;
+consecutive ranks usually share a rack, so the bulk of the bytes stays in it):
+
+1. reduce-scatter within the group: member ``k`` aggregates shard ``k`` of the vector
+   from its group (``G - 1`` messages in);
+2. reduce-scatter across the groups, among the ranks that are member ``k`` of theirs:
+   group ``j``'s one aggregates piece ``j`` of shard ``k`` (``N/G - 1`` in);
+3. all-gather of those pieces across the groups: shard ``k`` of the mean, whole;
+4. all-gather of the shards within the group: the whole mean.
+
+The bytes a rank sends are the transpose's (``1 - 1/N`` of the vector each way); the
+messages are ``2(G - 1) + 2(N/G - 1)``, least near ``G = sqrt(N)`` (64 at 1,024 ranks
+instead of 2,046 in each direction). Every phase's receives are posted before the first
+send and one round ahead, as the transpose's.
+
+Under loss each reduce aggregates what arrived, under the job's policy and aggregator:
+step 1 makes each group's mean of what arrived, step 2 the mean of the groups' means -
+the mean of every rank's vector, since the groups are equal (with the ``unbiased``
+aggregator each group's mean is an unbiased estimate of its true mean, so theirs is of
+the whole). A value lost in step 1 leaves its group's mean over fewer ranks; one lost in
+step 2 leaves out a whole group's. The loss guard watches step 1's receives (the ranks'
+own gradients), and its decision holds for both. The bounded broadcasts (steps 3 and 4,
+``stale_broadcast``) keep a missing value's previous one, each in its own memory slot.
+
+``N`` with no divisor between 2 and ``N/2`` (a prime, or fewer than 4 ranks) has no two
+levels: the call is the transpose allreduce's. The halves that a sharded model uses
+(``reduce_scatter_mean``, ``all_gather``) are the transpose's, one level: FSDP needs
+shard ``r`` of the vector at rank ``r``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .base import RoundStats, Tally
+from .transpose import TransposeAllreduce, shard_bounds
+
+
+def default_group_size(world_size: int) -> int:
+    """The group size that makes a rank's messages fewest: the divisor of ``world_size``
+    nearest its square root from above (the larger of the pair keeps more of the bytes
+    within a group); ``world_size`` itself where there is none (one level)."""
+    for g in range(math.isqrt(world_size - 1) + 1, world_size // 2 + 1):
+        if world_size % g == 0:
+            return g
+    return world_size
+
+
+class TwoLevelAllreduce(TransposeAllreduce):
+    def __init__(self, *args: Any, group_size: int | None = None, **kw: Any):
+        super().__init__(*args, **kw)
+        n = self.world_size
+        size = default_group_size(n) if group_size is None else group_size
+        if not 1 <= size <= n or n % size:
+            raise ValueError(f"group size {size} does not divide a world of {n} ranks")
+        self.group_size = size
+        group, member = divmod(self.rank, size)
+        #: the ranks of this rank's group, in member order
+        self.group = [group * size + k for k in range(size)]
+        #: the ranks that are the same member of their groups, in group order
+        self.column = [j * size + member for j in range(n // size)]
+
+    @property
+    def messages_per_round(self) -> int:
+        """The messages this rank sends in a round (and receives)."""
+        levels = [len(self.group), len(self.column)]
+        if 1 in levels:
+            return 2 * (self.world_size - 1)
+        return 2 * sum(k - 1 for k in levels)
+
+    def allreduce_mean(self, x: np.ndarray, round_id: int,
+                       bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+        if len(self.group) == 1 or len(self.column) == 1:
+            return super().allreduce_mean(x, round_id, bucket)
+        t0 = self._clock()
+        n = x.size
+        coded = np.ascontiguousarray(self._encode(np.ascontiguousarray(x), round_id, bucket))
+        itemsize = coded.itemsize
+        # member k of the group owns shard k of the vector; in the column, group j's
+        # member owns piece j of that shard
+        shards = dict(zip(self.group, shard_bounds(coded.size, len(self.group))))
+        lo, hi = shards[self.rank]
+        pieces = dict(zip(self.column, shard_bounds(hi - lo, len(self.column))))
+        plo, phi = pieces[self.rank]
+
+        # Post (or take the pre-posted) receives of all four steps before sending anything.
+        shard_in = self._take_contributions(bucket, round_id, (hi - lo) * itemsize, self.group)
+        piece_in = self._take_contributions(bucket, round_id, (phi - plo) * itemsize,
+                                            self.column)
+        pieces_in = self._take_shards(pieces, bucket, round_id, itemsize, role="piece")
+        shards_in = self._take_shards(shards, bucket, round_id, itemsize, role="gather")
+        sends = self._scatter(coded, shards, bucket, round_id)
+
+        tally = Tally()
+        # 1. my shard, over my group
+        group_mean = self._reduce(coded[lo:hi], shard_in, round_id, bucket, "shard", tally,
+                                  (bucket, "shard"))
+        sends += self._scatter(group_mean, pieces, bucket, round_id)
+        # 2. my piece of it, over the groups
+        mine = self._reduce(group_mean[plo:phi], piece_in, round_id, bucket, "piece", tally,
+                            (bucket, "piece"), guard=False)
+        # 3. my shard of the mean, from the pieces
+        sends += self._broadcast(mine, bucket, round_id, self.column)
+        shard = np.empty_like(group_mean)
+        self._gather(shard, mine, pieces, pieces_in, bucket, round_id, tally, role="piece")
+        # 4. the mean, from my group's shards
+        sends += self._broadcast(shard, bucket, round_id, self.group)
+        out = np.empty_like(coded)
+        self._gather(out, shard, shards, shards_in, bucket, round_id, tally)
+        self._post_shards_ahead(pieces, bucket, round_id, itemsize)
+        self._post_shards_ahead(shards, bucket, round_id, itemsize)
+        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        out_x = self._decode(out, round_id, bucket, n)
+        return out_x, tally.stats(round_id, bucket, self._clock() - t0)
