@@ -4,6 +4,7 @@ network's own route hook (a test's route loses, delays, reorders or duplicates).
 
 from __future__ import annotations
 
+import functools
 import math
 from fractions import Fraction
 
@@ -521,6 +522,50 @@ def test_a_queue_in_bytes_holds_no_more_than_its_bytes() -> None:
     # (four DATA fill it but for 808 bytes, which PROBEs of 48 may take)
     assert 4 * (1000 + HEADER_BYTES) <= max(seen) <= 5000
     assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+
+
+def test_a_token_bucket_downlink_lets_its_burst_through_at_once_then_the_rate() -> None:
+    """down_burst_bytes (tc's tbf): after a quiet spell a 32 KB bucket lets 32 datagrams
+    of 1,024 bytes leave at once; from then on one leaves every 1,024 bytes' time at 100
+    Mbit/s (82 us); a pause refills the bucket at that rate, never past its size."""
+    net = FakeNetwork(seed=0)
+    net.attach("b", TransferMux(SESSION), NodeProfile(down_bps=100e6,
+                                                      down_burst_bytes=32 * 1024))
+    node = net._nodes["b"]  # noqa: SLF001 - the test reads the downlink's own schedule
+    gap = 1024 * 8 / 100e6
+    left = [net._enqueue(node, 1024) for _ in range(40)]  # noqa: SLF001
+    at = functools.partial(pytest.approx, abs=1e-12)
+    assert left[:32] == at([0.0] * 32)
+    assert left[32:] == at([gap * k for k in range(1, 9)])
+    net.now = left[-1] + 10 * gap  # ten datagrams' worth of tokens
+    again = [net._enqueue(node, 1024) for _ in range(12)]  # noqa: SLF001
+    assert again == at([net.now] * 10 + [net.now + gap, net.now + 2 * gap])
+    net.now += 1.0  # a long pause: the bucket holds 32 datagrams again, not more
+    assert [net._enqueue(node, 1024) for _ in range(33)][31:] == at(  # noqa: SLF001
+        [net.now, net.now + gap])
+
+
+def test_a_message_through_a_token_bucket_takes_its_bytes_less_the_burst_at_the_rate() -> None:
+    """A 1 MB message from a fast sender into a 100 Mbit/s tbf with a 128 KB burst (and a
+    queue that holds it all) arrives in (1 MB - 128 KB) of wire time; a plain link of
+    the same rate takes the whole megabyte's."""
+    elapsed = {}
+    for burst in (0, 128 * 1024):
+        cfg = TransportConfig(chunk_bytes=1000, **PATIENT)
+        net, a, b = setup(cfg, path=PathProfile(delay=1e-5),
+                          tx_profile=NodeProfile(up_bps=1e11),
+                          rx_profile=NodeProfile(down_bps=1e8, down_burst_bytes=burst,
+                                                 queue_bytes=4 << 20))
+        src = source_bytes(1_000_000, 0)
+        rx = b.start_receive("a", 0, 0, 0.0, policy=ReliablePolicy())
+        tx = a.start_send("b", 0, 0, src, 0.0)
+        net.run_until_done([rx, tx], timeout=10.0)
+        assert net.counts["queue_drop"] == 0
+        assert rx.result.complete and rx.result.data.tobytes() == src.tobytes()
+        elapsed[burst] = rx.result.stats.elapsed
+    wire_s = 1000 * (1000 + wire.HEADER_BYTES) * 8 / 1e8
+    assert elapsed[0] == pytest.approx(wire_s, rel=0.02)
+    assert elapsed[128 * 1024] == pytest.approx(wire_s - 128 * 1024 * 8 / 1e8, rel=0.02)
 
 
 def test_a_shared_buffer_lends_a_busy_port_what_the_quiet_ones_leave() -> None:

@@ -257,6 +257,8 @@ def test_boundedloss_sim_prints_rows_and_the_same_seed_writes_the_same_json(tmp_
     (["--systems", "nccl"], "unknown"),
     (["--topology", "ring"], "'ring': choose from"),
     (["--losses", "1.5"], "loss rates must be in [0, 1)"),
+    (["--bottleneck", "fast"], "bad rate 'fast'"),
+    (["--bottleneck", "100mbit,32kb,64kb,1"], "give RATE[,BURST[,LIMIT]]"),
 ])
 def test_boundedloss_sim_refuses_a_bad_argument_in_one_line(argv, message, capsys):
     from boundedloss.cli import main
@@ -264,6 +266,37 @@ def test_boundedloss_sim_refuses_a_bad_argument_in_one_line(argv, message, capsy
     assert main(["sim", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_bottleneck_in_front_of_the_server_sets_an_incast_round_and_its_drops():
+    """--bottleneck: rank 0's downlink becomes a 100 Mbit/s token bucket (32 KB burst,
+    64 KB queue) and nothing else changes. Three workers' 100 KB pushes into it take
+    their wire time less the burst (the broadcast back leaves through fast links); the
+    synchronised first passes overflow its queue - unless the server hands out credit
+    that fits it."""
+    from boundedloss.emulate.qdisc import Bottleneck
+    from boundedloss.sim import SimJob, run_job
+
+    rows = {}
+    for credit in (None, 48 * 1024):
+        rows[credit] = run_job(SimJob(workers=4, system="reliable", topology="ps", loss=0.0,
+                                      elements=25_000, rounds=4, link_gbps=10.0,
+                                      bottleneck=Bottleneck("100mbit", "32kb", "64kb"),
+                                      credit_bytes=credit, mtu=1500))
+    from boundedloss.net.udp import largest_chunk
+    from boundedloss.protocol.auth import TRAILER_BYTES
+
+    datagram = 1500 - 28  # (what the simulator's links carry: the UDP payload)
+    per_push = -(-25_000 * 4 // largest_chunk(1500, TRAILER_BYTES)) * datagram
+    wire_s = (3 * per_push - 32 * 1024) * 8 / 100e6
+    credited = rows[48 * 1024]
+    assert credited.bottleneck == "tbf rate 100mbit burst 32768 B limit 65536 B"
+    assert wire_s * 1e3 <= credited.p50_ms <= 1.25 * wire_s * 1e3
+    assert credited.payload_drop_fraction < 0.05
+    assert rows[None].queue_drops > 0 and rows[None].payload_drop_fraction > 0.2
+    plain = run_job(SimJob(workers=4, system="reliable", topology="ps", loss=0.0,
+                           elements=25_000, rounds=4, link_gbps=10.0, mtu=1500))
+    assert plain.p50_ms < 0.2 * credited.p50_ms and plain.bottleneck == ""
 
 
 def test_cores_place_work_in_the_first_gap_long_enough_on_the_core_free_first():

@@ -83,6 +83,21 @@ def _optional_size(ctx: click.Context, param: click.Parameter, value: str | None
     return _size(value)
 
 
+def _bottleneck_spec(ctx: click.Context, param: click.Parameter, value: str | None):
+    """``RATE[,BURST[,LIMIT]]`` in tc's units: a token-bucket bottleneck (None: none)."""
+    if value is None:
+        return None
+    from .emulate.qdisc import Bottleneck
+
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) > 3 or not all(parts):
+        raise click.BadParameter(f"{value!r}: give RATE[,BURST[,LIMIT]], e.g. 100mbit,32kb,64kb")
+    try:
+        return Bottleneck(*parts)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
     """``--credit``: off (None), or a size in bytes as tc writes it (64k, 1m)."""
     if value == SCENARIO_CREDIT and param.default == SCENARIO_CREDIT:
@@ -1029,6 +1044,11 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.option("--shared-buffer", default=None, callback=_optional_size,
               help="The switch's ports share one buffer of this many bytes (e.g. 4m), "
                    "each taking at most what is still free (a dynamic threshold).")
+@click.option("--bottleneck", default=None, callback=_bottleneck_spec,
+              help="The server's (rank 0's) downlink as a token bucket, as the kernel "
+                   "testbed's incast has it (a tbf on the switch port into the server): "
+                   "RATE[,BURST[,LIMIT]] in tc's units, e.g. 100mbit,32kb,64kb (the "
+                   "defaults after RATE); its queue holds LIMIT bytes.")
 @click.option("--background", "backgrounds", multiple=True,
               help="Other tenants' open-loop traffic from every host over the same links "
                    "and queues, rows of its own (repeatable): RATE[:poisson|onoff|pareto]"
@@ -1060,7 +1080,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="Draw round p50 and p99 against workers, log-log, here (a PNG).")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
-        delay_us, queue_datagrams, queue_bytes, shared_buffer, backgrounds, mtu, racks,
+        delay_us, queue_datagrams, queue_bytes, shared_buffer, bottleneck, backgrounds, mtu,
+        racks,
         oversubscription, auth, credit, congestion, cpu, like_testbed, seed, json_path,
         plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
@@ -1118,7 +1139,8 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
                      auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription,
                      credit_bytes=credit, queue_bytes=queue_bytes,
-                     shared_buffer_bytes=shared_buffer, congestion=congestion)
+                     shared_buffer_bytes=shared_buffer, congestion=congestion,
+                     bottleneck=bottleneck)
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
@@ -1127,7 +1149,8 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
         credit_note += f", congestion control {congestion}"
     queues = f"queues of {queue_datagrams} datagrams" + (
         "" if queue_bytes is None else f" or {queue_bytes:,} bytes") + (
-        "" if shared_buffer is None else f" sharing {shared_buffer:,} bytes")
+        "" if shared_buffer is None else f" sharing {shared_buffer:,} bytes") + (
+        "" if bottleneck is None else f", rank 0 behind a {bottleneck.describe()}")
     t = Table(title=f"simulated exchange of {elements * 4 / 1e6:.1f} MB, {link_gbps:g} Gb/s "
                     f"links, {delay_us:g} us paths, {queues}"
                     f"{fabric}, CPU {cpu}{credit_note} (virtual time)")

@@ -55,6 +55,11 @@ class NodeProfile:
     loss: LossModel | None = None
     #: what the host's CPU spends on each datagram and message (None: nothing)
     cpu: CpuCosts | None = None
+    #: the downlink as a token bucket (tc's tbf) of this many bytes: a datagram leaves
+    #: as soon as the bucket, refilled at ``down_bps``, holds its bytes - after a quiet
+    #: spell up to this many go at once (0: a link that carries each in turn at
+    #: ``down_bps``)
+    down_burst_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,10 +123,14 @@ class _Node:
         self.serviced = serviced
         self.detached = False
         self.up_free = 0.0
+        #: when the downlink is next free (a token bucket's: when it is full again)
         self.down_free = 0.0
         #: the datagrams in the downlink: (delivery time, bytes)
         self.queue: deque[tuple[float, int]] = deque()
         self.queued_bytes = 0
+        #: datagrams offered to the switch port toward it, and those its queue dropped
+        self.offered = 0
+        self.dropped = 0
         self.timer_at = math.inf
         self.poll_at = math.inf
         self.cores: Cores | None = None  # where its CPU work runs (with costs)
@@ -249,6 +258,12 @@ class FakeNetwork:
         node = self._nodes[address]
         self._drain(node)
         return node.queued_bytes
+
+    def port_counts(self, address) -> tuple[int, int]:
+        """The datagrams offered to the switch port toward the node at ``address`` (our
+        hosts', not background traffic), and those its queue dropped."""
+        node = self._nodes[address]
+        return node.offered, node.dropped
 
     def path(self, src, dst) -> PathProfile:
         """The profile of the path from ``src`` to ``dst`` (set_path's, or the default)."""
@@ -474,7 +489,9 @@ class FakeNetwork:
             self.counts["queue_drop_payload"] += 1
 
     def _arrive(self, node: _Node, src, data: bytes) -> None:
+        node.offered += 1
         if not self._admits(node, len(data)):
+            node.dropped += 1
             self.counts["queue_drop"] += 1
             self._count_payload_drop(data)
             return
@@ -508,10 +525,17 @@ class FakeNetwork:
     def _enqueue(self, node: _Node, size: int) -> float:
         """Queue ``size`` bytes at the downlink; when they have crossed it."""
         prof = node.profile
-        t = max(self.now, node.down_free)
-        if prof.down_bps is not None:
-            t += size * 8 / prof.down_bps
-        node.down_free = t
+        if prof.down_burst_bytes and prof.down_bps is not None:
+            # (down_free: when the bucket is full again; it holds these bytes from
+            # (burst - size) bytes' time before that)
+            rate = prof.down_bps / 8
+            t = max(self.now, node.down_free - (prof.down_burst_bytes - size) / rate)
+            node.down_free = max(node.down_free, t) + size / rate
+        else:
+            t = max(self.now, node.down_free)
+            if prof.down_bps is not None:
+                t += size * 8 / prof.down_bps
+            node.down_free = t
         node.queue.append((t, size))
         node.queued_bytes += size
         if self.shared_buffer is not None:

@@ -35,6 +35,7 @@ import numpy as np
 from .. import wire
 from ..aggregate import make_aggregator
 from ..collective import TOPOLOGIES
+from ..emulate import qdisc
 from ..net.background import BackgroundTraffic, start_background
 from ..net.buffer import SharedBuffer
 from ..net.cpu import CpuCosts
@@ -199,6 +200,10 @@ class SimJob:
     #: other tenants' traffic on every host's links and the switch's queues (None, or a
     #: rate of 0: none)
     background: BackgroundTraffic | None = None
+    #: the server's (rank 0's) downlink as a token-bucket bottleneck, as the kernel
+    #: testbed's incast puts a tbf on the switch port into it; its queue is the tbf's
+    #: limit in bytes (None: a link like the others)
+    bottleneck: qdisc.Bottleneck | None = None
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,11 @@ class SimRow:
     background_drops: int = 0
     #: datagrams a burst at a rank's host (``rank=`` in the loss spec) lost there
     node_losses: int = 0
+    #: the bottleneck in front of rank 0 ("": none), as tc would describe its tbf, and
+    #: the share of the datagrams offered to it that its queue dropped (as the testbed's
+    #: qdisc counts them)
+    bottleneck: str = ""
+    bottleneck_drop_fraction: float | None = None
     #: with bursts in time (``window=``, ``every_s=``): the rounds that overlapped one,
     #: their mean, the other rounds' median, and the one over the other (as ``compare``
     #: reports a burst round against a normal one); None without such bursts
@@ -308,6 +318,11 @@ def run_job(job: SimJob) -> SimRow:
                           cpu=costs)
     profiles = [dataclasses.replace(profile, loss=at_node[r]) if r in at_node else profile
                 for r in range(job.workers)]
+    if job.bottleneck is not None:
+        b = job.bottleneck
+        profiles[0] = dataclasses.replace(
+            profiles[0], down_bps=b.rate_bps, down_burst_bytes=b.burst_bytes,
+            queue_bytes=b.limit_bytes, queue_datagrams=None)
     if net.fabric is not None:
         for r, peer in enumerate(peers):
             net.fabric.place(peer, r * job.racks // job.workers)
@@ -359,6 +374,7 @@ def run_job(job: SimJob) -> SimRow:
         runtime.spawn(functools.partial(rank_main, r), name=f"rank {r}")
     try:
         runtime.run()
+        offered, dropped = net.port_counts(peers[0])  # (while rank 0 is attached)
     finally:
         runtime.close()
         for ep in endpoints:
@@ -382,6 +398,9 @@ def run_job(job: SimJob) -> SimRow:
         congestion=job.congestion,
         payload_drop_fraction=round(
             net.counts["queue_drop_payload"] / max(1, net.counts["sent_payload"]), 5),
+        bottleneck="" if job.bottleneck is None else job.bottleneck.describe(),
+        bottleneck_drop_fraction=(None if job.bottleneck is None
+                                  else round(dropped / max(1, offered), 5)),
         background="" if background is None else str(background),
         background_bytes=net.counts["background_bytes"],
         background_drops=(net.counts["background_queue_drop"]
@@ -482,7 +501,8 @@ def check_loss_model(spec: str, seed: int = 0) -> LossModel:
     for part in components(model):
         if isinstance(part, Bottleneck):
             raise ValueError(f"{spec!r}: a bottleneck is the simulator's links and queues "
-                             "(--link-gbps, --queue-datagrams), not a path's loss")
+                             "(--link-gbps, --queue-datagrams, --bottleneck), not a path's "
+                             "loss")
         if isinstance(part, Microburst) and (part.rounds or part.every):
             raise ValueError(f"{spec!r}: bursts keyed on rounds meet our datagrams alone (a "
                              "TCP segment carries no round): give them as time windows")
