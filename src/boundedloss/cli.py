@@ -1081,9 +1081,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
         delay_us, queue_datagrams, queue_bytes, shared_buffer, bottleneck, backgrounds, mtu,
-        racks,
-        oversubscription, auth, credit, congestion, cpu, like_testbed, seed, json_path,
-        plot_path) -> None:
+        racks, oversubscription, auth, credit, congestion, cpu, like_testbed, seed,
+        json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .net.background import parse_background

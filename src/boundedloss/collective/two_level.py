@@ -15,8 +15,8 @@ consecutive ranks usually share a rack, so the bulk of the bytes stays in it):
 4. all-gather of the shards within the group: the whole mean.
 
 The bytes a rank sends are the transpose's (``1 - 1/N`` of the vector each way); the
-messages are ``2(G - 1) + 2(N/G - 1)``, least near ``G = sqrt(N)`` (64 at 1,024 ranks
-instead of 2,046 in each direction). Every phase's receives are posted before the first
+messages are ``2(G - 1) + 2(N/G - 1)``, fewest near ``G = sqrt(N)`` (124 at 1,024 ranks
+instead of 2,046, in each direction). Every phase's receives are posted before the first
 send and one round ahead, as the transpose's.
 
 Under loss each reduce aggregates what arrived, under the job's policy and aggregator:
