@@ -184,9 +184,10 @@ def test_a_collective_on_real_udp_endpoints_under_loss_is_the_exact_mean(cls):
                                       buckets=2, losses=losses, network=_Loopback()), world)
 
 
-@pytest.mark.parametrize("cls", [ParameterServer, TransposeAllreduce])
-def test_bounded_collective_under_loss_meets_the_bound(cls):
-    world = 3
+@pytest.mark.parametrize(("cls", "world"), [(ParameterServer, 3), (TransposeAllreduce, 3),
+                                            (TwoLevelAllreduce, 8)])
+def test_bounded_collective_under_loss_meets_the_bound(cls, world):
+    """(Two levels, 8 ranks in groups of 4: the bound holds at each level.)"""
     losses = [Bernoulli(0.1, seed=r) for r in range(world)]
     run = _run_world(cls, world, lambda: FixedBoundPolicy(0.25), UnbiasedRescale(), rounds=3,
                      buckets=2, losses=losses, stale_broadcast=True, size=20_000)
@@ -308,23 +309,6 @@ def test_a_group_size_that_does_not_divide_the_world_is_refused():
         TwoLevelAllreduce(ep, 0, [ep.address] * 6, policy=ReliablePolicy(),
                           aggregator=UnbiasedRescale(), group_size=4)
     ep.close()
-
-
-def test_the_two_level_allreduce_under_loss_meets_the_bound_at_both_levels():
-    world = 8
-    losses = [Bernoulli(0.1, seed=r) for r in range(world)]
-    run = _run_world(TwoLevelAllreduce, world, lambda: FixedBoundPolicy(0.25),
-                     UnbiasedRescale(), rounds=3, buckets=2, losses=losses,
-                     stale_broadcast=True, size=20_000)
-    assert not run.errors, run.errors
-    assert len(run.stats) == len(run.inputs)
-    for key, st in run.stats.items():
-        assert st.min_delivered_fraction >= 0.75 - 1e-9, key
-    assert any(st.delivered_fraction < 1.0 for st in run.stats.values())
-    for (r, t, b), out in run.outputs.items():
-        expected = np.mean([run.inputs[(q, t, b)] for q in range(world)], axis=0)
-        rel = np.linalg.norm(out - expected) / np.linalg.norm(expected)
-        assert rel < 0.9, (r, t, b, rel)
 
 
 def test_the_two_level_allreduce_with_hadamard_dispersion_is_the_exact_mean():
