@@ -547,7 +547,8 @@ def test_a_receive_the_guard_made_reliable_still_hands_on_part_at_the_hard_deadl
 
 
 # ------------------------------------------------------- the transpose's two halves
-def _run_halves(world, make_policy, rounds, piece, shard, losses=None, **kw):
+def _run_halves(world, make_policy, rounds, piece, shard, losses=None,
+                cls=TransposeAllreduce, **kw):
     """Each rank r runs ``rounds`` rounds of ``reduce_scatter_mean`` (bucket 0) on its
     pieces for every owner, ``piece(r, owner, t)`` in rank order, and of ``all_gather``
     (bucket 1) on ``shard(r, t)``; ``losses[r]``: what rank r's host loses of what
@@ -559,8 +560,8 @@ def _run_halves(world, make_policy, rounds, piece, shard, losses=None, **kw):
     results: dict = {}
 
     def rank_main(r):
-        coll = TransposeAllreduce(eps[r], r, peers, policy=make_policy(),
-                                  aggregator=UnbiasedRescale(), session=SESSION, **kw)
+        coll = cls(eps[r], r, peers, policy=make_policy(), aggregator=UnbiasedRescale(),
+                   session=SESSION, **kw)
         try:
             for t in range(rounds):
                 pieces = [piece(r, q, t) for q in range(world)]
@@ -581,17 +582,20 @@ def _run_halves(world, make_policy, rounds, piece, shard, losses=None, **kw):
     return results
 
 
-def test_the_reliable_halves_are_a_reduce_scatter_and_an_all_gather():
+@pytest.mark.parametrize(("cls", "world"), [(TransposeAllreduce, 3), (TwoLevelAllreduce, 6),
+                                            (TwoLevelAllreduce, 8)])
+def test_the_reliable_halves_are_a_reduce_scatter_and_an_all_gather(cls, world):
     """Rank r's reduce-scatter result is shard r of the exact mean (uneven shards too);
-    its all-gather result every rank's shard in rank order."""
-    world, rng = 3, np.random.default_rng(0)
-    sizes = [hi - lo for lo, hi in shard_bounds(2102, world)]  # 701, 701, 700
+    its all-gather result every rank's shard in rank order - in two levels too (6 ranks in
+    groups of 3, 8 in groups of 4), where the shards travel packed by column."""
+    rng = np.random.default_rng(0)
+    sizes = [hi - lo for lo, hi in shard_bounds(2102, world)]  # (uneven: 701, 701, 700 at 3)
     pieces = {(s, q, t): rng.standard_normal(sizes[q]).astype(np.float32)
               for s in range(world) for q in range(world) for t in range(2)}
     shards = {(q, t): rng.standard_normal(500).astype(np.float32)
               for q in range(world) for t in range(2)}
     results = _run_halves(world, ReliablePolicy, 2, lambda s, q, t: pieces[(s, q, t)],
-                          lambda q, t: shards[(q, t)])
+                          lambda q, t: shards[(q, t)], cls=cls)
     for r in range(world):
         for t in range(2):
             mean, st = results[("rs", r, t)]
@@ -642,6 +646,42 @@ def test_lossy_halves_average_what_arrived_and_keep_the_last_value():
                 assert (now | (piece == kept[q * n:(q + 1) * n])).all(), (r, t, q)
                 stale += int((~now).sum())
             kept = gathered.copy()
+    assert partial > 0 and stale > 0, (partial, stale)
+
+
+def test_lossy_two_level_halves_average_what_arrived_and_keep_the_last_value():
+    """The halves in two levels (4 ranks in groups of 2) under 10% loss and a 30% bound:
+    each reduce-scatter element lies among the contributions' values and some miss a
+    contribution; each gathered element is the current value or an earlier round's (a
+    value lost at either step keeps what that step had last, which may be older than
+    what this rank had last), the first round's all current."""
+    world, n, rounds = 4, 6000, 4
+    ranks_value = [1.0, 10.0, 100.0, 1000.0]
+
+    def shard(q, t):
+        return np.full(n, ranks_value[q] * (t + 1), dtype=np.float32)
+
+    losses = [Bernoulli(0.1, seed=r + 1) for r in range(world)]
+    results = _run_halves(world, lambda: FixedBoundPolicy(0.3), rounds,
+                          lambda s, q, t: shard(s, t), shard, losses=losses,
+                          cls=TwoLevelAllreduce, stale_broadcast=True)
+    partial = stale = 0
+    for r in range(world):
+        for t in range(rounds):
+            mean, _ = results[("rs", r, t)]
+            everyone = np.float32(sum(ranks_value) * (t + 1) / world)
+            assert ((mean >= 1.0 * (t + 1)) & (mean <= 1000.0 * (t + 1))).all(), (r, t)
+            partial += int((mean != everyone).sum())
+            gathered, _ = results[("ag", r, t)]
+            for q in range(world):
+                piece = gathered[q * n:(q + 1) * n]
+                now = piece == np.float32(ranks_value[q] * (t + 1))
+                if q == r or t == 0:
+                    assert now.all(), (r, t, q)
+                    continue
+                rounds_values = [np.float32(ranks_value[q] * (u + 1)) for u in range(t + 1)]
+                assert np.isin(piece, rounds_values).all(), (r, t, q)
+                stale += int((~now).sum())
     assert partial > 0 and stale > 0, (partial, stale)
 
 

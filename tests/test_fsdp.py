@@ -34,12 +34,12 @@ def _ranks(scenario: str, world: int, dtype: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize(("world", "dtype"), [(3, "float32"), (2, "bfloat16")])
+@pytest.mark.parametrize(("world", "dtype"), [(3, "float32"), (2, "bfloat16"), (4, "float32")])
 def test_reliable_fsdp_trains_as_gloos_fsdp(world, dtype):
     """The same losses, gradient shards and parameters as Gloo's FSDP2 step for step (a
     wrong reduce-scatter or all-gather shows in them); bfloat16 shards through
     MixedPrecisionPolicy within a rounding; the phase detector sees the full gradient's
-    norm."""
+    norm. (4 ranks: the halves in two levels, groups of 2.)"""
     _ranks("lossless", world, dtype)
 
 

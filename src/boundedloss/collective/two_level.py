@@ -28,10 +28,17 @@ step 2 leaves out a whole group's. The loss guard watches step 1's receives (the
 own gradients), and its decision holds for both. The bounded broadcasts (steps 3 and 4,
 ``stale_broadcast``) keep a missing value's previous one, each in its own memory slot.
 
+The halves a sharded model runs apart (FSDP2: ``reduce_scatter_mean``, ``all_gather``)
+go in two levels too, with shard ``r`` of the vector at rank ``r`` as the transpose's
+halves leave it: member ``k`` of every group stands for the shards of the ranks at
+place ``k`` in theirs (its column), so the reduce-scatter's first step sends each group
+member those shards packed together (a copy of the vector, once), and its second hands
+each column-mate its own; the all-gather runs the same steps backwards and unpacks. In
+a bounded all-gather a value lost at either step keeps what that step had last: an
+earlier round's value, which may be older than the one this rank had last.
+
 ``N`` with no divisor between 2 and ``N/2`` (a prime, or fewer than 4 ranks) has no two
-levels: the call is the transpose allreduce's. The halves that a sharded model uses
-(``reduce_scatter_mean``, ``all_gather``) are the transpose's, one level: FSDP needs
-shard ``r`` of the vector at rank ``r``.
+levels: every call is the transpose allreduce's.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import RoundStats, Tally
+from .base import PUSH, RoundStats, Tally, message_id
 from .transpose import TransposeAllreduce, shard_bounds
 
 
@@ -70,16 +77,19 @@ class TwoLevelAllreduce(TransposeAllreduce):
         self.column = [j * size + member for j in range(n // size)]
 
     @property
+    def two_levels(self) -> bool:
+        return len(self.group) > 1 and len(self.column) > 1
+
+    @property
     def messages_per_round(self) -> int:
         """The messages this rank sends in a round (and receives)."""
-        levels = [len(self.group), len(self.column)]
-        if 1 in levels:
+        if not self.two_levels:
             return 2 * (self.world_size - 1)
-        return 2 * sum(k - 1 for k in levels)
+        return 2 * (len(self.group) - 1 + len(self.column) - 1)
 
     def allreduce_mean(self, x: np.ndarray, round_id: int,
                        bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
-        if len(self.group) == 1 or len(self.column) == 1:
+        if not self.two_levels:
             return super().allreduce_mean(x, round_id, bucket)
         t0 = self._clock()
         n = x.size
@@ -121,3 +131,78 @@ class TwoLevelAllreduce(TransposeAllreduce):
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)
         return out_x, tally.stats(round_id, bucket, self._clock() - t0)
+
+    # ---------------------------------------------------------- the halves
+    def _columns(self, regions: list[tuple[int, int]]) -> dict[int, list[tuple[int, int]]]:
+        """Group member rank -> the regions of its column (every group's rank at its place
+        in theirs), in group order: what it stands for in the first step."""
+        size = len(self.group)
+        return {r: [regions[j * size + k] for j in range(len(self.column))]
+                for k, r in enumerate(self.group)}
+
+    def reduce_scatter_mean(self, x: np.ndarray, round_id: int,
+                            bucket: int = 0) -> tuple[np.ndarray, RoundStats]:
+        if not self.two_levels:
+            return super().reduce_scatter_mean(x, round_id, bucket)
+        self._whole_vectors_only("reduce-scatter")
+        t0 = self._clock()
+        x = np.ascontiguousarray(x)
+        regions = shard_bounds(x.size, self.world_size)
+        columns = self._columns(regions)
+        # (a column's regions back to back; in it, group j's rank's region is piece j)
+        packed = {r: np.concatenate([x[lo:hi] for lo, hi in cols]).view(x.dtype)
+                  for r, cols in columns.items()}
+        starts = np.cumsum([0] + [hi - lo for lo, hi in columns[self.rank]])
+        pieces = {r: (int(starts[j]), int(starts[j + 1])) for j, r in enumerate(self.column)}
+        plo, phi = pieces[self.rank]
+        column_in = self._take_contributions(bucket, round_id, packed[self.rank].nbytes,
+                                             self.group)
+        piece_in = self._take_contributions(bucket, round_id, (phi - plo) * x.itemsize,
+                                            self.column)
+        sends = list(zip(self._others(self.group), self.endpoint.send_many(
+            [(self.peers[r], packed[r]) for r in self._others(self.group)],
+            message_id=message_id(bucket, PUSH), round_id=round_id)))
+        tally = Tally()
+        column_mean = self._reduce(packed[self.rank], column_in, round_id, bucket, "column",
+                                   tally, (bucket, "column"))
+        sends += self._scatter(column_mean, pieces, bucket, round_id)
+        mine = self._reduce(column_mean[plo:phi], piece_in, round_id, bucket, "shard", tally,
+                            (bucket, "shard"), guard=False)
+        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        return mine, tally.stats(round_id, bucket, self._clock() - t0)
+
+    def all_gather(self, shard: np.ndarray, round_id: int, bucket: int = 0, *,
+                   out: np.ndarray | None = None) -> tuple[np.ndarray, RoundStats]:
+        if not self.two_levels:
+            return super().all_gather(shard, round_id, bucket, out=out)
+        self._whole_vectors_only("all-gather")
+        t0 = self._clock()
+        k, size, height = shard.size, len(self.group), len(self.column)
+        if out is None:
+            out = np.empty(k * self.world_size, dtype=shard.dtype)
+        elif out.shape != (k * self.world_size,) or out.dtype != shard.dtype:
+            raise ValueError(f"all-gather into {out.shape} {out.dtype}: expected "
+                             f"({k * self.world_size},) {shard.dtype}")
+        mine = np.array(shard)  # (shard may be a view of out's own piece: out is written)
+        # my column's shards back to back, then every group member's column
+        pieces = {r: (j * k, (j + 1) * k) for j, r in enumerate(self.column)}
+        columns = {r: (m * height * k, (m + 1) * height * k) for m, r in enumerate(self.group)}
+        pieces_in = self._take_shards(pieces, bucket, round_id, mine.itemsize,
+                                      check_memory=True)
+        columns_in = self._take_shards(columns, bucket, round_id, mine.itemsize,
+                                       check_memory=True, role="column")
+        sends = self._broadcast(mine, bucket, round_id, self.column)
+        tally = Tally()
+        column = np.empty(height * k, dtype=mine.dtype)
+        self._gather(column, mine, pieces, pieces_in, bucket, round_id, tally)
+        sends += self._broadcast(column, bucket, round_id, self.group)
+        by_member = np.empty(size * height * k, dtype=mine.dtype)
+        self._gather(by_member, column, columns, columns_in, bucket, round_id, tally,
+                     role="column")
+        self._guard_round(bucket, round_id, tally)  # (bounded shards are the job's bet)
+        # (member m's column holds group j's rank m's shard at j: rank j * size + m's)
+        out.reshape(height, size, k)[:] = by_member.reshape(size, height, k).transpose(1, 0, 2)
+        self._post_shards_ahead(pieces, bucket, round_id, mine.itemsize)
+        self._post_shards_ahead(columns, bucket, round_id, mine.itemsize)
+        tally.rounds = max(tally.rounds, self._wait_sends(sends))
+        return out, tally.stats(round_id, bucket, self._clock() - t0)

@@ -6,14 +6,17 @@
 and the modules sharded inside it) and gives each a :class:`BoundedReduceScatter` and a
 :class:`BoundedAllGather` (``FSDPModule.set_custom_reduce_scatter`` /
 ``set_custom_all_gather``), on the DDP path's endpoint, policy, loss guard, keys and
-state. They run the transpose collective's two halves:
+state. They run the transpose collective's two halves - in two levels where the world
+has them (``collective/two_level.py``: 2(G + N/G - 2) messages a rank a call instead of
+2(N - 1), the same shards):
 
 - the reduce-scatter: each shard's owner averages it over the contributions that
   arrived (the job's aggregator; ``unbiased`` divides by their count), so the gradient
   estimate stays unbiased whatever subset arrived;
 - the all-gather: each owner sends its parameter shard to every other rank; a missing
-  piece keeps the last value that arrived (bounded drift). A shard with no last value
-  yet (the first round, or after a checkpoint is loaded) is received reliably.
+  piece keeps the last value that arrived (bounded drift; in two levels the last one
+  the step that lost it had, possibly a round older). A shard with no last value yet
+  (the first round, or after a checkpoint is loaded) is received reliably.
 
 Module i (in ``model.modules()`` order, the same on every rank) runs its reduce-scatter
 as bucket 2i and its all-gather as bucket 2i+1: round counters, receives posted ahead,
@@ -54,7 +57,8 @@ except ImportError:  # pragma: no cover - FSDP2 without the seam: refused at reg
     _AllGather = _ReduceScatter = object  # type: ignore[assignment,misc]
 
 #: ``BoundedLossState.topology`` of a job registered on FSDP2 modules (its collective is
-#: the transpose allreduce's two halves; a DDP job's state cannot be loaded into it)
+#: the transpose allreduce's two halves, in two levels where the world has them; a DDP
+#: job's state cannot be loaded into it)
 FSDP_TOPOLOGY = "fsdp"
 
 _SEAM = ("set_custom_reduce_scatter", "set_custom_all_gather")

@@ -39,7 +39,7 @@ from ..collective import (
     LossGuards,
     MemoryKey,
     RoundStats,
-    TransposeAllreduce,
+    TwoLevelAllreduce,
     widen,
 )
 from ..collective.base import is_bfloat16
@@ -650,7 +650,8 @@ def register(
     except TransportError:
         endpoint.close()
         raise
-    make = TransposeAllreduce if state.sharded else TOPOLOGIES[state.topology]
+    # (FSDP's halves in two levels where the world has them: O(sqrt N) messages a rank)
+    make = TwoLevelAllreduce if state.sharded else TOPOLOGIES[state.topology]
     collective = make(
         endpoint, rank, peers, policy=state.policy, aggregator=state.aggregator,
         stale_broadcast=state.stale_broadcast, hadamard=state.hadamard, session=session,
