@@ -173,12 +173,12 @@ def test_reliable_collective_is_the_exact_mean(cls, world):
                                       rounds=3, buckets=2), world)
 
 
-@pytest.mark.parametrize("cls", [ParameterServer, TransposeAllreduce])
-def test_a_collective_on_real_udp_endpoints_under_loss_is_the_exact_mean(cls):
+@pytest.mark.parametrize(("cls", "world"), [(ParameterServer, 3), (TransposeAllreduce, 3),
+                                            (TwoLevelAllreduce, 4)])
+def test_a_collective_on_real_udp_endpoints_under_loss_is_the_exact_mean(cls, world):
     """Each topology end to end on the real driver: two buckets in flight at once on
     every rank (callers on several threads), 5% of what each endpoint receives lost and
     recovered."""
-    world = 3
     losses = [Bernoulli(0.05, seed=r) for r in range(world)]
     _assert_the_exact_mean(_run_world(cls, world, ReliablePolicy, UnbiasedRescale(), rounds=3,
                                       buckets=2, losses=losses, network=_Loopback()), world)
