@@ -85,3 +85,15 @@ def test_a_simulated_incast_round_and_its_drops_are_the_kernel_testbed_s(system,
     assert row.p50_ms == pytest.approx(testbed["round_ms_p50"], rel=P50_TOLERANCE)
     assert row.bottleneck_drop_fraction == pytest.approx(testbed["bottleneck_drop_fraction"],
                                                          abs=DROP_TOLERANCE)
+
+
+def test_the_simulated_incast_pushes_the_scenario_s_model():
+    """The simulated push is the incast scenario's model, parameter for parameter (the
+    digits MLP at its default width)."""
+    from boundedloss.experiments.train import TrainConfig
+    from boundedloss.sim.calibration import INCAST, INCAST_ELEMENTS
+    from boundedloss.workloads.images import ImageMLP
+
+    assert INCAST.model == "mlp"
+    model = ImageMLP(8, hidden=TrainConfig().mlp_hidden)
+    assert sum(p.numel() for p in model.parameters()) == INCAST_ELEMENTS

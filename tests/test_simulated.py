@@ -283,10 +283,10 @@ def test_a_bottleneck_in_front_of_the_server_sets_an_incast_round_and_its_drops(
                                       elements=25_000, rounds=4, link_gbps=10.0,
                                       bottleneck=Bottleneck("100mbit", "32kb", "64kb"),
                                       credit_bytes=credit, mtu=1500))
-    from boundedloss.net.udp import largest_chunk
+    from boundedloss.net.udp import IPV4_UDP_OVERHEAD, largest_chunk
     from boundedloss.protocol.auth import TRAILER_BYTES
 
-    datagram = 1500 - 28  # (what the simulator's links carry: the UDP payload)
+    datagram = 1500 - IPV4_UDP_OVERHEAD  # (what the simulator's links carry: UDP payload)
     per_push = -(-25_000 * 4 // largest_chunk(1500, TRAILER_BYTES)) * datagram
     wire_s = (3 * per_push - 32 * 1024) * 8 / 100e6
     credited = rows[48 * 1024]

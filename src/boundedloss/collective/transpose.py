@@ -139,21 +139,25 @@ class TransposeAllreduce(Collective):
                                   (bucket, f"{role}{r}"), (hi - lo,)) is not None)
                 for r, (lo, hi) in bounds.items() if r != self.rank}
 
+    def _send_each(self, payloads: dict[int, np.ndarray], bucket: int, phase: int,
+                   round_id: int) -> list[tuple[int, Future]]:
+        """Send each other rank in ``payloads`` its payload, all in one batch."""
+        others = self._others(payloads)
+        return list(zip(others, self.endpoint.send_many(
+            [(self.peers[r], payloads[r]) for r in others],
+            message_id=message_id(bucket, phase), round_id=round_id)))
+
     def _scatter(self, x: np.ndarray, bounds: Bounds, bucket: int,
                  round_id: int) -> list[tuple[int, Future]]:
         """Send every other rank its shard of my ``x``."""
-        others = self._others(bounds)
-        return list(zip(others, self.endpoint.send_many(
-            [(self.peers[r], x[bounds[r][0]:bounds[r][1]]) for r in others],
-            message_id=message_id(bucket, PUSH), round_id=round_id)))
+        return self._send_each({r: x[lo:hi] for r, (lo, hi) in bounds.items()}, bucket, PUSH,
+                               round_id)
 
     def _broadcast(self, mine: np.ndarray, bucket: int, round_id: int,
                    ranks: Iterable[int] | None = None) -> list[tuple[int, Future]]:
         """Send my (reduced) shard to every other rank (of ``ranks``)."""
-        others = self._others(ranks)
-        return list(zip(others, self.endpoint.send_many(
-            [(self.peers[r], mine) for r in others], message_id=message_id(bucket, PULL),
-            round_id=round_id)))
+        ranks = range(self.world_size) if ranks is None else ranks
+        return self._send_each(dict.fromkeys(ranks, mine), bucket, PULL, round_id)
 
     def _gather(self, out: np.ndarray, mine: np.ndarray, bounds: Bounds,
                 gather_in: dict[int, Posted], bucket: int, round_id: int,

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import PUSH, RoundStats, Tally, message_id
+from .base import PUSH, RoundStats, Tally
 from .transpose import TransposeAllreduce, shard_bounds
 
 
@@ -159,9 +159,7 @@ class TwoLevelAllreduce(TransposeAllreduce):
                                              self.group)
         piece_in = self._take_contributions(bucket, round_id, (phi - plo) * x.itemsize,
                                             self.column)
-        sends = list(zip(self._others(self.group), self.endpoint.send_many(
-            [(self.peers[r], packed[r]) for r in self._others(self.group)],
-            message_id=message_id(bucket, PUSH), round_id=round_id)))
+        sends = self._send_each(packed, bucket, PUSH, round_id)
         tally = Tally()
         column_mean = self._reduce(packed[self.rank], column_in, round_id, bucket, "column",
                                    tally, (bucket, "column"))
