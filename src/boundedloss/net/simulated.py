@@ -2,12 +2,14 @@
 hook's exchange - runs unchanged, in virtual time, deterministically.
 
 - :class:`SimRuntime` runs programs (a rank's loop, say: plain blocking code that
-  calls an endpoint and waits on its futures) as threads that take turns: exactly one
+  calls an endpoint and waits on its futures) as greenlets that take turns: exactly one
   runs at a time, and the network's discrete-event loop runs only while every program
   waits. A program's wait on a future hands the turn back; the future's result (or its
   timeout, counted on the virtual clock) gives the turn back to it. So a run depends on
   the seed and the programs alone - never on the host's scheduler or speed - and a
-  program's computing takes no virtual time.
+  program's computing takes no virtual time. (A greenlet switches stacks within one
+  thread: a program may block anywhere in plain code, and a turn costs a switch, not
+  two threads handing over a lock and the GIL.)
 - :class:`SimEndpoint` is an :class:`~.endpoint.Endpoint` whose core is a node of a
   :class:`~.fake.FakeNetwork` (its links, queues, loss and routes): the network's loop
   is its driver.
@@ -26,12 +28,13 @@ from __future__ import annotations
 
 import gc
 import math
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures._base import PENDING
 from typing import Any
+
+import greenlet
 
 from .. import native
 from ..protocol.auth import DatagramAuth
@@ -50,33 +53,35 @@ class _Abort(BaseException):
     """Unwinds a program the runtime gave up on (another one failed)."""
 
 
-def _gate() -> threading.Lock:
-    """A closed gate: one release() lets one acquire() through (a turn is handed over
-    by one thread and taken by one other, strictly in turn). A bare lock, held from the
-    start, does that at a fraction of a Semaphore's cost (a Condition, in Python)."""
-    gate = threading.Lock()
-    gate.acquire()
-    return gate
+class _ProgramGreenlet(greenlet.greenlet):
+    """A program's greenlet, which knows its program (``SimRuntime.wait`` finds it)."""
+
+    program: Program | None = None
 
 
 class Program:
-    """One program's thread and how it ended (``result()`` once the runtime has run)."""
+    """One program's greenlet and how it ended (``result()`` once the runtime has run)."""
 
     def __init__(self, runtime: SimRuntime, fn: Callable[[], Any], name: str):
         self.name = name
         self._fn = fn
         self._runtime = runtime
-        self.turn = _gate()  # released: it may run
         self.value: Any = None
         self.error: BaseException | None = None
         self.aborted = False
         self.waiting: Future | None = None  # the future it waits on, if any
         self.finished: Future = SimFuture(runtime)  # resolved (None) once it has ended
-        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.greenlet = _ProgramGreenlet(self._main)
+        self.greenlet.program = self
 
     @property
     def done(self) -> bool:
         return self.finished.done()
+
+    @property
+    def ended(self) -> bool:
+        """Its greenlet has returned (unwound, if it was aborted)."""
+        return self.greenlet.dead
 
     def join(self, timeout: float | None = None) -> None:
         """Wait (in another program) until this one has ended."""
@@ -91,8 +96,6 @@ class Program:
         return self.value
 
     def _main(self) -> None:
-        self.turn.acquire()
-        self._runtime.local.program = self
         try:
             if not self.aborted:
                 self.value = self._fn()
@@ -103,7 +106,6 @@ class Program:
         finally:
             self._runtime.ended += 1
             self.finished.set_result(None)
-            self._runtime.give_back()
 
 
 class SimRuntime:
@@ -113,8 +115,9 @@ class SimRuntime:
         self.network = network
         self._programs: list[Program] = []
         self._ready: deque[Program] = deque()
-        self._back = _gate()  # released: the turn is back with run()
-        self.local = threading.local()  # (each program's thread: its Program)
+        #: the greenlet that runs the network's loop (run()'s caller): a waiting
+        #: program switches back to it
+        self._hub: greenlet.greenlet | None = None
         self.ended = 0  # programs that have ended
 
     @property
@@ -127,7 +130,6 @@ class SimRuntime:
         program = Program(self, fn, name or f"sim-program-{len(self._programs)}")
         self._programs.append(program)
         self._ready.append(program)
-        program.thread.start()
         return program
 
     def run(self, until: float | None = None) -> float:
@@ -168,7 +170,7 @@ class SimRuntime:
             gc.set_threshold(*thresholds)
 
     def close(self) -> None:
-        """Unwind the programs that have not finished (their threads end)."""
+        """Unwind the programs that have not finished (their greenlets end)."""
         self._unwind()
 
     def sleep_until(self, t: float) -> None:
@@ -183,7 +185,7 @@ class SimRuntime:
     def wait(self, future: Future, timeout: float | None) -> None:
         """Called by a program: hand the turn back until ``future`` is done or
         ``timeout`` virtual seconds have passed."""
-        program = getattr(self.local, "program", None)
+        program = getattr(greenlet.getcurrent(), "program", None)
         if program is None:
             raise RuntimeError("a simulated future is waited on from outside the "
                                "simulation (wait in a program, or after run())")
@@ -203,8 +205,11 @@ class SimRuntime:
             future.add_done_callback(done)
         else:
             future.add_done_callback(lambda _: self._wake(program, future))
-        self._back.release()
-        program.turn.acquire()
+        assert self._hub is not None  # (a program runs only from run())
+        try:
+            self._hub.switch()
+        except greenlet.GreenletExit:  # (collected unfinished: unwind it)
+            program.aborted = True
         if program.aborted:
             raise _Abort
 
@@ -216,12 +221,12 @@ class SimRuntime:
 
     def _run_program(self, program: Program) -> None:
         """Let ``program`` run until it waits or ends."""
-        program.turn.release()
-        self._back.acquire()
-
-    def give_back(self) -> None:
-        """(A program's thread, ending: the turn goes back to run().)"""
-        self._back.release()
+        hub = self._hub = greenlet.getcurrent()
+        glet = program.greenlet
+        if glet.dead:
+            return
+        glet.parent = hub  # (where it goes when it ends)
+        glet.switch()
 
     def _unwind(self) -> None:
         for program in self._programs:
@@ -233,7 +238,7 @@ class SimRuntime:
 
 
 class _Unlocked:
-    """Stands for a SimFuture's condition: the simulation's threads take turns, one at
+    """Stands for a SimFuture's condition: the simulation's programs take turns, one at
     a time, so no two touch a future at once, and none blocks on one (its wait hands
     the turn to the simulation) - a real Condition per future cost a lock each."""
 
