@@ -53,6 +53,8 @@ class Endpoint(abc.ABC):
         self._lock = threading.Lock()
         # transfer_id -> (its MessageSender or MessageReceiver, the future it resolves)
         self._futures: dict[int, tuple[MessageSender | MessageReceiver, Future]] = {}
+        #: each of those futures -> its transfer_id (cancel finds its transfer at once)
+        self._transfer_of: dict[Future, int] = {}
         self._closing = False  # the driver stops, and new calls are refused
         self._closed = False
         self._failure: BaseException | None = None  # what killed the driver, if anything
@@ -176,6 +178,7 @@ class Endpoint(abc.ABC):
                 started.append(transfer)
                 fut = self._new_future()
                 self._futures[transfer.transfer_id] = (transfer, fut)
+                self._transfer_of[fut] = transfer.transfer_id
                 futures.append(fut)
         except BaseException:
             for transfer in started:
@@ -188,9 +191,9 @@ class Endpoint(abc.ABC):
         """Cancel a send or receive: it resolves with a CANCELLED result. A cancelled
         receive sends no STOP, so a receive posted again for the message takes over."""
         with self._lock:
-            for transfer, fut in list(self._futures.values()):
-                if fut is not future or transfer.result is not None:
-                    continue
+            entry = self._futures.get(self._transfer_of.get(future, -1))
+            if entry is not None and entry[0].result is None:
+                transfer = entry[0]
                 if isinstance(transfer, MessageSender):
                     self.mux.cancel_send(transfer, self.clock())
                 else:
@@ -229,6 +232,7 @@ class Endpoint(abc.ABC):
                 if not fut.done():
                     fut.set_exception(TransportError("endpoint closed"))
             self._futures.clear()
+            self._transfer_of.clear()
 
     def __enter__(self):
         return self
@@ -262,9 +266,14 @@ class Endpoint(abc.ABC):
                     error.__cause__ = e
                     fut.set_exception(error)
             self._futures.clear()
+            self._transfer_of.clear()
 
     def _resolve(self, finished: list[SendResult | ReceiveResult]) -> None:
         for result in finished:
             entry = self._futures.pop(result.transfer_id, None)
-            if entry is not None and not entry[1].done():
-                entry[1].set_result(result)
+            if entry is None:
+                continue
+            fut = entry[1]
+            del self._transfer_of[fut]
+            if not fut.done():
+                fut.set_result(result)

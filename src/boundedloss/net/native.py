@@ -19,6 +19,7 @@ import secrets
 import socket
 import struct
 from collections.abc import Hashable
+from typing import Any
 
 from ..native import AUTH_FALLBACK, authenticates, enabled, module, status
 from ..protocol.auth import NONCE_BYTES, ipv4_address
@@ -71,13 +72,20 @@ class NativeDataPath:
         return address
 
     # ------------------------------------------------------- DataPath for the mux
+    def new_counts(self, peer: Hashable):
+        """A ``Receive`` to keep a receive's counts in from the start (no copy when it
+        is bound), or None for a peer whose DATA the Python core takes."""
+        return None if self.address(peer) is None else self._native.Receive()
+
     def receive_opened(self, receiver: MessageReceiver) -> None:
         address = self.address(receiver.peer)
         if address is None:
             return  # not an IPv4 peer: the Python core takes its DATA
         dest, delivered, critical = receiver.buffers()
-        shared = self._native.Receive()
-        receiver.share_counts(shared)
+        shared: Any = receiver.counts
+        if type(shared) is not self._native.Receive:  # (counted in Python so far)
+            shared = self._native.Receive()
+            receiver.share_counts(shared)
         shared.bind(receiver.peer, address[0], address[1], receiver.round_id,
                     receiver.message_id, receiver.count, receiver.nbytes, receiver.chunk_bytes,
                     receiver.ack_every, dest, delivered, critical,

@@ -59,6 +59,12 @@ class DataPath(Protocol):
     sends, off the core's hands (``boundedloss.net.native``). The mux tells it which
     receives and sends are open."""
 
+    def new_counts(self, peer) -> object | None:
+        """A fresh counters object for a receive from ``peer`` to keep its counts in
+        (MessageReceiver's ``counts``), one the data path can take the receive's DATA
+        with; None: a ReceiveCounts."""
+        ...
+
     def receive_opened(self, receiver: MessageReceiver) -> None: ...
 
     def receive_closed(self, receiver: MessageReceiver, remembered_at: float | None) -> None:
@@ -182,6 +188,7 @@ class TransferMux:
             policy=policy, config=self.config, now=now, out=out, nbytes=nbytes,
             critical=critical, path=self.path(peer), transfer_id=next(self._transfer_ids),
             grants=self.grants,
+            counts=None if self.data_path is None else self.data_path.new_counts(peer),
         )
         self._receivers[key] = receiver
         try:

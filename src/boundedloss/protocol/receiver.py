@@ -141,7 +141,11 @@ class MessageReceiver:
         path: PeerPath | None = None,
         transfer_id: int = 0,
         grants: CreditGrants | None = None,
+        counts=None,
     ):
+        """``counts``: a fresh object with ``ReceiveCounts``' fields and initial values to
+        keep them in (a compiled data path's ``Receive``, which then needs no copy of
+        them: ``share_counts``); a ReceiveCounts by default."""
         self.peer = peer
         self.path = path if path is not None else PeerPath(peer)
         #: the endpoint's credit budget this receive shares once heard (None: no credit)
@@ -173,7 +177,7 @@ class MessageReceiver:
         self._state = ReceiveState.SIZELESS
         #: the per-datagram counters (shared with the compiled data path when it takes
         #: this receive's DATA)
-        self.counts: ReceiveCounts = ReceiveCounts()
+        self.counts: ReceiveCounts = ReceiveCounts() if counts is None else counts
         #: DATA datagrams per ACK (TransportConfig.ack_every_for the message's chunks)
         self.ack_every = config.ack_every_for(0)  # (until the size is known)
         self.accept_deadline: float | None = None
@@ -214,11 +218,9 @@ class MessageReceiver:
             self._out = np.empty(nbytes, dtype=np.uint8)
         self._dest = wire.as_bytes_view(self._out)
         self._delivered = bytearray(count)
-        # numpy twins of the two, for runs of datagrams taken at once (data_run)
-        self._delivered_np = np.frombuffer(self._delivered, dtype=np.uint8)
-        # (as items of cb bytes: numpy copies a uint8 row byte by byte, an item at once)
-        chunk, self._payload_item = _chunk_dtypes(cb)
-        self._full_chunks = np.frombuffer(self._dest, dtype=chunk, count=nbytes // cb)
+        #: numpy twins of the two, for runs of datagrams taken at once (data_run): made
+        #: by its first run (a compiled data path takes the runs instead)
+        self._run_views: tuple[np.ndarray, np.ndarray, np.dtype] | None = None
         crit = self._critical_arg
         if crit is not None:
             crit = np.asarray(crit, dtype=bool)
@@ -304,7 +306,13 @@ class MessageReceiver:
         top = int(tseq.max())
         if top > n.max_tseq:
             n.max_tseq = top
-        flags = self._delivered_np
+        if self._run_views is None:
+            # (as items of cb bytes: numpy copies a uint8 row byte by byte, an item at once)
+            chunk, payload_item = _chunk_dtypes(cb)
+            self._run_views = (np.frombuffer(self._delivered, dtype=np.uint8),
+                               np.frombuffer(self._dest, dtype=chunk,
+                                             count=self._dest.nbytes // cb), payload_item)
+        flags, full_chunks, payload_item = self._run_views
         pos = np.flatnonzero(flags[index] == 0)  # datagrams of chunks not yet delivered
         if pos.size:
             # A chunk twice in the run: mark each datagram's chunk with its position;
@@ -313,7 +321,7 @@ class MessageReceiver:
             flags[index[pos]] = marks
             pos = pos[flags[index[pos]] == marks]
             new = index[pos]
-            self._full_chunks[new] = rows.view(self._payload_item)["p"][pos, 0]
+            full_chunks[new] = rows.view(payload_item)["p"][pos, 0]
             flags[new] = 1
             n.delivered_count += new.size
             if self._critical is not None:
