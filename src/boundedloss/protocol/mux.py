@@ -133,6 +133,9 @@ class TransferMux:
         #: sends a poll would leave as they are (MessageSender.quiescent), by transfer_id:
         #: polls and has_output pass them by
         self._quiet: set[int] = set()
+        #: the open sends that are not quiet, by transfer_id: what has_output asks (it
+        #: runs after every datagram a simulated host takes; open sends grow with the world)
+        self._active: dict[int, MessageSender] = {}
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
         budget = self.config.credit_datagrams
@@ -414,10 +417,16 @@ class TransferMux:
         """``transfer`` may have a new deadline, and a send may have fallen quiet or woken
         (a call through the mux changed it)."""
         if type(transfer) is MessageSender:
-            if transfer.result is None and transfer.quiescent():
-                self._quiet.add(transfer.transfer_id)
+            tid = transfer.transfer_id
+            if transfer.result is None and not transfer.quiescent():
+                self._quiet.discard(tid)
+                self._active[tid] = transfer
             else:
-                self._quiet.discard(transfer.transfer_id)
+                if transfer.result is None:
+                    self._quiet.add(tid)
+                else:
+                    self._quiet.discard(tid)
+                self._active.pop(tid, None)
         d = transfer.next_deadline()
         if d is None:
             self._armed.pop(transfer.transfer_id, None)
@@ -447,9 +456,7 @@ class TransferMux:
 
     # --------------------------------------------------------------- outgoing
     def has_output(self) -> bool:
-        quiet = self._quiet
-        return bool(self.outbox) or any(tx.has_data() for tx in self._senders.values()
-                                        if tx.transfer_id not in quiet)
+        return bool(self.outbox) or any(tx.has_data() for tx in self._active.values())
 
     def poll(self, now: float, limit: int = 1024, *, runs: bool = False,
              sealed: bool = True) -> list:
