@@ -124,6 +124,16 @@ def _chunk_dtypes(cb: int) -> tuple[np.dtype, np.dtype]:
                                          "itemsize": HEADER_BYTES + cb})
 
 
+@functools.lru_cache(maxsize=64)
+def _ack_template(session: int, round_id: int, message_id: int, count: int, nbytes: int,
+                  chunk_bytes: int, credit: bool) -> bytes:
+    """MessageReceiver.ack_template's bytes (a round's receives of one size share them)."""
+    header = wire.Header(Kind.ACK, session, round_id, message_id, 0, count, nbytes,
+                         chunk_bytes)
+    return wire.control_datagram(header, Kind.ACK, 0, STOP_PAYLOAD.pack(0),
+                                 Flag.CREDIT if credit else Flag.NONE)
+
+
 class MessageReceiver:
     def __init__(
         self,
@@ -179,13 +189,15 @@ class MessageReceiver:
         #: this receive's DATA)
         self.counts: ReceiveCounts = ReceiveCounts() if counts is None else counts
         #: DATA datagrams per ACK (TransportConfig.ack_every_for the message's chunks)
-        self.ack_every = config.ack_every_for(0)  # (until the size is known)
+        self.ack_every: int
         self.accept_deadline: float | None = None
         #: chunks in when the sender had sent every chunk once (see TransferStats)
         self.first_pass_delivered: int | None = None
         self.stop: bytes | None = None
         if nbytes is not None:
             self._open(nbytes)
+        else:
+            self.ack_every = config.ack_every_for(0)  # (until the size is known)
 
     # ------------------------------------------------------------------- state
     @property
@@ -216,7 +228,9 @@ class MessageReceiver:
         self.ack_every = self.config.ack_every_for(count)
         if self._out is None:
             self._out = np.empty(nbytes, dtype=np.uint8)
-        self._dest = wire.as_bytes_view(self._out)
+            self._dest = self._out.data  # (flat bytes already)
+        else:
+            self._dest = wire.as_bytes_view(self._out)
         self._delivered = bytearray(count)
         #: numpy twins of the two, for runs of datagrams taken at once (data_run): made
         #: by its first run (a compiled data path takes the runs instead)
@@ -371,8 +385,9 @@ class MessageReceiver:
     def ack_template(self) -> bytes:
         """An ACK of this receive with tseq, the delivered count and any credit zero (the
         compiled data path writes them into a copy)."""
-        return wire.control_datagram(self._header, Kind.ACK, 0, STOP_PAYLOAD.pack(0),
-                                     Flag.NONE if self.grants is None else Flag.CREDIT)
+        h = self._header
+        return _ack_template(h.session, h.round_id, h.message_id, h.count, h.message_bytes,
+                             h.chunk_bytes, self.grants is not None)
 
     def buffers(self) -> tuple[memoryview, bytearray, bytearray | None]:
         """What a data path writes and reads: the destination's bytes, a flag byte per
