@@ -1530,3 +1530,34 @@ def test_the_mux_s_next_deadline_is_the_earliest_even_across_a_rebuild_of_its_he
     mux.cancel_send(d, 0.0)  # (one fewer open send: the next push rebuilds the heap)
     a.acks.last_heard, b.acks.last_heard = 1.0, 0.7  # (the compiled path's ACKs)
     assert mux.next_deadline() == min(s.next_deadline() for s in (a, b, c))
+
+
+def test_has_output_follows_which_sends_are_quiet() -> None:
+    """has_output asks only the sends that are not quiet: two sends PROBE after their
+    first pass and fall quiet (nothing to send until an answer); a BITMAP asking for a
+    chunk again wakes the one it answers, and only that one has output."""
+    src = source_bytes(8 * CB, seed=5)
+    a = TransferMux(SESSION, CFG)
+    b = TransferMux(SESSION, CFG)
+    rx = {m: b.start_receive("a", ROUND, m, 0.0, policy=ReliablePolicy()) for m in (1, 2)}
+    tx = {m: a.start_send("b", ROUND, m, src, 0.0) for m in (1, 2)}
+    now, probes = 1e-5, {}
+    assert a.has_output()
+    for parts, _ in a.poll(now):
+        head, _ = wire.decode(b"".join(bytes(p) for p in parts))
+        if head.kind == Kind.PROBE:
+            probes[head.message_id] = b"".join(bytes(p) for p in parts)
+        elif not (head.message_id == 1 and head.index == 3):  # (chunk 3 of 1: lost)
+            b.datagram_received(b"".join(bytes(p) for p in parts), "a", now)
+    assert set(probes) == {1, 2}
+    assert all(t.quiescent() for t in tx.values()) and not a.has_output()
+    b.datagram_received(probes[1], "a", now)  # answered: chunk 3 is missing
+    b.datagram_received(probes[2], "a", now)  # answered: complete, STOP
+    for parts, _ in b.poll(now):
+        a.datagram_received(b"".join(bytes(p) for p in parts), "b", now)
+    assert tx[2].result is not None and tx[1].result is None and not tx[1].quiescent()
+    assert a.has_output()
+    sent = [wire.decode(b"".join(bytes(p) for p in parts))[0] for parts, _ in a.poll(now)]
+    assert [(h.kind, h.message_id, h.index) for h in sent if h.kind == Kind.DATA] == [
+        (Kind.DATA, 1, 3)]
+    assert rx[2].result is not None

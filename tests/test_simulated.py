@@ -783,3 +783,42 @@ def test_a_simulated_job_gives_the_same_rows_on_the_compiled_path_and_the_python
     python = row()
     assert compiled == python
     assert compiled["path_losses"] > 0  # (a lossy run: recovery took part)
+
+
+def test_cancel_ends_that_receive_alone_and_forgets_every_future_it_resolved():
+    _, rt, a, b = _pair()
+    payload = np.arange(4096, dtype=np.float32)
+
+    def program():
+        posted = [b.receive(a.address, message_id=m, nbytes=payload.nbytes) for m in (1, 2, 3)]
+        b.cancel(posted[1])
+        assert posted[1].result().close_reason == CloseReason.CANCELLED
+        assert not posted[0].done() and not posted[2].done()
+        b.cancel(posted[1])  # (done already: nothing happens)
+        for m in (1, 3):
+            a.send(b.address, payload, message_id=m).result()
+        return [f.result() for f in posted]
+
+    p = rt.spawn(program)
+    rt.run()
+    first, _, third = p.result()
+    assert first.complete and third.complete
+    assert b._futures == {} and b._transfer_of == {}  # noqa: SLF001
+
+
+def test_a_run_holds_off_full_collections_and_restores_the_thresholds():
+    import gc
+
+    _, rt, _, _ = _pair()
+    before = gc.get_threshold()
+    seen = rt.spawn(gc.get_threshold)
+    rt.run()
+    assert seen.result()[2] >= 10 ** 9 and gc.get_threshold() == before
+
+    def fail():
+        raise ValueError("a bug in a program")
+
+    rt.spawn(fail)
+    with pytest.raises(ValueError):
+        rt.run()
+    assert gc.get_threshold() == before
