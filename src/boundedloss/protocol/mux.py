@@ -483,10 +483,12 @@ class TransferMux:
         n = len(out)
         if n >= limit:
             return out
-        senders = list(self._senders.values())
-        if not senders:
+        if not self._senders:
             return out
-        self._turn = (self._turn + 1) % len(senders)
+        self._turn = (self._turn + 1) % len(self._senders)
+        if not self._active:  # (every open send is quiet: a poll of each would do nothing)
+            return out
+        senders = list(self._senders.values())
         quiet = self._quiet
         # (the quiet ones' polls would do nothing: the others go in the same order)
         senders = [tx for tx in senders[self._turn :] + senders[: self._turn]
