@@ -881,3 +881,19 @@ def test_control_datagrams_sealed_as_they_go_verify_as_the_cores_seal_would() ->
             assert bytes(opener.open(got, src)) == body
         # three pieces are more than it seals: Python's to send
         assert disp.send_datagrams(tx, [((b"a", b"b", b"c"), dst)], 0, True) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("authenticated", [False, pytest.param(True, marks=needs_openssl)])
+def test_the_message_cost_tool_carries_each_message_through_its_four_phases(authenticated):
+    """tools/message_cost.py: every round's message completes (it raises if not), with
+    the compiled path taking what it takes on a rank, and each phase is timed."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "message_cost.py"
+    spec = importlib.util.spec_from_file_location("message_cost", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    us = tool.measure(3 * 1400 + 8, 20, authenticated)
+    assert set(us) == set(tool.PHASES) and all(v > 0 for v in us.values())
