@@ -1088,6 +1088,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     from .net.background import parse_background
     from .sim import LIKE_TESTBED, plan_jobs, run_sweep
     from .sim.job import LIKE_TESTBED_MTU, burst_ranks, check_loss_model
+    from .sim.memory import shortfall
 
     if like_testbed:
         given = [f"--{name.replace('_', '-')}" for name in LIKE_TESTBED
@@ -1140,6 +1141,9 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      credit_bytes=credit, queue_bytes=queue_bytes,
                      shared_buffer_bytes=shared_buffer, congestion=congestion,
                      bottleneck=bottleneck)
+    short = shortfall(jobs)
+    if short is not None:
+        raise click.UsageError(short.message())
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")

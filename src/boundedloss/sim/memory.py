@@ -1,0 +1,96 @@
+"""How much memory a simulated job needs at least, and whether this machine has it.
+
+The simulator holds every rank of a job in one process: each rank's gradient, the
+receive buffers of a round and of the next (posted ahead), the collective's memory, and
+a Python object or three for every message it has open. A sweep that does not fit is
+stopped before it starts, rather than killed by the kernel minutes in.
+
+The estimate is a floor, under the peak of every job measured (``boundedloss sim``'s
+peak RSS at 16 to 1,024 workers, 64 KB to 4 MB gradients, each topology: the runs are in
+``tests/test_sim_memory.py``, which holds the floor under each): so a job it refuses
+would not have fitted, and one it lets through may still not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..collective.two_level import default_group_size
+from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
+
+#: the interpreter, numpy and the simulator before any rank (a 2-worker run's peak)
+BASE_BYTES = 46_000_000
+#: a rank's gradient's bytes, this many times over at least: its own, the round's and
+#: the next round's receive buffers, what the collective remembers
+VECTOR_COPIES = {"ps": 3.0, "allreduce": 3.8, "two-level": 3.8}
+#: a send's or a receive's Python objects, its future and its small buffers
+MESSAGE_BYTES = 2_500
+
+
+@dataclass(frozen=True)
+class MemoryShortfall:
+    """A job that needs more than is available: what it is, and both figures."""
+
+    workers: int
+    topology: str
+    elements: int
+    needs: int
+    available: int
+
+    def message(self) -> str:
+        return (f"{self.workers:,} workers exchanging {self.elements * 4 / 1e6:,.1f} MB "
+                f"({self.topology}) need at least {self.needs / 1e9:,.1f} GB of memory, "
+                f"and {self.available / 1e9:,.1f} GB is available: fewer --workers or "
+                "smaller --elements")
+
+
+def messages_per_rank(topology: str, workers: int) -> int:
+    """The sends and receives a rank holds in a round, the next round's receives
+    (posted ahead) included; a parameter server's averaged over its ranks."""
+    if topology == "ps":
+        return 6  # (the server 3 x 2(N - 1), a worker 3 x 2: about 6 a rank)
+    peers = workers - 1
+    if topology == "two-level":
+        g = default_group_size(workers)
+        if 1 < g < workers:
+            peers = g + workers // g - 2
+    return 3 * 2 * peers
+
+
+def job_floor(system: str, topology: str, workers: int, elements: int) -> int:
+    """Bytes a job needs at least (the baselines over the TCP model move no gradient:
+    the process's own)."""
+    if system in BASELINE_TOPOLOGY:
+        return BASE_BYTES
+    per_rank = (VECTOR_COPIES[topology] * 4 * elements
+                + MESSAGE_BYTES * messages_per_rank(topology, workers))
+    return int(BASE_BYTES + workers * per_rank)
+
+
+def available_bytes() -> int | None:
+    """Memory available to a new process here (``MemAvailable``; None where the kernel
+    does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def shortfall(jobs: Sequence, available: int | None = None) -> MemoryShortfall | None:
+    """The job of ``jobs`` (SimJobs) that most exceeds the memory available, if any."""
+    available = available_bytes() if available is None else available
+    if available is None:
+        return None
+    worst = max(jobs, key=lambda j: job_floor(j.system, j.topology, j.workers, j.elements),
+                default=None)
+    if worst is None:
+        return None
+    needs = job_floor(worst.system, worst.topology, worst.workers, worst.elements)
+    if needs <= available:
+        return None
+    return MemoryShortfall(worst.workers, worst.topology, worst.elements, needs, available)
