@@ -130,11 +130,9 @@ class TransferMux:
         self._timers: list[tuple[float, int, MessageSender | MessageReceiver]] = []
         self._timer_order = itertools.count()
         self._armed: dict[int, float] = {}  # transfer_id -> the deadline pushed last
-        #: sends a poll would leave as they are (MessageSender.quiescent), by transfer_id:
-        #: polls and has_output pass them by
-        self._quiet: set[int] = set()
-        #: the open sends that are not quiet, by transfer_id: what has_output asks (it
-        #: runs after every datagram a simulated host takes; open sends grow with the world)
+        #: the open sends a poll may change, by transfer_id: polls and has_output pass
+        #: the others by - the finished and the quiet (MessageSender.quiescent). (Asked
+        #: after every datagram a simulated host takes: open sends grow with the world.)
         self._active: dict[int, MessageSender] = {}
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
@@ -417,16 +415,10 @@ class TransferMux:
         """``transfer`` may have a new deadline, and a send may have fallen quiet or woken
         (a call through the mux changed it)."""
         if type(transfer) is MessageSender:
-            tid = transfer.transfer_id
             if transfer.result is None and not transfer.quiescent():
-                self._quiet.discard(tid)
-                self._active[tid] = transfer
+                self._active[transfer.transfer_id] = transfer
             else:
-                if transfer.result is None:
-                    self._quiet.add(tid)
-                else:
-                    self._quiet.discard(tid)
-                self._active.pop(tid, None)
+                self._active.pop(transfer.transfer_id, None)
         d = transfer.next_deadline()
         if d is None:
             self._armed.pop(transfer.transfer_id, None)
@@ -486,13 +478,13 @@ class TransferMux:
         if not self._senders:
             return out
         self._turn = (self._turn + 1) % len(self._senders)
-        if not self._active:  # (every open send is quiet: a poll of each would do nothing)
+        active = self._active
+        if not active:  # (a poll of each open send would do nothing)
             return out
+        # (in turn among the open sends; the others' polls would do nothing)
         senders = list(self._senders.values())
-        quiet = self._quiet
-        # (the quiet ones' polls would do nothing: the others go in the same order)
         senders = [tx for tx in senders[self._turn :] + senders[: self._turn]
-                   if tx.transfer_id not in quiet]
+                   if tx.transfer_id in active]
         batch = max(self.config.send_batch, RUN_TURN) if runs else self.config.send_batch
         progressed = True
         while progressed and n < limit:
