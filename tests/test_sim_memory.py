@@ -11,7 +11,7 @@ from boundedloss.sim.memory import BASE_BYTES, job_floor, messages_per_rank, sho
 
 #: peak RSS (MB) of ``boundedloss sim --workers W --systems reliable --topology T
 #: --losses 0 --elements E --rounds 1 --cpu cluster-node`` (the 1,024-worker row: DBLP at
-#: 1% loss, 2 rounds), read with getrusage at 94f8a21-35b34c0
+#: 1% loss, 2 rounds), read with getrusage at 94f8a21-342df1f
 MEASURED = [
     (16, "allreduce", 1 << 20, 322),
     (64, "allreduce", 1 << 20, 1279),
