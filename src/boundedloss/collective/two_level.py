@@ -62,6 +62,15 @@ def default_group_size(world_size: int) -> int:
     return world_size
 
 
+def messages_per_round(world_size: int, group_size: int | None = None) -> int:
+    """The messages a rank sends in a round of the two-level allreduce (and receives):
+    2(G + N/G - 2), or the transpose's 2(N - 1) where there are no two levels."""
+    size = default_group_size(world_size) if group_size is None else group_size
+    if not 1 < size < world_size:
+        return 2 * (world_size - 1)
+    return 2 * (size - 1 + world_size // size - 1)
+
+
 class TwoLevelAllreduce(TransposeAllreduce):
     def __init__(self, *args: Any, group_size: int | None = None, **kw: Any):
         super().__init__(*args, **kw)
@@ -83,9 +92,7 @@ class TwoLevelAllreduce(TransposeAllreduce):
     @property
     def messages_per_round(self) -> int:
         """The messages this rank sends in a round (and receives)."""
-        if not self.two_levels:
-            return 2 * (self.world_size - 1)
-        return 2 * (len(self.group) - 1 + len(self.column) - 1)
+        return messages_per_round(self.world_size, self.group_size)
 
     def allreduce_mean(self, x: np.ndarray, round_id: int,
                        bucket: int = 0) -> tuple[np.ndarray, RoundStats]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..collective.two_level import default_group_size
+from ..collective.two_level import messages_per_round
 from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
 
 #: the interpreter, numpy and the simulator before any rank (a 2-worker run's peak)
@@ -50,12 +50,10 @@ def messages_per_rank(topology: str, workers: int) -> int:
     (posted ahead) included; a parameter server's averaged over its ranks."""
     if topology == "ps":
         return 6  # (the server 3 x 2(N - 1), a worker 3 x 2: about 6 a rank)
-    peers = workers - 1
+    # (a round's sends and receives, and the next round's receives)
     if topology == "two-level":
-        g = default_group_size(workers)
-        if 1 < g < workers:
-            peers = g + workers // g - 2
-    return 3 * 2 * peers
+        return 3 * messages_per_round(workers)
+    return 3 * 2 * (workers - 1)
 
 
 def job_floor(system: str, topology: str, workers: int, elements: int) -> int:
@@ -86,11 +84,8 @@ def shortfall(jobs: Sequence, available: int | None = None) -> MemoryShortfall |
     available = available_bytes() if available is None else available
     if available is None:
         return None
-    worst = max(jobs, key=lambda j: job_floor(j.system, j.topology, j.workers, j.elements),
-                default=None)
-    if worst is None:
-        return None
-    needs = job_floor(worst.system, worst.topology, worst.workers, worst.elements)
-    if needs <= available:
+    needs, worst = max(((job_floor(j.system, j.topology, j.workers, j.elements), j)
+                        for j in jobs), key=lambda pair: pair[0], default=(0, None))
+    if worst is None or needs <= available:
         return None
     return MemoryShortfall(worst.workers, worst.topology, worst.elements, needs, available)
