@@ -466,10 +466,11 @@ def test_microburst_on_the_kernel_network(tmp_path):
     before = set(leftovers())
     sc = choose_network(SCENARIOS["microburst"], "kernel")
     assert sc.kernel is not None
-    # bursts half the time, so that a short run surely meets some; a target every run
-    # reaches at its first epoch
+    # bursts half the time, so that a short run surely meets some - of 50%: at 80% a
+    # TCP retransmission met 40% loss, and its backoffs once chained past gloo's
+    # timeout (a 30 s step seen) - and a target every run reaches at its first epoch
     sc = replace(sc, target_metric=0.0, kernel=replace(
-        sc.kernel, bursts=TimedBursts(rate=0.8, every_s=0.04, length_s=0.02)))
+        sc.kernel, bursts=TimedBursts(rate=0.5, every_s=0.04, length_s=0.02)))
     rows, runs = run_compare(sc, sc.arms(("gloo", "dblp")), str(tmp_path), epochs=1,
                              workers=2, steps_per_epoch=20)
     by = {r["policy"]: r for r in rows}

@@ -553,6 +553,19 @@ def test_the_report_names_the_rank_that_failed_first(tmp_path):
     assert sorted(rest.split(", ")) == ["rank 0 (exit 1)", "rank 2 (exit 1)"]  # any order
 
 
+def test_a_failed_ranks_last_line_is_its_exception(tmp_path):
+    """A testbed run's error quotes the first failed rank's last line of output: a
+    traceback's exception, past the blank lines after it."""
+    from boundedloss.experiments.train import last_line
+
+    log = tmp_path / "rank1.log"
+    log.write_text("[W socket.cpp] a warning\nTraceback (most recent call last):\n"
+                   "  File \"x\", line 1\nRuntimeError: Connection closed by peer\n\n  \n")
+    assert last_line(log) == "RuntimeError: Connection closed by peer"
+    (tmp_path / "empty.log").write_text("\n")
+    assert last_line(tmp_path / "empty.log") == last_line(tmp_path / "absent.log") == ""
+
+
 class _EndingRank:
     """A rank for supervise() that ends ``after`` seconds from now: its sentinel becomes
     readable then; with ``lag``, the first poll after that still finds it running - as a

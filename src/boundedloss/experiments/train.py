@@ -790,11 +790,15 @@ def run_training(cfg: TrainConfig, testbed: Testbed | None = None) -> dict:
             p.start()
         ranks = list(local)
     grace = 2 * cfg.receive_deadline + 10  # (two receive deadlines: see supervise)
-    names = failure_report(ranks, supervise(ranks, grace), grace)
+    run = supervise(ranks, grace)
+    names = failure_report(ranks, run, grace)
     if names:
         hint = ""
         if testbed is not None:
-            hint = f"; each rank's output is in {Path(cfg.out) / 'rank<r>.log'}"
+            first = failed_ranks(ranks, run)[0]
+            hint = (f"; rank {first}'s output ended: "
+                    f"{last_line(Path(cfg.out) / f'rank{first}.log')!r}; each rank's "
+                    f"output is in {Path(cfg.out) / 'rank<r>.log'}")
         raise RuntimeError(f"training failed: {names}{hint}")
     return json.loads((Path(cfg.out) / "summary.json").read_text())
 
@@ -870,12 +874,27 @@ def _how_it_ended(r: int, p: RankProcess, run: Supervision, grace: float) -> str
     return f"rank {r} (exit {code})"
 
 
+def failed_ranks(ranks: Sequence[RankProcess], run: Supervision) -> list[int]:
+    """The ranks that failed (a non-zero exit, or stopped), in the order they ended."""
+    return [r for r in run.ended if ranks[r].exitcode != 0 or r in run.stopped]
+
+
+def last_line(log: Path) -> str:
+    """The last line of a rank's output that is not blank - a traceback's is its
+    exception (empty if there is none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
 def failure_report(ranks: Sequence[RankProcess], run: Supervision, grace: float) -> str:
     """The ranks that failed, the one that failed first named first - the others
     usually failed because of it (a dead peer ends their rounds with PeerFailure):
     ``rank 1 (exit 17) ended first; then rank 0 (exit 1), rank 2 (exit 1)``; empty if
     none failed."""
-    failed = [r for r in run.ended if ranks[r].exitcode != 0 or r in run.stopped]
+    failed = failed_ranks(ranks, run)
     if not failed:
         return ""
     first, *rest = failed
