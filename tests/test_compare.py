@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from boundedloss.cli import main
 from boundedloss.emulate import available
@@ -120,6 +121,27 @@ def test_lm_loss_sharded_on_the_kernel_sets_each_arms_loss_on_the_network():
         SCENARIOS["incast"].run_as(sharded=True)
 
 
+def test_every_arm_runs_on_the_device_asked():
+    """`compare --device cuda`: every arm's ranks train on the GPU, and rows say so."""
+    sc = SCENARIOS["lm-loss"].on_kernel().run_as(sharded=True, precision="bf16",
+                                                  device="cuda")
+    assert (sc.sharded, sc.precision, sc.device) == (True, "bf16", "cuda")
+    assert {make_config(sc, arm, out="o", epochs=1, workers=2, seed=0).device
+            for arm in sc.arms()} == {"cuda"}
+    assert SCENARIOS["microburst"].run_as().device == "cpu"
+    with pytest.raises(ValueError, match="device must be one of"):
+        SCENARIOS["microburst"].run_as(device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible here")
+def test_compare_on_a_gpu_that_is_not_there_stops_before_any_arm(tmp_path, capsys):
+    rc = main(["compare", "--scenario", "lm-loss", "--device", "cuda",
+               "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "no CUDA device is visible" in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_ratios_against_gloo_are_at_the_same_kernel_loss():
     """A sweep on the kernel network: each arm against gloo at its own loss rate; an arm
     whose rate gloo did not run at gets no figure against gloo."""
@@ -190,6 +212,8 @@ def test_outside_clr_speedup_uses_the_dblp_runs_critical_rounds(tmp_path):
     (["--scenario", "lm-loss", "--data", "fashion-mnist"], "trains charlm on text"),
     (["--scenario", "lm-loss", "--model", "cnn"], "trains charlm on text"),
     (["--scenario", "incast", "--credit", "1k"], "--credit 1024"),
+    (["--scenario", "incast", "--policies", "tcp-ps,reliable", "--device", "cuda"],
+     "runs on the CPU only"),
 ])
 def test_bad_values_are_one_line_usage_errors(tmp_path, capsys, args, hint):
     rc = main(["compare", *args, "--json", str(tmp_path / "r.json"), "--out", str(tmp_path)])

@@ -765,12 +765,18 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  burst_every: tuple[int, ...] = (),
                  credit: int | str | None = SCENARIO_CREDIT,
                  data: str | None = None, model: str | None = None,
-                 sharded: bool = False, precision: str = "fp32") -> None:
+                 sharded: bool = False, precision: str = "fp32", device: str = "cpu") -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
     line per finished run, print the tables, write JSON and the report."""
     from dataclasses import replace
 
-    from .experiments.compare import choose_network, run_compare, with_burst_every, with_loss
+    from .experiments.compare import (
+        choose_network,
+        make_config,
+        run_compare,
+        with_burst_every,
+        with_loss,
+    )
     from .experiments.report import (
         PRINT_WIDTH,
         printed_tables,
@@ -782,7 +788,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
 
     sc = SCENARIOS[scenario]
     try:
-        sc = sc.run_as(sharded=sharded, precision=precision)
+        sc = sc.run_as(sharded=sharded, precision=precision, device=device)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sharded") from None
     if not isinstance(credit, str):  # (SCENARIO_CREDIT: the scenario's own)
@@ -829,6 +835,11 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         _check(checks.distinct, [str(p) for p in policies], "--policies")
     for arm in (sc.arms() if sc.is_sweep else sc.arms(policies)):
         _check(checks.loss_ranks_exist, arm.loss, n_workers)
+        # (each arm's run as train checks it - a GPU that is not there, tcp-ps on one -
+        # before the first arm starts)
+        _check(make_config(sc, arm, out=out_dir, epochs=n_epochs, workers=n_workers,
+                           seed=seed, steps_per_epoch=steps_per_epoch,
+                           probe_copies_max=probe_copies_max).validate)
     # the arguments are good: now the network (which may re-run this command in a
     # user namespace of its own)
     userns_why = ""
@@ -880,8 +891,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
         where = f"with IN-PROCESS loss, gloo lossless ({escape(sc.network_note)})"
     else:
         where = "with in-process loss"
-    if sc.sharded or sc.precision != "fp32":
-        where += f"; {'FSDP2, ' if sc.sharded else ''}{sc.precision}"
+    if sc.sharded or sc.precision != "fp32" or sc.device != "cpu":
+        where += f"; {'FSDP2, ' if sc.sharded else ''}{sc.precision} on {sc.device}"
     console.print(f"[bold]{title}[/]: {sc.name} {where}; "
                   f"{', '.join(a.label for a in arms)}; {n_workers} workers, {n_epochs} "
                   f"epochs, {repeats} repeat(s), {native.status()} data path",
@@ -900,7 +911,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                                  probe_copies_max=probe_copies_max, progress=done,
                                  starting=starting)
         head = (f"{sc.name}, {sc.network} network{', FSDP2' if sc.sharded else ''}, "
-                f"{sc.precision}: {n_workers} workers, {n_epochs} epochs (median of {repeats})")
+                f"{sc.precision}{' on ' + sc.device if sc.device != 'cpu' else ''}: "
+                f"{n_workers} workers, {n_epochs} epochs (median of {repeats})")
         if every is not None:
             head += f", a burst every {every} rounds"
         if sc.target_metric is not None:
@@ -915,7 +927,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
             narrow.print(t)
         settings = (f"{n_workers} workers, {n_epochs} epochs, seed {seed}, {repeats} "
                     f"repeat(s), {sc.network} network, "
-                    f"{'FSDP2' if sc.sharded else 'DDP'} in {sc.precision}, "
+                    f"{'FSDP2' if sc.sharded else 'DDP'} in {sc.precision} on {sc.device}, "
                     f"recovery {rows[0]['recovery']}"
                     + (f", {steps_per_epoch} steps/epoch" if steps_per_epoch else ""))
         report = write_report(rows, runs, sc_k, out_k, command, settings)
@@ -984,6 +996,10 @@ def _command_line(default: str) -> str:
               show_default=True,
               help="Every arm's precision, as train --precision (with --sharded: FSDP2's "
                    "mixed precision over float32 master parameters).")
+@click.option("--device", type=click.Choice(list(DEVICES)), default="cpu", show_default=True,
+              help="Where every arm's ranks train, as train --device (cuda: rank r on "
+                   "cuda:(r mod the GPUs visible); gloo's and our gradients cross the "
+                   "network from host memory either way).")
 @credit_option(default=SCENARIO_CREDIT)
 @click.option("--data", type=click.Choice(list(IMAGE_DATA)), default=None,
               help="The images the scenario's model trains on (default: digits; "
@@ -992,8 +1008,8 @@ def _command_line(default: str) -> str:
               help="The image scenarios' model (default: the scenario's, mlp).")
 @probe_copies_option
 def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
-            steps_per_epoch, loss_spec, network, burst_every, sharded, precision, credit,
-            data, model, probe_copies_max) -> None:
+            steps_per_epoch, loss_spec, network, burst_every, sharded, precision, device,
+            credit, data, model, probe_copies_max) -> None:
     """Train several policies (or aggregators and loss rates) on one scenario - same
     model, data, seed and loss schedule; print a table, write JSON and a Markdown
     report with plots."""
@@ -1002,7 +1018,7 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
     _run_compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, seed,
                  steps_per_epoch, loss_spec, _command_line(default), network=network,
                  probe_copies_max=probe_copies_max, sharded=sharded, precision=precision,
-                 burst_every=(_parse_list(burst_every, int, "--burst-every")
+                 device=device, burst_every=(_parse_list(burst_every, int, "--burst-every")
                               if burst_every is not None else ()), credit=credit, data=data,
                  model=model)
 

@@ -60,6 +60,7 @@ ROW_FIELDS = (
     "metric_change_vs_reliable", "repeats", "network", "time_to_target_s", "samples_per_s",
     "throughput_vs_baseline",
     "tta_speedup_vs_gloo", "gloo_crossed_same_network", "ran_lossless", "sharded", "precision",
+    "device",
 )
 
 
@@ -162,6 +163,8 @@ class Scenario:
     sharded: bool = False
     #: every arm's precision (TrainConfig.precision; sharded: FSDP2's mixed precision)
     precision: str = "fp32"
+    #: where every arm's ranks train (TrainConfig.device)
+    device: str = "cpu"
     #: what the command line changed (--data, --model, --sharded), said after the
     #: description - on either network
     notes: str = ""
@@ -185,25 +188,29 @@ class Scenario:
                        network="kernel", reference=ref or self.reference,
                        baseline=ref or self.baseline)
 
-    def run_as(self, *, sharded: bool = False, precision: str = "fp32") -> Scenario:
-        """This scenario with every arm under FSDP2 (``sharded``) and in ``precision``
-        (``ValueError`` with the reason if FSDP2 cannot run it: a parameter-server
-        scenario, whose loss meets the pushes into its server)."""
-        from .train import PRECISIONS
+    def run_as(self, *, sharded: bool = False, precision: str = "fp32",
+               device: str = "cpu") -> Scenario:
+        """This scenario with every arm under FSDP2 (``sharded``), in ``precision`` and on
+        ``device`` (``ValueError`` with the reason if FSDP2 cannot run it: a
+        parameter-server scenario, whose loss meets the pushes into its server)."""
+        from .train import DEVICES, PRECISIONS
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}")
+        if device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}")
         if sharded and self.topology != "allreduce":
             fits = ", ".join(n for n, s in SCENARIOS.items() if s.topology == "allreduce")
             raise ValueError(f"scenario {self.name} is a parameter-server scenario (its loss "
                              "meets the pushes into rank 0); FSDP2 reduce-scatters among "
                              f"all ranks: --sharded runs {fits}")
+        placed = replace(self, precision=precision, device=device)
         if not sharded:
-            return replace(self, precision=precision)
+            return placed
         mixed = (" in bfloat16 (FSDP2's mixed precision: bfloat16 passes and "
                  "reduce-scatter over float32 master parameters)" if precision == "bf16"
                  else " in float32")
-        return replace(self, sharded=True, precision=precision, notes=(
+        return replace(placed, sharded=True, notes=(
             f"{self.notes} Every arm runs under FSDP2 (fully_shard per layer, "
             f"then the root){mixed}: gloo with FSDP2's own reduce-scatter and "
             "all-gather, ours with the hook's (the reduce-scatter under the bound, the "
@@ -483,7 +490,8 @@ def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers:
                        out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
                        steps_per_epoch=steps_per_epoch, probe_copies_max=probe_copies_max,
                        guard_rounds=0, credit_bytes=scenario.credit_bytes,
-                       mlp_hidden=scenario.mlp_hidden, data=scenario.data)
+                       mlp_hidden=scenario.mlp_hidden, data=scenario.data,
+                       device=scenario.device)
 
 
 # ------------------------------------------------------------------ burst rounds
@@ -753,6 +761,7 @@ def compare_rows(scenario: Scenario, arms: list[Arm], runs: dict[str, list[RunRe
         row["network"] = scenario.network
         row["sharded"] = scenario.sharded
         row["precision"] = scenario.precision
+        row["device"] = scenario.device
         # in-process loss cannot reach a TCP arm (gloo, tcp-ps): it ran lossless while
         # the others met the loss
         row["ran_lossless"] = (scenario.network != "kernel" and not scenario.is_sweep
