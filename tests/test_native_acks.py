@@ -230,3 +230,21 @@ def test_answers_for_finished_sends_are_stale_on_both_paths() -> None:
             m1.data_path.take(d, PEER, 1.0)  # type: ignore[union-attr]
     assert m0.counters() == m1.counters() and m1.counters()["stale"] == 18
     assert len(handed) == 9  # (messages 0 to 75 closed before the latest 1,024)
+
+
+def test_a_sends_ack_state_is_copied_whole_into_the_compiled_paths_send():
+    """share_acks copies every field the ACKs move (ACK_FIELDS) into the compiled path's
+    Send: each one set apart from its initial value arrives as it was."""
+    from boundedloss.protocol.acks import AckState
+
+    acks = AckState(ack_every=7, reverse_hint=0.25, loss_limit=0.125)
+    values = {"last_heard": 1.5, "reported_delivered": 11, "acks_heard": 12, "ack_tseq": 13,
+              "ack_delivered": 14, "acked": 15, "next_tseq": 16, "blocked_since": 2.5,
+              "ack_every": 17, "reverse_hint": 0.375, "loss_limit": 0.0625,
+              "in_python": True, "check_loss": True, "credit": 18, "granted_least": 19}
+    assert set(values) == set(ACK_FIELDS)
+    for name, value in values.items():
+        setattr(acks, name, value)
+    shared = native.module().Send()
+    acks.copy_into(shared)
+    assert {name: getattr(shared, name) for name in ACK_FIELDS} == values

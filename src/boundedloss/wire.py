@@ -332,10 +332,10 @@ def build_data_headers(
     words = make(session, message_bytes, chunk_bytes).copy()
     words[:, _ROUND_WORD] = round_id
     words[:, _MESSAGE_WORD] = message_id
-    h = words.reshape(-1).view(HEADER_DTYPE)
     if critical is not None:
+        h = words.reshape(-1).view(HEADER_DTYPE)
         h["flags"][np.asarray(critical, dtype=bool)] = Flag.CRITICAL
-    return h.view(np.uint8).reshape(-1, HEADER_BYTES)
+    return words.view(np.uint8)  # (count, 12) words as (count, 48) bytes
 
 
 _ROUND_WORD, _MESSAGE_WORD = OFFSET["round"] // 4, OFFSET["message"] // 4

@@ -60,8 +60,23 @@ class AckState:
         self.check_loss = False
 
     def copy_into(self, other) -> None:
-        for name in ACK_FIELDS:
-            setattr(other, name, getattr(self, name))
+        """Every field (ACK_FIELDS) into ``other``. (Written out: a send's post pays for
+        it, and a loop of getattr and setattr costs twice as much.)"""
+        other.last_heard = self.last_heard
+        other.reported_delivered = self.reported_delivered
+        other.acks_heard = self.acks_heard
+        other.ack_tseq = self.ack_tseq
+        other.ack_delivered = self.ack_delivered
+        other.acked = self.acked
+        other.next_tseq = self.next_tseq
+        other.blocked_since = self.blocked_since
+        other.ack_every = self.ack_every
+        other.reverse_hint = self.reverse_hint
+        other.loss_limit = self.loss_limit
+        other.in_python = self.in_python
+        other.check_loss = self.check_loss
+        other.credit = self.credit
+        other.granted_least = self.granted_least
 
 
 def loss_with(acks, acks_heard: int, ack_tseq: int, ack_delivered: int) -> float:

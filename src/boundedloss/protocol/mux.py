@@ -194,9 +194,11 @@ class TransferMux:
         self._receivers[key] = receiver
         try:
             receiver.close_if_done(now, self.outbox)  # a plan that needs nothing is met
-            if receiver.result is None and receiver.nbytes is not None and self.data_path:
-                self.data_path.receive_opened(receiver)
-            self._reap_receive(receiver, now)
+            if receiver.result is None:
+                if receiver.nbytes is not None and self.data_path:
+                    self.data_path.receive_opened(receiver)
+            else:
+                self._reap_receive(receiver, now)
         finally:
             self._rearm(receiver)  # (its hard deadline, whatever happened)
         return receiver

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import struct
 from collections.abc import Hashable
 
 import numpy as np
@@ -41,12 +42,18 @@ class ReceiveState(enum.Enum):
     ACCEPTING = "accepting"  # the acceptance deadline passed: what arrived is taken
     CLOSED = "closed"  # the receive has its result
 
+    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
+    __hash__ = object.__hash__
+
 
 class ReceiveEvent(enum.Enum):
     SIZED = "sized"  # the message's size is known: its plan is set
     SENDER_DONE = "sender_done"  # a PROBE flagged FINAL
     ACCEPT_DEADLINE = "accept_deadline"
     CLOSED = "closed"  # the plan met, the hard deadline, or a cancel
+
+    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
+    __hash__ = object.__hash__
 
 
 _S, _E = ReceiveState, ReceiveEvent
@@ -125,13 +132,19 @@ def _chunk_dtypes(cb: int) -> tuple[np.dtype, np.dtype]:
 
 
 @functools.lru_cache(maxsize=64)
-def _ack_template(session: int, round_id: int, message_id: int, count: int, nbytes: int,
-                  chunk_bytes: int, credit: bool) -> bytes:
-    """MessageReceiver.ack_template's bytes (a round's receives of one size share them)."""
-    header = wire.Header(Kind.ACK, session, round_id, message_id, 0, count, nbytes,
-                         chunk_bytes)
+def _ack_template(session: int, count: int, nbytes: int, chunk_bytes: int,
+                  credit: bool) -> bytes:
+    """MessageReceiver.ack_template's bytes for round and message 0 (the receives of one
+    size share them, every round: each writes its own ids into a copy)."""
+    header = wire.Header(Kind.ACK, session, 0, 0, 0, count, nbytes, chunk_bytes)
     return wire.control_datagram(header, Kind.ACK, 0, STOP_PAYLOAD.pack(0),
                                  Flag.CREDIT if credit else Flag.NONE)
+
+
+#: a header's round and message fields, which lie side by side
+_ROUND_MESSAGE = struct.Struct("<II")
+_ROUND_AT = wire.OFFSET["round"]
+assert wire.OFFSET["message"] == _ROUND_AT + 4
 
 
 class MessageReceiver:
@@ -382,12 +395,14 @@ class MessageReceiver:
         """Tell the sender what it may send now: an ACK, with its credit."""
         out.append(((self._ack(self.counts.delivered_count),), self.peer))
 
-    def ack_template(self) -> bytes:
+    def ack_template(self) -> bytearray:
         """An ACK of this receive with tseq, the delivered count and any credit zero (the
         compiled data path writes them into a copy)."""
         h = self._header
-        return _ack_template(h.session, h.round_id, h.message_id, h.count, h.message_bytes,
-                             h.chunk_bytes, self.grants is not None)
+        ack = bytearray(_ack_template(h.session, h.count, h.message_bytes, h.chunk_bytes,
+                                      self.grants is not None))
+        _ROUND_MESSAGE.pack_into(ack, _ROUND_AT, h.round_id, h.message_id)
+        return ack
 
     def buffers(self) -> tuple[memoryview, bytearray, bytearray | None]:
         """What a data path writes and reads: the destination's bytes, a flag byte per

@@ -18,6 +18,7 @@ are its ``recovery``'s (``recovery.py``), pacing and delivery-rate samples its
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -46,6 +47,9 @@ class SendState(enum.Enum):
     AWAITING_REPLY = "awaiting_reply"  # a PROBE is out: its answer, or its timeout
     DONE = "done"  # the send has its result
 
+    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
+    __hash__ = object.__hash__
+
 
 class SendEvent(enum.Enum):
     PROBE_SENT = "probe_sent"
@@ -55,6 +59,9 @@ class SendEvent(enum.Enum):
     REPLY_NOTHING_QUEUED = "reply_nothing_queued"  # it asked for nothing not yet queued
     PROBE_TIMEOUT = "probe_timeout"
     FINISHED = "finished"  # STOP, a silent peer or a cancel
+
+    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
+    __hash__ = object.__hash__
 
 
 _S, _E = SendState, SendEvent
@@ -76,6 +83,19 @@ _NOTHING_QUEUED = np.empty(0, dtype=np.int64)
 _NOTHING_QUEUED.flags.writeable = False
 
 
+#: a STOP's reason by its value on the wire
+_CLOSE_REASONS: dict[int, CloseReason] = {r.value: r for r in CloseReason}
+
+
+@functools.lru_cache(maxsize=16)
+def _in_order(count: int) -> np.ndarray:
+    """Chunks 0 to count - 1, read-only: a queue's order is never written in place (a
+    requeue makes a new one), so the sends of one size share it."""
+    order = np.arange(count, dtype=np.int64)
+    order.flags.writeable = False
+    return order
+
+
 class SendQueue:
     """Chunk indices waiting to be sent, in order, and a read position; ``queued`` marks
     the chunks waiting, so that repeated BITMAPs do not queue a chunk twice."""
@@ -87,7 +107,7 @@ class SendQueue:
             order = np.concatenate([np.flatnonzero(critical), np.flatnonzero(~critical)])
             self.order: np.ndarray = order.astype(np.int64)
         else:
-            self.order = np.arange(count, dtype=np.int64)
+            self.order = _in_order(count)
         self.pos = 0
         self.queued = np.ones(count, dtype=bool)
         #: every chunk is still going out for the first time
@@ -189,11 +209,6 @@ class OutstandingProbe:
     deadline: float | None = None
 
 
-def _header_field(name: str) -> property:
-    """A read-only attribute that is the field ``name`` of the sender's ``message``."""
-    return property(lambda self: getattr(self.message, name), doc=f"``message.{name}``")
-
-
 class MessageSender:
     def __init__(
         self,
@@ -224,11 +239,17 @@ class MessageSender:
                 raise ValueError(f"critical mask must have one entry per chunk ({count})")
         #: the message as its control datagrams describe it
         self.message = wire.Header(Kind.PROBE, session, round_id, message_id, 0, count, nbytes, cb)
+        # (its identity and geometry, as the header holds them)
+        self.round_id = round_id
+        self.message_id = message_id
+        self.nbytes = nbytes
+        self.chunk_bytes = cb
+        self.count = count
         headers = wire.build_data_headers(
             session=session, round_id=round_id, message_id=message_id, message_bytes=nbytes,
             chunk_bytes=cb, critical=critical,
         )
-        self._tseq_field = headers.reshape(-1).view(wire.HEADER_DTYPE)["tseq"]
+        self._tseq_field = headers.view("<u4")[:, wire.TSEQ_WORD]
         self._headers = headers.reshape(-1).data
         self._queue = SendQueue(count, critical)
         self._state = SendState.SENDING
@@ -257,13 +278,6 @@ class MessageSender:
         self.started = now
         self.counts = SendCounts()
         self.result: SendResult | None = None
-
-    # the message's identity and geometry, as its header holds them
-    round_id = _header_field("round_id")
-    message_id = _header_field("message_id")
-    nbytes = _header_field("message_bytes")
-    chunk_bytes = _header_field("chunk_bytes")
-    count = _header_field("count")
 
     @property
     def state(self) -> SendState:
@@ -486,10 +500,7 @@ class MessageSender:
         if self._samples is not None:  # (ACKs the compiled path took since)
             self._samples.read(self.acks)
         self.acks.reported_delivered = delivered
-        try:
-            close_reason: CloseReason | None = CloseReason(reason)
-        except ValueError:
-            close_reason = None
+        close_reason = _CLOSE_REASONS.get(reason)  # (None: a reason we do not know)
         if (self._state is SendState.AWAITING_REPLY and not self._queue.first_pass
                 and self.recovery.unanswered == 0
                 and close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)):
