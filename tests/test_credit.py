@@ -35,7 +35,7 @@ def test_the_budget_is_split_evenly_among_the_receives_heard() -> None:
     assert all(grants.credit(r) == 3 for r in receives)
     grants.receive_heard(receives[0])  # (heard again: nothing changes)
     assert grants.share == 3 and grants.heard == 4
-    assert grants.receive_done(receives[1]) == []
+    assert grants.receive_done(receives[1], 0.0) == []
     assert grants.share == 4
 
 
@@ -51,15 +51,15 @@ def test_past_the_least_share_later_receives_wait_parked_and_are_granted_in_turn
     assert [grants.credit(r) for r in receives] == [2, 2, 0, 0, 0]
     assert grants.parked == 3
     # one done: the first parked (in the order heard) takes its place
-    assert grants.receive_done(receives[0]) == [receives[2]]
+    assert grants.receive_done(receives[0], 0.0) == [receives[2]]
     assert [grants.credit(r) for r in receives[1:]] == [2, 2, 0, 0]
     # a parked one done (closed without credit) frees nothing
-    assert grants.receive_done(receives[4]) == []
-    assert grants.receive_done(receives[1]) == [receives[3]]
+    assert grants.receive_done(receives[4], 0.0) == []
+    assert grants.receive_done(receives[1], 0.0) == [receives[3]]
     # left alone, the last one gets the whole budget
-    assert grants.receive_done(receives[2]) == []
+    assert grants.receive_done(receives[2], 0.0) == []
     assert grants.share == 4 and grants.credit(receives[3]) == 4
-    assert grants.receive_done(receives[3]) == [] and grants.heard == 0
+    assert grants.receive_done(receives[3], 0.0) == [] and grants.heard == 0
 
 
 def test_a_budget_below_the_least_share_is_refused() -> None:
@@ -135,7 +135,7 @@ def test_a_parked_sender_waits_for_its_grant_and_a_lost_one_is_asked_for() -> No
     stuck = workers[1].next_deadline()
     assert stuck is not None
     assert receives[0].grants is not None
-    receives[0].grants.receive_done(receives[0])  # (the first one's pass is over)
+    receives[0].grants.receive_done(receives[0], 0.0)  # (the first one's pass is over)
     workers[1].timer_fired(stuck)
     probe = [p for p in workers[1].poll(stuck)]
     assert [wire.decode(b"".join(parts))[0].kind for parts, _ in probe] == [Kind.PROBE]

@@ -23,6 +23,7 @@ from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
 from .experiments.train import DEVICES, IMAGE_DATA, MODELS, PRECISIONS, TrainConfig
 from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
 from .protocol import RECOVERY_MODES, probe_copies_for
+from .protocol.credit import CREDIT_AUTO, CREDIT_OFF, CreditSetting
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 console = Console()
@@ -98,20 +99,30 @@ def _bottleneck_spec(ctx: click.Context, param: click.Parameter, value: str | No
         raise click.BadParameter(str(e)) from None
 
 
-def _credit_size(ctx: click.Context, param: click.Parameter, value: str) -> int | str | None:
-    """``--credit``: off (None), or a size in bytes as tc writes it (64k, 1m)."""
+def _credit_setting(text: str) -> CreditSetting:
+    """One ``--credit`` value: off, auto, or a size in bytes as tc writes it (64k, 1m)."""
+    word = text.strip().lower()
+    if word == "off":
+        return CREDIT_OFF
+    if word == "auto":
+        return CREDIT_AUTO
+    return CreditSetting(_size(text, "--credit"))
+
+
+def _credit_size(ctx: click.Context, param: click.Parameter,
+                 value: str) -> CreditSetting | str:
+    """``--credit`` (train, compare, sim): off, auto or a size."""
     if value == SCENARIO_CREDIT and param.default == SCENARIO_CREDIT:
         return value
-    return None if value.strip().lower() == "off" else _size(value)
+    return _credit_setting(value)
 
 
-def _parse_credits(text: str, mtu: int) -> tuple[int | None, ...]:
-    """bench's ``--credit``: sizes and/or off, each once, each holding two of the largest
-    DATA datagrams at ``mtu``."""
-    credits = tuple(None if part.lower() == "off" else _size(part, "--credit")
-                    for part in _parse_list(text, str.strip, "--credit"))
+def _parse_credits(text: str, mtu: int) -> tuple[CreditSetting, ...]:
+    """bench's ``--credit``: sizes, off and/or auto, each once, each holding two of the
+    largest DATA datagrams at ``mtu``."""
+    credits = tuple(_credit_setting(part) for part in _parse_list(text, str.strip, "--credit"))
     for credit in credits:
-        _check(checks.credit_fits, credit, mtu)
+        _check(checks.credit_fits, credit.budget_bytes, mtu)
     _check(checks.distinct, [str(c) for c in credits], "--credit")
     return credits
 
@@ -385,7 +396,8 @@ def _beside(path: str, what: str) -> str:
                    "per other rank.")
 @click.option("--credit", "credits", default="off", show_default=True,
               help="Our transport's receiver-driven credit, comma-separated, an arm each: "
-                   "sizes (e.g. 256k) and/or off.")
+                   "sizes (e.g. 256k), auto (from each receiver's measured drain rate) "
+                   "and/or off.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
                       auth, bare, repeats, ranks, credits) -> None:
     """Round latency of a gradient exchange among --ranks ranks under real kernel loss
@@ -422,7 +434,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(r.system, r.topology, r.auth,
-                  "off" if r.credit_bytes is None else f"{r.credit_bytes:,}",
+                  str(CreditSetting(r.credit_bytes, r.credit_adaptive)),
                   f"{r.loss:.0%}", f"{r.p50_ms:.1f}",
                   f"{r.p99_ms:.1f}", f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}",
                   f"{r.delivered_fraction:.4f}")
@@ -433,7 +445,8 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
 
 CREDIT_HELP = ("Receiver-driven credit: the DATA bytes all senders toward one receiver "
                "may have in flight together (e.g. 64k; keep it under the queue in front "
-               "of the receiver), or off.")
+               "of the receiver); auto: each receiver sizes it from the drain rate and "
+               "round trip it measures; or off.")
 
 
 CONGESTION_HELP = ("Sender-side congestion control: off (a first pass goes as fast as the "
@@ -471,7 +484,7 @@ def _parse_congestions(text: str) -> tuple[str, ...]:
 
 
 def credit_option(default: str = "off"):
-    """``--credit SIZE|off`` (train, compare, sim), parsed to bytes or None."""
+    """``--credit SIZE|auto|off`` (train, compare, sim), parsed to a CreditSetting."""
     return click.option("--credit", default=default, show_default=True,
                         callback=_credit_size, help=CREDIT_HELP)
 
@@ -511,7 +524,7 @@ def probe_copies_option(fn):
               callback=_json_file, help="Write the rows here (a JSON list).")
 @click.option("--credit", "credits", default="off,48k", show_default=True,
               help="boundedloss's receiver-driven credit, comma-separated, a run each: "
-                   "sizes and/or off.")
+                   "sizes, auto and/or off.")
 @click.option("--congestion", "congestions", default="off", show_default=True,
               help="boundedloss's congestion control, comma-separated (off, delay): a run "
                    "for each with each --credit.")
@@ -552,7 +565,7 @@ def bench_fairness(json_path, credits, congestions, seconds, rate, queue) -> Non
                 "our share", "utilization", "queue drops"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row("off" if r.credit_bytes is None else f"{r.credit_bytes:,}", r.congestion,
+        t.add_row(str(CreditSetting(r.credit_bytes, r.credit_adaptive)), r.congestion,
                   f"{r.seconds:.1f}", f"{r.tcp_mbps:.1f}", f"{r.boundedloss_mbps:.1f}",
                   f"{r.tcp_share:.0%}", f"{r.boundedloss_share:.0%}", f"{r.utilization:.0%}",
                   f"{r.queue_drop_fraction:.1%}")
@@ -717,7 +730,8 @@ def train(policy, topology, workers, model, data, epochs, seed, loss_spec, aggre
                       probe_copies_max=probe_copies_max, guard_rounds=guard_rounds,
                       checkpoint_every=checkpoint_every, resume=resume, auth=auth,
                       device=device, precision=precision, sharded=sharded,
-                      credit_bytes=credit, congestion=congestion, mlp_hidden=mlp_hidden)
+                      credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
+                      congestion=congestion, mlp_hidden=mlp_hidden)
     try:
         cfg.validate()  # (before any rank starts: one line, nothing started)
     except ValueError as e:
@@ -763,7 +777,7 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
                  network: str = DEFAULT_NETWORK, probe_copies_max: int | None = None,
                  title: str = "boundedloss compare",
                  burst_every: tuple[int, ...] = (),
-                 credit: int | str | None = SCENARIO_CREDIT,
+                 credit: CreditSetting | str = SCENARIO_CREDIT,
                  data: str | None = None, model: str | None = None,
                  sharded: bool = False, precision: str = "fp32", device: str = "cpu") -> None:
     """What `compare` and `demo` share: check the arguments, train every arm with a
@@ -792,8 +806,8 @@ def _run_compare(scenario: str, policies: tuple[PolicySpec, ...] | None, json_pa
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--sharded") from None
     if not isinstance(credit, str):  # (SCENARIO_CREDIT: the scenario's own)
-        _check(checks.credit_fits, credit)
-        sc = replace(sc, credit_bytes=credit)
+        _check(checks.credit_fits, credit.budget_bytes)
+        sc = replace(sc, credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive)
     if data is not None or model is not None:
         from .experiments.compare import with_images
 
@@ -1136,7 +1150,8 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     losses_t = _parse_list(losses, float, "--losses")
     if any(not 0 <= p < 1 for p in losses_t):
         raise click.BadParameter("loss rates must be in [0, 1)", param_hint="--losses")
-    _check(checks.credit_fits, credit, mtu)  # (the simulated job's chunk fills the MTU)
+    # (the simulated job's chunk fills the MTU)
+    _check(checks.credit_fits, credit.budget_bytes, mtu)
     for spec in loss_models:
         try:
             ranks = burst_ranks(check_loss_model(spec))
@@ -1154,7 +1169,8 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      elements=elements, rounds=rounds, seed=seed, link_gbps=link_gbps,
                      delay_us=delay_us, queue_datagrams=queue_datagrams, mtu=mtu,
                      auth=auth, cpu=cpu, racks=racks, oversubscription=oversubscription,
-                     credit_bytes=credit, queue_bytes=queue_bytes,
+                     credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
+                     queue_bytes=queue_bytes,
                      shared_buffer_bytes=shared_buffer, congestion=congestion,
                      bottleneck=bottleneck)
     short = shortfall(jobs)
@@ -1163,7 +1179,9 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     with console.status("simulating...") as status:
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
-    credit_note = "" if credit is None else f", credit {credit:,} bytes per receiver"
+    credit_note = ("" if credit.budget_bytes is None
+                   else ", credit from the drain rate per receiver" if credit.adaptive
+                   else f", credit {credit.budget_bytes:,} bytes per receiver")
     if congestion != "off":
         credit_note += f", congestion control {congestion}"
     queues = f"queues of {queue_datagrams} datagrams" + (

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..emulate.qdisc import Bottleneck
+from ..protocol.credit import CREDIT_OFF, CreditSetting
 
 #: the run's first and last seconds are left out: TCP's slow start, the last message
 SETTLE_S = 1.0
@@ -59,6 +60,9 @@ class FairnessRow:
     message_bytes: int
     #: boundedloss's congestion control (TransportConfig.congestion)
     congestion: str = "off"
+    #: the credit budget followed the receiver's measured drain rate (credit_bytes: its
+    #: floor)
+    credit_adaptive: bool = False
 
 
 # ------------------------------------------------------------ one role, in a namespace
@@ -103,7 +107,8 @@ def _endpoint(a: argparse.Namespace, port: int):
     from ..protocol.auth import job_key
 
     return UdpEndpoint(a.host, port, session=SESSION, auth_key=job_key(b"fairness", SESSION),
-                       config=TransportConfig(credit_bytes=a.credit, congestion=a.congestion))
+                       config=TransportConfig(**CreditSetting.from_str(a.credit).transport(),
+                                              congestion=a.congestion))
 
 
 def _boundedloss_receive(a: argparse.Namespace) -> None:
@@ -157,7 +162,7 @@ def role_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peer", required=True, help="the other end's address")
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--message-bytes", type=int, default=DEFAULT_MESSAGE_BYTES)
-    ap.add_argument("--credit", type=int, default=None)
+    ap.add_argument("--credit", default="off", help="off, auto, or bytes")
     ap.add_argument("--congestion", default="off")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -171,13 +176,13 @@ def goodput_mbps(samples: list[tuple[float, int]], start: float, end: float) -> 
     return got * 8 / (end - start) / 1e6 if end > start else 0.0
 
 
-def _run_pair(tb, credit: int | None, congestion: str, seconds: float, message_bytes: int,
+def _run_pair(tb, credit: CreditSetting, congestion: str, seconds: float, message_bytes: int,
               tmp: str) -> tuple[list, list]:
     server, tcp_node, bl_node = "server", "w0", "w1"
     addr = tb.addresses
     base = [sys.executable, "-m", "boundedloss.bench.fairness", "--seconds", str(seconds),
             "--message-bytes", str(message_bytes), "--congestion", congestion,
-            *([] if credit is None else ["--credit", str(credit)])]
+            "--credit", str(credit)]
 
     def start(node: str, role: str, peer: str, out: str = "") -> subprocess.Popen:
         return tb.run(node, [*base, "--role", role, "--host", addr[node], "--peer",
@@ -209,13 +214,13 @@ def _run_pair(tb, credit: int | None, congestion: str, seconds: float, message_b
     return json.loads(Path(tcp_out).read_text()), json.loads(Path(bl_out).read_text())
 
 
-def run_fairness_bench(*, credits: tuple[int | None, ...] = (None,),
+def run_fairness_bench(*, credits: tuple[CreditSetting, ...] = (CREDIT_OFF,),
                        congestions: tuple[str, ...] = ("off",),
                        seconds: float = DEFAULT_SECONDS,
                        message_bytes: int = DEFAULT_MESSAGE_BYTES,
                        bottleneck: Bottleneck = DEFAULT_BOTTLENECK, mtu: int = 1500,
                        progress: Callable[[str], None] | None = None) -> list[FairnessRow]:
-    """A row per congestion control and credit setting (each once; credit None: off):
+    """A row per congestion control and credit setting (each once):
     both flows through one testbed's bottleneck for ``seconds``."""
     from ..emulate import Testbed, TestbedConfig
     from ..protocol.congestion import parse_congestion
@@ -232,7 +237,7 @@ def run_fairness_bench(*, credits: tuple[int | None, ...] = (None,),
     with Testbed(TestbedConfig(workers=2, mtu=mtu, bottleneck=bottleneck)) as tb:
         for congestion, credit in [(g, c) for g in congestions for c in credits]:
             if progress:
-                progress(f"credit {credit or 'off'}, congestion control {congestion}: both "
+                progress(f"credit {credit}, congestion control {congestion}: both "
                          f"flows for {seconds:g} s")
             before = tb.qdisc_stats()
             with tempfile.TemporaryDirectory() as tmp:
@@ -250,7 +255,8 @@ def run_fairness_bench(*, credits: tuple[int | None, ...] = (None,),
             sent = after.sent_packets - before.sent_packets if after and before else 0
             dropped = after.dropped - before.dropped if after and before else 0
             rows.append(FairnessRow(
-                credit_bytes=credit, bottleneck=bottleneck.describe(),
+                credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
+                bottleneck=bottleneck.describe(),
                 seconds=round(end - start, 2), tcp_mbps=round(t_mbps, 2),
                 boundedloss_mbps=round(b_mbps, 2),
                 tcp_share=round(t_mbps / both, 4) if both else 0.0,

@@ -49,6 +49,7 @@ from ..collective import TOPOLOGIES, Collective
 from ..heap import freeze_heap
 from ..net.udp import UdpEndpoint
 from ..policy import GLOO, TCP_PS, parse_policies, parse_policy
+from ..protocol.credit import CREDIT_OFF, CreditSetting
 from .bare_udp import BareExchange
 
 #: what a run measures unless told otherwise (``boundedloss bench kernel-loss``'s defaults)
@@ -90,6 +91,8 @@ class KernelLossRow:
     ranks: int = 4
     #: our transport's receiver-driven credit per receiver, bytes (None: off)
     credit_bytes: int | None = None
+    #: that budget followed each receiver's measured drain rate, credit_bytes its floor
+    credit_adaptive: bool = False
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -110,7 +113,7 @@ def rank_main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-auth", dest="auth", action="store_false")
-    ap.add_argument("--credit", type=int, default=None)
+    ap.add_argument("--credit", default="off", help="off, auto, or bytes")
     a = ap.parse_args(argv)
 
     from datetime import timedelta
@@ -164,7 +167,7 @@ def rank_main(argv: list[str] | None = None) -> None:
         auth = job_auth.mode
         endpoint = UdpEndpoint(local_ip(), 0, session=session,
                                config=hook_transport(chunk_bytes=chunk,
-                                                     credit_bytes=a.credit),
+                                                     **CreditSetting.from_str(a.credit).transport()),
                                auth_key=job_auth.key)
         peers = exchange_addresses(store, "bench", a.rank, a.world, endpoint.address)
         policy = spec.make()
@@ -216,8 +219,8 @@ def round_latencies_ms(per_rank: list[dict]) -> list[float]:
 
 
 # ------------------------------------------------------------------- driver (root)
-#: (system, topology, authenticated, credit bytes or None)
-Arm = tuple[str, str, bool, int | None]
+#: (system, topology, authenticated, credit)
+Arm = tuple[str, str, bool, CreditSetting]
 DEFAULT_RANKS = 4
 #: the most ranks this bench runs (each rank a process: 2 cores hold no more)
 MAX_RANKS = 16
@@ -248,7 +251,7 @@ def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
                           "--elements", str(elements), "--rounds", str(rounds),
                           *(["--topology", topology] if topology in TOPOLOGIES else []),
                           *([] if auth else ["--no-auth"]),
-                          *([] if credit is None else ["--credit", str(credit)]),
+                          "--credit", str(credit),
                           "--out", tmp],
                    stdout=logs[r], stderr=subprocess.STDOUT)
             for r, node in enumerate(nodes)
@@ -284,7 +287,7 @@ def run_kernel_loss_bench(
     bare: bool = True,
     repeats: int = 1,
     ranks: int = DEFAULT_RANKS,
-    credits: tuple[int | None, ...] = (None,),
+    credits: tuple[CreditSetting, ...] = (CREDIT_OFF,),
     progress: Callable[[str], None] | None = None,
 ) -> list[KernelLossRow]:
     """One row per loss rate, system (each as :func:`~boundedloss.policy.parse_policy`
@@ -293,7 +296,7 @@ def run_kernel_loss_bench(
     first at 0% loss the machine's own limit (:data:`BARE_UDP`). With ``repeats``, every
     arm runs that many times, interleaved (:func:`interleaved`), and its row's figures
     pool the rounds of all of them. ``ranks``: the world (2 to :data:`MAX_RANKS`);
-    ``credits``: our transport's receiver-driven credit, an arm each (None: off)."""
+    ``credits``: our transport's receiver-driven credit, an arm each."""
     from ..emulate import Testbed, TestbedConfig
 
     specs = parse_policies(systems)
@@ -314,7 +317,7 @@ def run_kernel_loss_bench(
                        for topology in (topologies if spec.uses_transport
                                         else (TCP_TOPOLOGIES[spec.name],))
                        for auth in (auths if spec.uses_transport else (False,))
-                       for credit in (credits if spec.uses_transport else (None,))]
+                       for credit in (credits if spec.uses_transport else (CREDIT_OFF,))]
     rows = []
     with Testbed(TestbedConfig(workers=ranks - 1, mtu=mtu)) as tb:
         master = tb.addresses["server"]
@@ -322,7 +325,8 @@ def run_kernel_loss_bench(
         for loss in losses:
             for node in nodes:
                 tb.set_loss(loss, node, protocol="all")
-            these = ([(BARE_UDP, "allreduce", False, None)] if bare and not loss else []) + arms
+            these = ([(BARE_UDP, "allreduce", False, CREDIT_OFF)] if bare and not loss
+                     else []) + arms
             runs: dict[Arm, list[list[dict]]] = {arm: [] for arm in these}  # per-rank logs
             for arm in interleaved(these, repeats):
                 port += 1
@@ -343,7 +347,7 @@ def run_kernel_loss_bench(
                     max_ms=round(max(lat), 2), mean_ms=round(statistics.mean(lat), 2),
                     delivered_fraction=round(statistics.mean(frac), 5),
                     auth=logs[0][0]["auth"], repeats=repeats, ranks=ranks,
-                    credit_bytes=credit,
+                    credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
                 ))
     return rows
 

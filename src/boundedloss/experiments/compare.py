@@ -47,6 +47,7 @@ from ..emulate.bursts import TimedBursts
 from ..emulate.qdisc import Bottleneck
 from ..policy import PolicySpec, parse_policy
 from ..protocol import RECOVERY_MODES, probe_copies_for
+from ..protocol.credit import CreditSetting
 from .train import TrainConfig, run_training
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ ROW_FIELDS = (
     "metric_change_vs_reliable", "repeats", "network", "time_to_target_s", "samples_per_s",
     "throughput_vs_baseline",
     "tta_speedup_vs_gloo", "gloo_crossed_same_network", "ran_lossless", "sharded", "precision",
-    "device",
+    "device", "credit",
 )
 
 
@@ -155,6 +156,8 @@ class Scenario:
     recovery: str = "copies"
     #: our arms' receiver-driven credit per receiver, bytes (None: off)
     credit_bytes: int | None = None
+    #: that budget follows each receiver's measured drain rate, credit_bytes its floor
+    credit_adaptive: bool = False
     #: the MLP's hidden width (TrainConfig.mlp_hidden)
     mlp_hidden: int = 256
     #: the images an image model trains on (TrainConfig.data; None: digits)
@@ -490,6 +493,7 @@ def make_config(scenario: Scenario, arm: Arm, *, out: str, epochs: int, workers:
                        out=out, aggregator=arm.aggregator, hadamard=arm.hadamard,
                        steps_per_epoch=steps_per_epoch, probe_copies_max=probe_copies_max,
                        guard_rounds=0, credit_bytes=scenario.credit_bytes,
+                       credit_adaptive=scenario.credit_adaptive,
                        mlp_hidden=scenario.mlp_hidden, data=scenario.data,
                        device=scenario.device)
 
@@ -762,6 +766,9 @@ def compare_rows(scenario: Scenario, arms: list[Arm], runs: dict[str, list[RunRe
         row["sharded"] = scenario.sharded
         row["precision"] = scenario.precision
         row["device"] = scenario.device
+        # (our arms' receiver-driven credit: off, a budget in bytes, or auto)
+        row["credit"] = (str(CreditSetting(scenario.credit_bytes, scenario.credit_adaptive))
+                         if arm.policy.uses_transport else None)
         # in-process loss cannot reach a TCP arm (gloo, tcp-ps): it ran lossless while
         # the others met the loss
         row["ran_lossless"] = (scenario.network != "kernel" and not scenario.is_sweep

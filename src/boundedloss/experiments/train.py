@@ -107,6 +107,9 @@ class TrainConfig:
     sharded: bool = False
     #: receiver-driven credit per receiver, bytes (TransportConfig.credit_bytes; None: off)
     credit_bytes: int | None = None
+    #: the credit budget follows the drain rate measured, credit_bytes its floor
+    #: (TransportConfig.credit_adaptive)
+    credit_adaptive: bool = False
     #: sender-side congestion control (TransportConfig.congestion: off, delay)
     congestion: str = "off"
     #: the MLP's hidden width (``--model mlp``)
@@ -128,7 +131,8 @@ class TrainConfig:
         from ..protocol import TransportConfig
 
         try:
-            TransportConfig(chunk_bytes=self.chunk_bytes, credit_bytes=self.credit_bytes)
+            TransportConfig(chunk_bytes=self.chunk_bytes, credit_bytes=self.credit_bytes,
+                            credit_adaptive=self.credit_adaptive)
         except ValueError as e:
             raise ValueError(f"--chunk-bytes / --credit: {e}") from None
         try:
@@ -214,7 +218,8 @@ class TrainConfig:
             "probe_copies_max": self.probe_copies_max}
         return hook_transport(chunk_bytes=self.chunk_bytes,
                               receive_deadline=self.receive_deadline,
-                              credit_bytes=self.credit_bytes, congestion=self.congestion,
+                              credit_bytes=self.credit_bytes,
+                              credit_adaptive=self.credit_adaptive, congestion=self.congestion,
                               **copies)
 
 

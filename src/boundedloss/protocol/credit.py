@@ -28,7 +28,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .drain import DrainBudget
 
 if TYPE_CHECKING:
     from .receiver import MessageReceiver
@@ -36,6 +38,43 @@ if TYPE_CHECKING:
 #: the least share: a sender with less could not keep one datagram in flight while the
 #: ACK that frees the next is on its way
 MIN_SHARE = 2
+#: ``--credit auto``'s floor: the budget follows the drain rate measured, never below
+#: this (two datagrams of the largest chunk at MTU 9,000 fit)
+AUTO_FLOOR_BYTES = 32 * 1024
+
+
+class CreditSetting(NamedTuple):
+    """Receiver-driven credit as a command line sets it: off (``budget_bytes`` None), a
+    fixed budget, or (``adaptive``) one that follows each receiver's measured drain rate
+    from the floor ``budget_bytes`` - TransportConfig's credit_bytes and credit_adaptive."""
+
+    budget_bytes: int | None
+    adaptive: bool = False
+
+    def __str__(self) -> str:
+        if self.budget_bytes is None:
+            return "off"
+        return "auto" if self.adaptive else str(self.budget_bytes)
+
+    @classmethod
+    def from_str(cls, text: str) -> CreditSetting:
+        """What ``str`` wrote: off, auto, or a budget in bytes."""
+        if text == "off":
+            return cls(None)
+        if text == "auto":
+            return cls(AUTO_FLOOR_BYTES, adaptive=True)
+        return cls(int(text))
+
+    def transport(self) -> dict[str, Any]:
+        """As TransportConfig's fields."""
+        return {"credit_bytes": self.budget_bytes, "credit_adaptive": self.adaptive}
+
+
+#: no credit
+CREDIT_OFF = CreditSetting(None)
+#: the budget from the measured drain rate (protocol/drain.py)
+CREDIT_AUTO = CreditSetting(AUTO_FLOOR_BYTES, adaptive=True)
+
 
 
 def ack_cadence(ack_every: int, credit: int) -> int:
@@ -57,15 +96,22 @@ class CreditGrants:
     holding credit is done - its sender's first pass over (its FINAL PROBE) or closed -
     and are then granted in the order they were heard, each by an ACK of its own."""
 
-    __slots__ = ("_granted", "_parked", "budget", "listener", "share")
+    __slots__ = ("_granted", "_parked", "_phase", "budget", "drain", "listener", "share")
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, *, adaptive: bool = False):
+        """``adaptive``: the budget follows the drain rate and round trip measured
+        (protocol/drain.py), ``budget`` its floor; else ``budget`` is fixed."""
         if budget < MIN_SHARE:
             raise ValueError(f"a credit budget holds at least {MIN_SHARE} datagrams")
+        #: sizes the budget from what each phase measured (None: a fixed budget)
+        self.drain = DrainBudget(budget) if adaptive else None
         #: DATA datagrams all senders toward this endpoint may have in flight together
-        self.budget = budget
+        self.budget = budget if self.drain is None else self.drain.budget
         #: what each receive holding credit grants in its ACKs now
-        self.share = budget
+        self.share = self.budget
+        # the phase under way (adaptive): [its start, the datagrams its finished
+        # receives took, their senders' least round trip]; None between phases
+        self._phase: list | None = None
         self._granted: set[int] = set()  # transfer ids of the receives holding credit
         # the parked receives, in the order they were heard: transfer id -> receive
         self._parked: OrderedDict[int, MessageReceiver] = OrderedDict()
@@ -90,6 +136,8 @@ class CreditGrants:
         tid = receive.transfer_id
         if tid in self._granted or tid in self._parked:
             return
+        if self.drain is not None and self._phase is None:
+            self._phase = [receive.counts.first_heard, 0, None]
         self._set_share(len(self._granted) + len(self._parked) + 1)
         if (len(self._granted) + 1) * self.share <= self.budget:
             self._granted.add(tid)
@@ -97,9 +145,10 @@ class CreditGrants:
             receive.counts.parked = True
             self._parked[tid] = receive
 
-    def receive_done(self, receive: MessageReceiver) -> list[MessageReceiver]:
+    def receive_done(self, receive: MessageReceiver, now: float) -> list[MessageReceiver]:
         """``receive`` needs no more credit (its sender's first pass is over, or it
-        closed): the parked receives that now hold credit, each to be told by an ACK."""
+        closed, at ``now``): the parked receives that now hold credit, each to be told by
+        an ACK."""
         tid = receive.transfer_id
         if tid in self._granted:
             self._granted.discard(tid)
@@ -107,6 +156,8 @@ class CreditGrants:
             receive.counts.parked = False
         else:
             return []
+        if self._phase is not None:
+            self._phase_step(receive, now)
         self._set_share(max(1, len(self._granted) + len(self._parked)))
         unparked = []
         while self._parked and (len(self._granted) + 1) * self.share <= self.budget:
@@ -115,6 +166,21 @@ class CreditGrants:
             self._granted.add(tid)
             unparked.append(waiting)
         return unparked
+
+    def _phase_step(self, receive: MessageReceiver, now: float) -> None:
+        """Count what ``receive`` took into the phase; at the phase's end (no receive
+        shares the budget any more), the budget its drain rate and round trip call for."""
+        assert self.drain is not None and self._phase is not None
+        phase = self._phase
+        phase[1] += receive.counts.datagrams
+        rtt = receive.path.rtt
+        if rtt is not None and (phase[2] is None or rtt.srtt < phase[2]):
+            phase[2] = rtt.srtt
+        if self._granted or self._parked:
+            self.budget = self.drain.phase_so_far(phase[1], now - phase[0], phase[2])
+            return
+        self._phase = None
+        self.budget = self.drain.phase_ended(phase[1], now - phase[0], phase[2])
 
     def _set_share(self, heard: int) -> None:
         share = max(MIN_SHARE, self.budget // heard)

@@ -138,7 +138,8 @@ class TransferMux:
         self.datagrams_in = 0
         budget = self.config.credit_datagrams
         #: the receiver-driven first pass's budget and shares (None: no credit)
-        self.grants = None if budget is None else CreditGrants(budget)
+        self.grants = (None if budget is None
+                       else CreditGrants(budget, adaptive=self.config.credit_adaptive))
 
     # ---------------------------------------------------------------- posting
     def path(self, peer: Hashable) -> PeerPath:

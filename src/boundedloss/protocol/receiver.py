@@ -385,10 +385,10 @@ class MessageReceiver:
                                      STOP_PAYLOAD.pack(delivered), Flag.CREDIT,
                                      max(0, self.counts.max_tseq))
 
-    def _credit_done(self, out: list) -> None:
+    def _credit_done(self, out: list, now: float) -> None:
         """This receive needs no more credit: tell each receive it passes to, by an ACK."""
         if self.grants is not None:
-            for granted in self.grants.receive_done(self):
+            for granted in self.grants.receive_done(self, now):
                 granted.send_grant(out)
 
     def send_grant(self, out: list) -> None:
@@ -439,7 +439,7 @@ class MessageReceiver:
             if self.first_pass_delivered is None:  # (later passes' PROBEs are FINAL too)
                 self.first_pass_delivered = n.delivered_count
                 n.final_seen = True
-                self._credit_done(out)
+                self._credit_done(out, now)
             self._transition(ReceiveEvent.SENDER_DONE)
             self.close_if_done(now, out)
             if self._state is ReceiveState.CLOSED:
@@ -551,7 +551,7 @@ class MessageReceiver:
 
     def _close(self, reason: CloseReason, now: float, out: list) -> None:
         self._transition(ReceiveEvent.CLOSED)
-        self._credit_done(out)
+        self._credit_done(out, now)
         count = self.count
         delivered = self.delivered_mask()
         n = self.counts

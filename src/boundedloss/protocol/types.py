@@ -86,6 +86,10 @@ class TransportConfig:
     #: that queue, and over the bandwidth-delay product). None: no credit, each sender
     #: as its window allows
     credit_bytes: int | None = None
+    #: with credit, the budget follows the drain rate and round trip each receiver
+    #: measures (protocol/drain.py), ``credit_bytes`` the least it may be; False: the
+    #: budget is ``credit_bytes``
+    credit_adaptive: bool = False
     #: with credit, what a send may have in flight before its receiver's first grant,
     #: when no earlier message to that peer heard one: about a bandwidth-delay product
     #: (10 Gb/s over a rack's ~12 us round trip) - every sender of an incast sends it
@@ -121,6 +125,8 @@ class TransportConfig:
         datagram = self.chunk_bytes + HEADER_BYTES
         if self.credit_bytes is not None and self.credit_bytes < 2 * datagram:
             raise ValueError("credit_bytes must hold at least two datagrams (or None)")
+        if self.credit_adaptive and self.credit_bytes is None:
+            raise ValueError("an adaptive credit budget needs credit_bytes (its floor)")
         if self.unscheduled_bytes < datagram:
             raise ValueError("unscheduled_bytes must hold at least one datagram")
 

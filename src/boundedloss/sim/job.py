@@ -190,6 +190,9 @@ class SimJob:
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
+    #: the budget follows each receiver's measured drain rate, credit_bytes its floor
+    #: (TransportConfig.credit_adaptive)
+    credit_adaptive: bool = False
     #: our systems' sender-side congestion control (TransportConfig.congestion)
     congestion: str = "off"
     #: each switch queue toward a host also bounded in bytes (None: datagrams only)
@@ -236,6 +239,7 @@ class SimRow:
     #: datagrams lost at a full queue to or from the spine
     fabric_drops: int = 0
     credit_bytes: int | None = None
+    credit_adaptive: bool = False
     queue_bytes: int | None = None
     shared_buffer_bytes: int | None = None
     congestion: str = "off"
@@ -311,7 +315,8 @@ def run_job(job: SimJob) -> SimRow:
     # (every peer's receive of both phases, posted a round ahead, as the hook allows)
     config = TransportConfig(chunk_bytes=largest_chunk(job.mtu, TRAILER_BYTES if job.auth else 0),
                              max_open_receives=max(256, 4 * job.workers),
-                             credit_bytes=job.credit_bytes, congestion=job.congestion)
+                             credit_bytes=job.credit_bytes,
+                             credit_adaptive=job.credit_adaptive, congestion=job.congestion)
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           queue_bytes=job.queue_bytes,
@@ -394,6 +399,7 @@ def run_job(job: SimJob) -> SimRow:
         path_loss_fraction=round(net.counts["path_loss"] / max(1, net.counts["sent"]), 5),
         racks=job.racks, oversubscription=job.oversubscription,
         fabric_drops=net.counts["fabric_drop"], credit_bytes=job.credit_bytes,
+        credit_adaptive=job.credit_adaptive,
         queue_bytes=job.queue_bytes, shared_buffer_bytes=job.shared_buffer_bytes,
         congestion=job.congestion,
         payload_drop_fraction=round(
