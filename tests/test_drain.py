@@ -6,54 +6,86 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from boundedloss.cli import main
 from boundedloss.protocol import TransportConfig
 from boundedloss.protocol.credit import CREDIT_AUTO, CREDIT_OFF, CreditGrants, CreditSetting
-from boundedloss.protocol.drain import GAIN, SAMPLE_DATAGRAMS, UNMEASURED, DrainBudget
+from boundedloss.protocol.drain import (
+    CAP_GROWTH,
+    GAIN,
+    OVERFLOW_MEMORY,
+    SAMPLE_DATAGRAMS,
+    UNMEASURED,
+    DrainBudget,
+)
 from boundedloss.protocol.path import RttEstimate
 from boundedloss.sim.calibration import job_for_incast
 from boundedloss.sim.job import LIKE_TESTBED, SimJob, run_job
 
 
-def test_the_budget_is_unbounded_until_a_phase_is_measured() -> None:
+def test_the_budget_is_unbounded_until_a_phase_overflows() -> None:
     drain = DrainBudget(floor=10)
     assert drain.budget == UNMEASURED
-    # a phase too short to time leaves it as it was
-    assert drain.phase_ended(SAMPLE_DATAGRAMS - 1, 0.001, 0.001) == UNMEASURED
+    assert drain.phase_ended(1000, 0.01, 0.001, sent=1050) == UNMEASURED  # 5%: random
+    for _ in range(20):  # the same loss, phase after phase: no overflow
+        drain.phase_ended(1000, 0.01, 0.001, sent=1052)
+    assert drain.budget == UNMEASURED
 
 
-def test_with_no_round_trip_known_the_budget_falls_to_its_floor() -> None:
-    """The first phase of an incast: its rate is known before any send to its peers has
-    finished - the floor, not an unbounded grant for the senders' next messages."""
-    drain = DrainBudget(floor=10)
-    assert drain.phase_so_far(SAMPLE_DATAGRAMS, 0.01, None) == 10
-
-
-def test_the_budget_is_twice_the_best_rate_times_the_least_round_trip() -> None:
+def test_an_overflow_cuts_from_what_the_drain_rate_and_round_trip_call_for() -> None:
     drain = DrainBudget(floor=4)
-    drain.phase_ended(1000, 0.1, 0.002)  # 10,000 datagrams/s, 2 ms
-    assert drain.budget == GAIN * 10_000 * 0.002 == 40
-    drain.phase_ended(1000, 0.05, 0.004)  # 20,000/s: the best rate, 2 ms still the least
-    assert drain.budget == GAIN * 20_000 * 0.002
-    drain.phase_ended(100, 1.0, 0.001)  # a slow phase does not lower the best rate
-    assert drain.budget == GAIN * 20_000 * 0.001
-    for _ in range(8):  # ... until the phases remembered are all slow
-        drain.phase_ended(100, 1.0, 0.001)
-    assert drain.budget == 4  # (0.2 datagrams: the floor)
+    drain.phase_ended(1000, 0.1, 0.002, sent=1000)  # 10,000 datagrams/s, 2 ms, no loss
+    drain.phase_ended(600, 0.1, 0.004, sent=1000)  # 40% lost: an overflow
+    # GAIN x the best rate x the least round trip, cut to 60% (deeper than CAP_CUT)
+    assert drain.budget == int(GAIN * 10_000 * 0.002 * 0.6) == 24
 
 
-def test_short_phases_add_up_to_a_sample() -> None:
+def test_after_an_overflow_the_budget_grows_slowly_then_doubles() -> None:
+    drain = DrainBudget(floor=4)
+    drain.phase_ended(1000, 0.1, 0.002, sent=1000)
+    drain.phase_ended(900, 0.1, 0.002, sent=1000)  # 10%: an overflow
+    cut = drain.budget
+    drain.phase_ended(1000, 0.1, 0.002, sent=1000)
+    assert drain.budget == math.ceil(cut * CAP_GROWTH)
+    for _ in range(OVERFLOW_MEMORY):
+        drain.phase_ended(1000, 0.1, 0.002, sent=1000)
+    before = drain.budget
+    drain.phase_ended(1000, 0.1, 0.002, sent=1000)  # no overflow in memory: doubles
+    assert drain.budget == 2 * before
+
+
+def test_random_loss_is_not_an_overflow_but_loss_above_it_is() -> None:
+    drain = DrainBudget(floor=4)
+    for loss in (0.05, 0.052, 0.048, 0.05):
+        drain.phase_ended(round(1000 * (1 - loss)), 0.1, 0.002, sent=1000)
+    assert drain.budget == UNMEASURED
+    # three standard deviations of 5% over 1,000 datagrams, and 2 points: ~9%
+    drain.phase_ended(920, 0.1, 0.002, sent=1000)
+    assert drain.budget == UNMEASURED
+    drain.phase_ended(880, 0.1, 0.002, sent=1000)
+    assert drain.budget < UNMEASURED
+
+
+def test_a_first_phase_that_overflows_is_cut_to_the_floor_before_it_ends() -> None:
+    """An incast's first round: half its datagrams lost before any round trip is known -
+    the floor at once, not an unbounded grant for the senders' next messages."""
+    drain = DrainBudget(floor=10)
+    assert drain.phase_so_far(20, SAMPLE_DATAGRAMS - 1, None) == UNMEASURED  # (too few)
+    assert drain.phase_so_far(60, SAMPLE_DATAGRAMS * 2, None) == 10
+    assert drain.phase_so_far(100, SAMPLE_DATAGRAMS * 2, None) == 10  # (once)
+
+
+def test_short_phases_add_up_to_a_rate_sample() -> None:
     """Pushes that arrive one after another make phases of one message each: their
     datagrams and lengths add up until they make a sample."""
     drain = DrainBudget(floor=1)
     phase = SAMPLE_DATAGRAMS // 4
-    for _ in range(3):
-        assert drain.phase_ended(phase, 0.001, 0.01) == UNMEASURED
-    drain.phase_ended(phase, 0.001, 0.01)
-    assert drain.budget == GAIN * (4 * phase / 0.004) * 0.01
+    for _ in range(4):
+        drain.phase_ended(phase, 0.001, 0.01)
+    assert drain.measured() == math.ceil(GAIN * (4 * phase / 0.004) * 0.01)
 
 
 def test_a_floor_must_hold_a_datagram() -> None:
@@ -66,37 +98,40 @@ def test_a_floor_must_hold_a_datagram() -> None:
 class _Receive:
     """What adaptive CreditGrants reads of a receive."""
 
-    def __init__(self, transfer_id: int, heard_at: float, datagrams: int,
-                 srtt: float | None):
+    def __init__(self, transfer_id: int, heard_at: float, datagrams: int, *, sent: int,
+                 srtt: float | None = 0.001):
         self.transfer_id = transfer_id
         self.counts = type("Counts", (), {"parked": False, "first_heard": heard_at,
-                                          "datagrams": datagrams})()
+                                          "datagrams": datagrams, "max_tseq": sent - 1})()
         self.path = type("Path", (), {"rtt": None if srtt is None else RttEstimate(srtt, 0)})()
 
 
 def test_the_grants_measure_a_phase_from_its_first_heard_receive_to_its_last_done() -> None:
+    """Adaptive grants: a phase's receives add up what their senders sent and what
+    arrived; an overflowed first phase cuts the budget (and the share every ACK grants)
+    as soon as one of them is done."""
     told: list[int] = []
     grants = CreditGrants(4, adaptive=True)
     grants.listener = told.append
     assert grants.budget == grants.share == UNMEASURED
-    receives = [_Receive(i, 0.0, 100, 0.002 + i / 1000) for i in range(3)]
+    receives = [_Receive(i, 0.0, 100, sent=300) for i in range(3)]
     for r in receives:
         grants.receive_heard(r)
-    grants.receive_done(receives[0], 0.01)  # 100 datagrams in 10 ms so far, 2 ms
-    assert grants.budget == GAIN * 10_000 * 0.002 == 40
+    grants.receive_done(receives[0], 0.01)  # two thirds lost: the floor at once
+    assert grants.budget == 4 and told[-1] == 2  # (split between the two still heard)
     grants.receive_done(receives[1], 0.02)
-    grants.receive_done(receives[2], 0.03)  # 300 in 30 ms: the phase's end
-    assert grants.budget == 40 and grants.share == 40 and told[-1] == 40
-    # the next phase starts at its first heard receive, not where the last one ended
-    later = _Receive(9, 1.0, 400, 0.001)
+    grants.receive_done(receives[2], 0.03)
+    assert grants.budget == grants.share == 4
+    # a clean phase later: no overflow, it grows
+    later = _Receive(9, 1.0, 400, sent=400)
     grants.receive_heard(later)
-    grants.receive_done(later, 1.02)  # 20,000/s
-    assert grants.budget == GAIN * 20_000 * 0.001
+    grants.receive_done(later, 1.02)
+    assert grants.budget == math.ceil(4 * CAP_GROWTH)
 
 
 def test_a_fixed_budget_stays_fixed() -> None:
     grants = CreditGrants(12)
-    r = _Receive(1, 0.0, 1000, 0.001)
+    r = _Receive(1, 0.0, 1000, sent=1000)
     grants.receive_heard(r)
     grants.receive_done(r, 0.001)
     assert grants.budget == 12

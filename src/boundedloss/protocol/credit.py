@@ -110,7 +110,8 @@ class CreditGrants:
         #: what each receive holding credit grants in its ACKs now
         self.share = self.budget
         # the phase under way (adaptive): [its start, the datagrams its finished
-        # receives took, their senders' least round trip]; None between phases
+        # receives took, their senders' least round trip, the datagrams those senders
+        # sent as far as the sequence numbers tell]; None between phases
         self._phase: list | None = None
         self._granted: set[int] = set()  # transfer ids of the receives holding credit
         # the parked receives, in the order they were heard: transfer id -> receive
@@ -137,7 +138,7 @@ class CreditGrants:
         if tid in self._granted or tid in self._parked:
             return
         if self.drain is not None and self._phase is None:
-            self._phase = [receive.counts.first_heard, 0, None]
+            self._phase = [receive.counts.first_heard, 0, None, 0]
         self._set_share(len(self._granted) + len(self._parked) + 1)
         if (len(self._granted) + 1) * self.share <= self.budget:
             self._granted.add(tid)
@@ -173,14 +174,15 @@ class CreditGrants:
         assert self.drain is not None and self._phase is not None
         phase = self._phase
         phase[1] += receive.counts.datagrams
+        phase[3] += receive.counts.max_tseq + 1
         rtt = receive.path.rtt
         if rtt is not None and (phase[2] is None or rtt.srtt < phase[2]):
             phase[2] = rtt.srtt
         if self._granted or self._parked:
-            self.budget = self.drain.phase_so_far(phase[1], now - phase[0], phase[2])
+            self.budget = self.drain.phase_so_far(phase[1], phase[3], phase[2])
             return
         self._phase = None
-        self.budget = self.drain.phase_ended(phase[1], now - phase[0], phase[2])
+        self.budget = self.drain.phase_ended(phase[1], now - phase[0], phase[2], phase[3])
 
     def _set_share(self, heard: int) -> None:
         share = max(MIN_SHARE, self.budget // heard)
