@@ -15,7 +15,7 @@ number each showed) and what arrived of it. Random loss is in every phase alike;
 queue's overflow only in the phases the budget overfills. So a phase *overflowed* when
 it lost more than the least loss of the recent phases by ``OVERFLOW_MARGIN`` and three
 standard deviations of that least loss over its datagrams (the first phase, with
-nothing to compare with, when it lost half).
+nothing to compare with, when it lost a quarter).
 
 The budget starts unbounded: where nothing overflows it stays so, and costs nothing but
 the credit's own ACKs. An overflow cuts it - to at most ``CAP_CUT`` of what the drain
@@ -49,16 +49,17 @@ SAMPLES = 8
 #: round trips and first-pass losses remembered (one each a phase)
 PHASES = 8
 #: a drain-rate sample spans phases until they have taken this many datagrams (a short
-#: phase's length is mostly a round trip, not the drain); a phase's loss is read only
-#: from this many datagrams sent
+#: phase's length is mostly a round trip, not the drain), and a loss read until they
+#: have sent this many
 SAMPLE_DATAGRAMS = 64
 #: a phase overflowed a queue when its first passes lost more than the least of the
 #: recent phases by this and three standard deviations of that least loss over the
 #: phase's datagrams: random loss is in every phase alike, a queue's only in those the
 #: budget overfills
 OVERFLOW_MARGIN = 0.02
-#: the first phase, with nothing to compare with, overflowed when it lost this much
-FIRST_OVERFLOW = 0.5
+#: the first phase, with nothing to compare with, overflowed when it lost this much (an
+#: incast's first round loses half or more; random loss, a few percent)
+FIRST_OVERFLOW = 0.25
 #: an overflow cuts the budget to at most this of itself (CUBIC's cut), deeper where
 #: more was lost
 CAP_CUT = 0.7
@@ -74,8 +75,8 @@ class DrainBudget:
     queue, then cut - from what the drain rate and round trip measured call for - and
     grown back phase by phase; ``floor`` the least it may be."""
 
-    __slots__ = ("_losses", "_overflows", "_rates", "_rtts", "_taken", "_took", "budget",
-                 "floor")
+    __slots__ = ("_got", "_losses", "_overflows", "_rates", "_rtts", "_sent", "_taken",
+                 "_took", "budget", "floor")
 
     def __init__(self, floor: int):
         if floor < 1:
@@ -89,6 +90,9 @@ class DrainBudget:
         # the phases since the last rate sample: datagrams taken, seconds they took
         self._taken = 0
         self._took = 0.0
+        # the phases since the last loss read: datagrams got, of those sent
+        self._got = 0
+        self._sent = 0
 
     def measured(self, rtt: float | None = None) -> int:
         """The budget the drain rate and round trip call for: GAIN x the best recent rate
@@ -119,18 +123,25 @@ class DrainBudget:
             self._taken, self._took = 0, 0.0
         if rtt is not None and rtt > 0:
             self._rtts.append(rtt)
-        if sent is None or sent < SAMPLE_DATAGRAMS:
+        if sent is None:
             return self.budget
-        over = self.overflowed(datagrams, sent)
+        # (short phases add up, as for the rate)
+        self._got += datagrams
+        self._sent += sent
+        if self._sent < SAMPLE_DATAGRAMS:
+            return self.budget
+        got, sent = self._got, self._sent
+        self._got = self._sent = 0
+        over = self.overflowed(got, sent)
         if over:
-            self._cut(datagrams, sent)
+            self._cut(got, sent)
         else:
             # (not up to what the round trip calls for: at a full queue it holds the
             # queue's delay, and would widen the budget that fills it)
             grown = self.budget * (CAP_GROWTH if any(self._overflows) else 2)
             self.budget = min(UNMEASURED, math.ceil(grown))
         self._overflows.append(over)
-        self._losses.append(max(0.0, 1.0 - datagrams / sent))
+        self._losses.append(max(0.0, 1.0 - got / sent))
         return self.budget
 
     def phase_so_far(self, datagrams: int, sent: int, rtt: float | None) -> int:
