@@ -396,7 +396,8 @@ def _beside(path: str, what: str) -> str:
                    "per other rank.")
 @click.option("--credit", "credits", default="off", show_default=True,
               help="Our transport's receiver-driven credit, comma-separated, an arm each: "
-                   "sizes (e.g. 256k), auto (from each receiver's measured drain rate) "
+                   "sizes (e.g. 256k), auto (each receiver sizes its own from the overflows it "
+                   "sees) "
                    "and/or off.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
                       auth, bare, repeats, ranks, credits) -> None:
@@ -445,8 +446,8 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
 
 CREDIT_HELP = ("Receiver-driven credit: the DATA bytes all senders toward one receiver "
                "may have in flight together (e.g. 64k; keep it under the queue in front "
-               "of the receiver); auto: each receiver sizes it from the drain rate and "
-               "round trip it measures; or off.")
+               "of the receiver); auto: each receiver sizes its own, unbounded until a "
+               "queue in front of it overflows; or off.")
 
 
 CONGESTION_HELP = ("Sender-side congestion control: off (a first pass goes as fast as the "
@@ -1180,7 +1181,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
         rows = run_sweep(jobs, progress=lambda m: status.update(m))
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
     credit_note = ("" if credit.budget_bytes is None
-                   else ", credit from the drain rate per receiver" if credit.adaptive
+                   else ", credit each receiver sizes (auto)" if credit.adaptive
                    else f", credit {credit.budget_bytes:,} bytes per receiver")
     if congestion != "off":
         credit_note += f", congestion control {congestion}"

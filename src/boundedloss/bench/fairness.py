@@ -60,7 +60,7 @@ class FairnessRow:
     message_bytes: int
     #: boundedloss's congestion control (TransportConfig.congestion)
     congestion: str = "off"
-    #: the credit budget followed the receiver's measured drain rate (credit_bytes: its
+    #: the receiver sized the credit budget from the overflows it saw (credit_bytes: its
     #: floor)
     credit_adaptive: bool = False
 

@@ -91,7 +91,7 @@ class KernelLossRow:
     ranks: int = 4
     #: our transport's receiver-driven credit per receiver, bytes (None: off)
     credit_bytes: int | None = None
-    #: that budget followed each receiver's measured drain rate, credit_bytes its floor
+    #: each receiver sized that budget from the overflows it saw, credit_bytes its floor
     credit_adaptive: bool = False
 
 

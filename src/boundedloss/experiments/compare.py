@@ -156,7 +156,7 @@ class Scenario:
     recovery: str = "copies"
     #: our arms' receiver-driven credit per receiver, bytes (None: off)
     credit_bytes: int | None = None
-    #: that budget follows each receiver's measured drain rate, credit_bytes its floor
+    #: each receiver sizes that budget from the overflows it sees, credit_bytes its floor
     credit_adaptive: bool = False
     #: the MLP's hidden width (TrainConfig.mlp_hidden)
     mlp_hidden: int = 256

@@ -107,7 +107,8 @@ class TrainConfig:
     sharded: bool = False
     #: receiver-driven credit per receiver, bytes (TransportConfig.credit_bytes; None: off)
     credit_bytes: int | None = None
-    #: the credit budget follows the drain rate measured, credit_bytes its floor
+    #: each receiver sizes the credit budget from the overflows it sees, credit_bytes
+    #: its floor
     #: (TransportConfig.credit_adaptive)
     credit_adaptive: bool = False
     #: sender-side congestion control (TransportConfig.congestion: off, delay)

@@ -9,6 +9,9 @@ it, and each ACK carries its sender's share (``Flag.CREDIT``: the DATA datagrams
 have in flight beyond the highest the receiver has seen). ACKs leave as DATA arrives,
 that is as the bottleneck in front of the receiver drains, so the grants follow its
 drain rate: the senders' total stays at the budget whatever the link's speed.
+The budget is fixed, or (``TransportConfig.credit_adaptive``, ``--credit auto``) the
+receiver's own: unbounded until a queue in front of it overflows, then cut and grown
+back phase by phase (protocol/drain.py, fed here as each receive's first pass ends).
 
 The share is the budget split evenly among the receives whose sender's first pass is
 under way (heard, and neither its FINAL PROBE come nor closed): a collective's round
@@ -38,15 +41,16 @@ if TYPE_CHECKING:
 #: the least share: a sender with less could not keep one datagram in flight while the
 #: ACK that frees the next is on its way
 MIN_SHARE = 2
-#: ``--credit auto``'s floor: the budget follows the drain rate measured, never below
-#: this (two datagrams of the largest chunk at MTU 9,000 fit)
+#: ``--credit auto``'s floor: a receiver's own budget (protocol/drain.py) is never
+#: below this (two datagrams of the largest chunk at MTU 9,000 fit)
 AUTO_FLOOR_BYTES = 32 * 1024
 
 
 class CreditSetting(NamedTuple):
     """Receiver-driven credit as a command line sets it: off (``budget_bytes`` None), a
-    fixed budget, or (``adaptive``) one that follows each receiver's measured drain rate
-    from the floor ``budget_bytes`` - TransportConfig's credit_bytes and credit_adaptive."""
+    fixed budget, or (``adaptive``) one each receiver sizes from the overflows it sees
+    (protocol/drain.py), never below ``budget_bytes`` - TransportConfig's credit_bytes
+    and credit_adaptive."""
 
     budget_bytes: int | None
     adaptive: bool = False
@@ -99,8 +103,8 @@ class CreditGrants:
     __slots__ = ("_granted", "_parked", "_phase", "budget", "drain", "listener", "share")
 
     def __init__(self, budget: int, *, adaptive: bool = False):
-        """``adaptive``: the budget follows the drain rate and round trip measured
-        (protocol/drain.py), ``budget`` its floor; else ``budget`` is fixed."""
+        """``adaptive``: the budget is the receiver's own, sized from the overflows it
+        sees (protocol/drain.py), ``budget`` its floor; else ``budget`` is fixed."""
         if budget < MIN_SHARE:
             raise ValueError(f"a credit budget holds at least {MIN_SHARE} datagrams")
         #: sizes the budget from what each phase measured (None: a fixed budget)
@@ -170,7 +174,7 @@ class CreditGrants:
 
     def _phase_step(self, receive: MessageReceiver, now: float) -> None:
         """Count what ``receive`` took into the phase; at the phase's end (no receive
-        shares the budget any more), the budget its drain rate and round trip call for."""
+        shares the budget any more), the budget DrainBudget makes of it."""
         assert self.drain is not None and self._phase is not None
         phase = self._phase
         phase[1] += receive.counts.datagrams

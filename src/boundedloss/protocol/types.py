@@ -86,9 +86,9 @@ class TransportConfig:
     #: that queue, and over the bandwidth-delay product). None: no credit, each sender
     #: as its window allows
     credit_bytes: int | None = None
-    #: with credit, the budget follows the drain rate and round trip each receiver
-    #: measures (protocol/drain.py), ``credit_bytes`` the least it may be; False: the
-    #: budget is ``credit_bytes``
+    #: with credit, each receiver sizes the budget from the overflows it sees and its
+    #: drain rate and round trip (protocol/drain.py), ``credit_bytes`` the least it may
+    #: be; False: the budget is ``credit_bytes``
     credit_adaptive: bool = False
     #: with credit, what a send may have in flight before its receiver's first grant,
     #: when no earlier message to that peer heard one: about a bandwidth-delay product

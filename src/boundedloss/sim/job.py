@@ -190,7 +190,7 @@ class SimJob:
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
-    #: the budget follows each receiver's measured drain rate, credit_bytes its floor
+    #: each receiver sizes the budget from the overflows it sees, credit_bytes its floor
     #: (TransportConfig.credit_adaptive)
     credit_adaptive: bool = False
     #: our systems' sender-side congestion control (TransportConfig.congestion)
