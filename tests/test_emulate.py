@@ -45,6 +45,7 @@ from boundedloss.emulate import (
 from boundedloss.emulate import testbed as testbed_mod
 from boundedloss.emulate.cli import testbed as cli_group
 from boundedloss.emulate.topology import with_rtnl
+from boundedloss.protocol.credit import CREDIT_AUTO
 
 KERNEL_OK, KERNEL_WHY = available()
 needs_kernel = pytest.mark.skipif(
@@ -860,13 +861,15 @@ def test_kernel_loss_runs_the_world_asked_for(tmp_path):
     p = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--systems", "reliable,tcp-ps", "--losses", "0.01", "--rounds", "3",
                         "--elements", "65536", "--topology", "allreduce", "--ranks", "6",
-                        "--credit", "off,64k", "--json", str(out)],
+                        "--credit", "off,64k,auto", "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = json.loads(out.read_text())
-    # (--credit: an arm each for our transport; TCP has none)
-    assert [(r["system"], r["ranks"], r["credit_bytes"]) for r in rows] == [
-        ("reliable", 6, None), ("reliable", 6, 65536), ("tcp-ps", 6, None)]
+    # (--credit: an arm each for our transport, auto's floor its bytes; TCP has none)
+    assert [(r["system"], r["ranks"], r["credit_bytes"], r["credit_adaptive"])
+            for r in rows] == [
+        ("reliable", 6, None, False), ("reliable", 6, 65536, False),
+        ("reliable", 6, CREDIT_AUTO.budget_bytes, True), ("tcp-ps", 6, None, False)]
     assert all(r["delivered_fraction"] == 1.0 for r in rows)
     assert "6-rank exchange" in p.stdout
     bad = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
