@@ -1,6 +1,6 @@
-"""The credit budget from the measured drain rate (protocol/drain.py, ``--credit auto``):
-the estimator, the grants that feed it, and incasts and lossless rounds on the simulated
-network."""
+"""A receiver's own credit budget (protocol/drain.py, ``--credit auto``): cut where a
+queue overflows, from the drain rate and round trip measured; the grants that feed it;
+and incasts and lossless rounds on the simulated network."""
 
 from __future__ import annotations
 
