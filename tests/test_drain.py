@@ -29,43 +29,43 @@ from boundedloss.sim.job import LIKE_TESTBED, SimJob, run_job
 def test_the_budget_is_unbounded_until_a_phase_overflows() -> None:
     drain = DrainBudget(floor=10)
     assert drain.budget == UNMEASURED
-    assert drain.phase_ended(1000, 0.01, 0.001, sent=1050) == UNMEASURED  # 5%: random
+    assert drain.phase_ended(1000, 1050, 0.01, 0.001) == UNMEASURED  # 5%: random
     for _ in range(20):  # the same loss, phase after phase: no overflow
-        drain.phase_ended(1000, 0.01, 0.001, sent=1052)
+        drain.phase_ended(1000, 1052, 0.01, 0.001)
     assert drain.budget == UNMEASURED
 
 
 def test_an_overflow_cuts_from_what_the_drain_rate_and_round_trip_call_for() -> None:
     drain = DrainBudget(floor=4)
-    drain.phase_ended(1000, 0.1, 0.002, sent=1000)  # 10,000 datagrams/s, 2 ms, no loss
-    drain.phase_ended(600, 0.1, 0.004, sent=1000)  # 40% lost: an overflow
+    drain.phase_ended(1000, 1000, 0.1, 0.002)  # 10,000 datagrams/s, 2 ms, no loss
+    drain.phase_ended(600, 1000, 0.1, 0.004)  # 40% lost: an overflow
     # GAIN x the best rate x the least round trip, cut to 60% (deeper than CAP_CUT)
     assert drain.budget == int(GAIN * 10_000 * 0.002 * 0.6) == 24
 
 
 def test_after_an_overflow_the_budget_grows_slowly_then_doubles() -> None:
     drain = DrainBudget(floor=4)
-    drain.phase_ended(1000, 0.1, 0.002, sent=1000)
-    drain.phase_ended(900, 0.1, 0.002, sent=1000)  # 10%: an overflow
+    drain.phase_ended(1000, 1000, 0.1, 0.002)
+    drain.phase_ended(900, 1000, 0.1, 0.002)  # 10%: an overflow
     cut = drain.budget
-    drain.phase_ended(1000, 0.1, 0.002, sent=1000)
+    drain.phase_ended(1000, 1000, 0.1, 0.002)
     assert drain.budget == math.ceil(cut * CAP_GROWTH)
     for _ in range(OVERFLOW_MEMORY):
-        drain.phase_ended(1000, 0.1, 0.002, sent=1000)
+        drain.phase_ended(1000, 1000, 0.1, 0.002)
     before = drain.budget
-    drain.phase_ended(1000, 0.1, 0.002, sent=1000)  # no overflow in memory: doubles
+    drain.phase_ended(1000, 1000, 0.1, 0.002)  # no overflow in memory: doubles
     assert drain.budget == 2 * before
 
 
 def test_random_loss_is_not_an_overflow_but_loss_above_it_is() -> None:
     drain = DrainBudget(floor=4)
     for loss in (0.05, 0.052, 0.048, 0.05):
-        drain.phase_ended(round(1000 * (1 - loss)), 0.1, 0.002, sent=1000)
+        drain.phase_ended(round(1000 * (1 - loss)), 1000, 0.1, 0.002)
     assert drain.budget == UNMEASURED
     # three standard deviations of 5% over 1,000 datagrams, and 2 points: ~9%
-    drain.phase_ended(920, 0.1, 0.002, sent=1000)
+    drain.phase_ended(920, 1000, 0.1, 0.002)
     assert drain.budget == UNMEASURED
-    drain.phase_ended(880, 0.1, 0.002, sent=1000)
+    drain.phase_ended(880, 1000, 0.1, 0.002)
     assert drain.budget < UNMEASURED
 
 
@@ -84,7 +84,7 @@ def test_short_phases_add_up_to_a_rate_sample() -> None:
     drain = DrainBudget(floor=1)
     phase = SAMPLE_DATAGRAMS // 4
     for _ in range(4):
-        drain.phase_ended(phase, 0.001, 0.01)
+        drain.phase_ended(phase, phase, 0.001, 0.01)
     assert drain.measured() == math.ceil(GAIN * (4 * phase / 0.004) * 0.01)
 
 

@@ -23,7 +23,7 @@ from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
 from .experiments.train import DEVICES, IMAGE_DATA, MODELS, PRECISIONS, TrainConfig
 from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
 from .protocol import RECOVERY_MODES, probe_copies_for
-from .protocol.credit import CREDIT_AUTO, CREDIT_OFF, CreditSetting
+from .protocol.credit import NAMED_CREDITS, CreditSetting
 from .wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 console = Console()
@@ -101,12 +101,8 @@ def _bottleneck_spec(ctx: click.Context, param: click.Parameter, value: str | No
 
 def _credit_setting(text: str) -> CreditSetting:
     """One ``--credit`` value: off, auto, or a size in bytes as tc writes it (64k, 1m)."""
-    word = text.strip().lower()
-    if word == "off":
-        return CREDIT_OFF
-    if word == "auto":
-        return CREDIT_AUTO
-    return CreditSetting(_size(text, "--credit"))
+    named = NAMED_CREDITS.get(text.strip().lower())
+    return named if named is not None else CreditSetting(_size(text, "--credit"))
 
 
 def _credit_size(ctx: click.Context, param: click.Parameter,

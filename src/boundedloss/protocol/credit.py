@@ -63,11 +63,8 @@ class CreditSetting(NamedTuple):
     @classmethod
     def from_str(cls, text: str) -> CreditSetting:
         """What ``str`` wrote: off, auto, or a budget in bytes."""
-        if text == "off":
-            return cls(None)
-        if text == "auto":
-            return cls(AUTO_FLOOR_BYTES, adaptive=True)
-        return cls(int(text))
+        named = NAMED_CREDITS.get(text)
+        return named if named is not None else cls(int(text))
 
     def transport(self) -> dict[str, Any]:
         """As TransportConfig's fields."""
@@ -76,8 +73,24 @@ class CreditSetting(NamedTuple):
 
 #: no credit
 CREDIT_OFF = CreditSetting(None)
-#: the budget from the measured drain rate (protocol/drain.py)
+#: each receiver's own budget (protocol/drain.py)
 CREDIT_AUTO = CreditSetting(AUTO_FLOOR_BYTES, adaptive=True)
+#: the settings a word names (--credit off, --credit auto)
+NAMED_CREDITS = {str(c): c for c in (CREDIT_OFF, CREDIT_AUTO)}
+
+
+class _Phase:
+    """A spell of shared budget under way (adaptive grants): when its first receive was
+    heard, and of its receives done so far, the datagrams they took, what their senders
+    sent as far as the sequence numbers tell, and the senders' least round trip."""
+
+    __slots__ = ("datagrams", "rtt", "sent", "start")
+
+    def __init__(self, start: float):
+        self.start = start
+        self.datagrams = 0
+        self.sent = 0
+        self.rtt: float | None = None
 
 
 
@@ -113,10 +126,7 @@ class CreditGrants:
         self.budget = budget if self.drain is None else self.drain.budget
         #: what each receive holding credit grants in its ACKs now
         self.share = self.budget
-        # the phase under way (adaptive): [its start, the datagrams its finished
-        # receives took, their senders' least round trip, the datagrams those senders
-        # sent as far as the sequence numbers tell]; None between phases
-        self._phase: list | None = None
+        self._phase: _Phase | None = None  # (adaptive; None between phases)
         self._granted: set[int] = set()  # transfer ids of the receives holding credit
         # the parked receives, in the order they were heard: transfer id -> receive
         self._parked: OrderedDict[int, MessageReceiver] = OrderedDict()
@@ -142,7 +152,7 @@ class CreditGrants:
         if tid in self._granted or tid in self._parked:
             return
         if self.drain is not None and self._phase is None:
-            self._phase = [receive.counts.first_heard, 0, None, 0]
+            self._phase = _Phase(receive.counts.first_heard)
         self._set_share(len(self._granted) + len(self._parked) + 1)
         if (len(self._granted) + 1) * self.share <= self.budget:
             self._granted.add(tid)
@@ -177,16 +187,17 @@ class CreditGrants:
         shares the budget any more), the budget DrainBudget makes of it."""
         assert self.drain is not None and self._phase is not None
         phase = self._phase
-        phase[1] += receive.counts.datagrams
-        phase[3] += receive.counts.max_tseq + 1
+        phase.datagrams += receive.counts.datagrams
+        phase.sent += receive.counts.max_tseq + 1
         rtt = receive.path.rtt
-        if rtt is not None and (phase[2] is None or rtt.srtt < phase[2]):
-            phase[2] = rtt.srtt
+        if rtt is not None and (phase.rtt is None or rtt.srtt < phase.rtt):
+            phase.rtt = rtt.srtt
         if self._granted or self._parked:
-            self.budget = self.drain.phase_so_far(phase[1], phase[3], phase[2])
+            self.budget = self.drain.phase_so_far(phase.datagrams, phase.sent, phase.rtt)
             return
         self._phase = None
-        self.budget = self.drain.phase_ended(phase[1], now - phase[0], phase[2], phase[3])
+        self.budget = self.drain.phase_ended(phase.datagrams, phase.sent, now - phase.start,
+                                             phase.rtt)
 
     def _set_share(self, heard: int) -> None:
         share = max(MIN_SHARE, self.budget // heard)

@@ -111,11 +111,11 @@ class DrainBudget:
         least = min(self._losses)
         return loss > least + OVERFLOW_MARGIN + 3 * math.sqrt(least * (1 - least) / sent)
 
-    def phase_ended(self, datagrams: int, seconds: float, rtt: float | None,
-                    sent: int | None = None) -> int:
+    def phase_ended(self, datagrams: int, sent: int, seconds: float,
+                    rtt: float | None) -> int:
         """A phase took ``datagrams`` of the ``sent`` its senders sent (as far as the
-        sequence numbers tell; None: not known) over ``seconds``, its senders' least
-        round trip ``rtt`` (None: none known yet); the budget from now on."""
+        sequence numbers tell) over ``seconds``, its senders' least round trip ``rtt``
+        (None: none known yet); the budget from now on."""
         self._taken += datagrams
         self._took += max(0.0, seconds)
         if self._taken >= SAMPLE_DATAGRAMS and self._took > 0:
@@ -123,8 +123,6 @@ class DrainBudget:
             self._taken, self._took = 0, 0.0
         if rtt is not None and rtt > 0:
             self._rtts.append(rtt)
-        if sent is None:
-            return self.budget
         # (short phases add up, as for the rate)
         self._got += datagrams
         self._sent += sent
