@@ -41,6 +41,7 @@ from boundedloss.emulate import (
     nft,
     parse_rate,
     parse_size,
+    tcp_counters,
 )
 from boundedloss.emulate import testbed as testbed_mod
 from boundedloss.emulate.cli import testbed as cli_group
@@ -206,6 +207,20 @@ def test_without_privileges_one_clear_line(monkeypatch, tmp_path):
                                     "user namespaces: no user namespaces here"), args
 
 
+def test_tcp_counters_parse_the_kernels_tables():
+    """Each table's names line pairs with its values line; fields this kernel lacks
+    read 0, and a pair that does not match is skipped rather than misread."""
+    text = ("Tcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 1200 37\n"
+            "TcpExt: TCPTimeouts TCPLossProbes\nTcpExt: 4 9\n"
+            "IpExt: InOctets OutOctets\nIpExt: 5\n")
+    tables = tcp_counters.parse_tables(text)
+    assert tables[("Tcp", "OutSegs")] == 1200 and ("IpExt", "InOctets") not in tables
+    picked = tcp_counters.pick(tables)
+    assert (picked["tcp_out_segs"], picked["tcp_retrans_segs"], picked["tcp_timeouts"],
+            picked["tcp_loss_probes"], picked["tcp_fast_retrans"]) == (1200, 37, 4, 9, 0)
+    assert tcp_counters.difference(picked, {**picked, "tcp_timeouts": 6})["tcp_timeouts"] == 2
+
+
 # ------------------------------------------------------------------ kernel (root)
 
 
@@ -312,6 +327,7 @@ def test_tcp_and_udp_cross_as_wire_size_packets_each_dropped_alone(bed):
     is the configured one within 2 points, for TCP and for UDP."""
     p = 0.05
     bed.set_loss(p, "server", protocol="all")
+    counted = bed.tcp_counters()
     sink = bed.run("server", [sys.executable, "-c", _TCP_SINK], stdout=subprocess.PIPE,
                    text=True)
     time.sleep(0.5)
@@ -322,6 +338,12 @@ def test_tcp_and_udp_cross_as_wire_size_packets_each_dropped_alone(bed):
     assert tcp.seen_packets > (8 << 20) / 1500  # not 64 KB super-packets
     assert tcp.dropped_bytes / tcp.dropped_packets < 1600  # each drop one wire packet
     assert abs(tcp.dropped_packets / tcp.seen_packets - p) < 0.02
+    # The nodes' own TCP counters saw the flow: its segments, and a retransmission at
+    # least for every one the rule dropped (the root namespace's would see none of it).
+    counted = tcp_counters.difference(counted, bed.tcp_counters())
+    assert counted["tcp_out_segs"] >= (8 << 20) // 1448
+    assert counted["tcp_retrans_segs"] >= tcp.dropped_packets
+    assert counted["tcp_fast_retrans"] + counted["tcp_timeouts"] > 0
     bed.set_loss(0, "server")
     bed.set_loss(p, "server", protocol="udp")
     sink = bed.sink("server", 9401, idle=0.5, max_time=20)

@@ -37,7 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from . import netns, processes, qdisc
+from . import netns, processes, qdisc, tcp_counters
 from .config import TestbedConfig
 from .errors import TestbedError
 from .host import (
@@ -381,6 +381,17 @@ class Testbed:
         """sent/dropped/overlimits/backlog of the root qdisc toward the server (counters
         restart when ``set_bottleneck`` replaces the qdisc)."""
         return self._server_port(qdisc.stats)
+
+    def tcp_counters(self) -> dict[str, int]:
+        """Linux's TCP counters (timeouts, tail loss probes, retransmissions:
+        ``tcp_counters.COUNTERS``) summed over the server's and the workers'
+        namespaces; the difference of two readings is what a run's TCP did."""
+        with self._lock:
+            if not self._active:
+                raise TestbedError("the testbed is not up")
+            names = [self.namespace(node) for node in self.nodes]
+        with kernel_step("reading the nodes' TCP counters"):
+            return tcp_counters.read(names)
 
     # -- random loss ------------------------------------------------------------------
 

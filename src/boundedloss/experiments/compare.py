@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..emulate import tcp_counters
 from ..emulate.bursts import TimedBursts
 from ..emulate.qdisc import Bottleneck
 from ..policy import PolicySpec, parse_policy
@@ -530,6 +531,8 @@ class RunResult:
     arm: Arm | None = None
     #: kernel runs: what its queue did (and a sweep's random loss: its drop fraction)
     bottleneck: dict = field(default_factory=dict)
+    #: kernel runs: what the nodes' TCP counted (timeouts, loss probes: tcp_counters)
+    tcp: dict = field(default_factory=dict)
 
     @property
     def metric_name(self) -> str:
@@ -604,6 +607,10 @@ class RunResult:
             "delivered_fraction_mean": float(np.mean(deliv)) if deliv else 1.0,
             "retransmit_rounds_mean": float(np.mean(retx)) if retx else 0.0,
             **self.bottleneck,
+            **self.tcp,
+            # (incast collapse is a retransmission timeout in most rounds)
+            "tcp_timeouts_per_round": (self.tcp["tcp_timeouts"] / len(lat)
+                                       if self.tcp and lat.size else None),
         }
 
 
@@ -852,6 +859,7 @@ def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per
                               seed=seed, steps_per_epoch=steps_per_epoch,
                               probe_copies_max=probe_copies_max)
             before = testbed.qdisc_stats() if testbed is not None else None
+            tcp_before = testbed.tcp_counters() if testbed is not None else None
             sweep_on_kernel = network if scenario.is_sweep else None
             if sweep_on_kernel is not None:
                 sweep_on_kernel.set_random_loss(arm.loss_rate or 0.0)  # (this arm's network)
@@ -863,6 +871,8 @@ def _run_arms(scenario, arms, out_dir, repeats, epochs, workers, seed, steps_per
                 res.burst = network.bursts.rounds_in_bursts(res.rounds)
             if testbed is not None and before is not None:
                 res.bottleneck = bottleneck_figures(before, testbed.qdisc_stats())
+            if testbed is not None and tcp_before is not None:
+                res.tcp = tcp_counters.difference(tcp_before, testbed.tcp_counters())
             if sweep_on_kernel is not None:
                 res.bottleneck["kernel_drop_fraction"] = sweep_on_kernel.drop_fraction()
             runs[arm.label].append(res)

@@ -188,6 +188,14 @@ BOTTLENECK_COLUMNS: Columns = (
     ("bottleneck_drop_fraction", "queue drops", ".1%"),
 )
 
+#: kernel-testbed runs: how the nodes' TCP recovered its losses (every TCP flow in
+#: their namespaces: a TCP arm's gradients, and any arm's small rendezvous traffic)
+KERNEL_TCP_COLUMNS: Columns = (
+    ("tcp_timeouts", "TCP timeouts", ".0f"),
+    ("tcp_timeouts_per_round", "a round", ".2f"),
+    ("tcp_loss_probes", "TCP loss probes", ".0f"),
+)
+
 #: what the command prints for a policy scenario (the report has every column): first
 #: what a user decides on, then the burst figures against the baseline - each table
 #: narrow enough for 100 columns
@@ -237,6 +245,8 @@ def columns_for(scenario: Scenario) -> Columns:
         cols = tuple(c for c in cols if "target" not in c[0])
     if _has_bottleneck(scenario):
         cols += BOTTLENECK_COLUMNS
+    if scenario.network == "kernel":
+        cols += KERNEL_TCP_COLUMNS
     return cols
 
 
@@ -260,7 +270,7 @@ def printed_tables(scenario: Scenario) -> list[tuple[str, Columns]]:
     if _has_bottleneck(scenario):
         tables.append(("the bottleneck into the server",
                        (("policy", "policy", "s"), ("round_ms_p50", "round p50 ms", ".1f"),
-                        *BOTTLENECK_COLUMNS)))
+                        *BOTTLENECK_COLUMNS, *KERNEL_TCP_COLUMNS)))
     return tables
 
 
