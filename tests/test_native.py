@@ -580,16 +580,17 @@ def test_native_answers_probes_while_accepting_as_python_would() -> None:
 
 
 def test_native_takes_the_data_python_would_have() -> None:
-    """The point of it: a receive's DATA never reaches the Python core, but for the one
-    that meets the plan; nor does the PROBE that comes after the close (its STOP is said
-    again by the compiled path)."""
+    """The point of it: a receive's DATA never reaches the Python core - the one that
+    meets the plan is taken too, and the core told to close the receive - nor does the
+    PROBE that comes after the close (its STOP is said again by the compiled path)."""
     datagrams = _message(100 * 64, 64, 3)
     side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
     _feed(side, datagrams, 10)
     mux, path = side[1][0], side[1][1]
     assert side[1][3].result.complete
     taken = path.counters()["datagrams_in"]
-    assert taken == 100 and mux.counters()["datagrams_in"] == len(datagrams)  # 100 + PROBE
+    assert taken == len(datagrams) == 101 and mux.datagrams_in == 0  # 100 DATA + PROBE
+    assert mux.counters()["datagrams_in"] == len(datagrams)
     assert mux.counters()["stale"] == 1
 
 

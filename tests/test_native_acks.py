@@ -201,6 +201,30 @@ def test_the_compiled_path_takes_the_acks_of_a_lossless_pass() -> None:
     assert handed == [Kind.ACK] and t1.recovery.more_copies_due
 
 
+def test_the_compiled_path_takes_a_stop_and_the_core_ends_the_send() -> None:
+    """A STOP for an open send is parsed and routed by the compiled path, which hands the
+    core only what it says (reason, delivered count): the send ends as on the Python
+    path, counted the same; one of another geometry still goes to the core whole."""
+    (m0, t0), (m1, t1) = _twin(64 * 100, 64, 1000, auth=False)
+    handed: list[int] = []
+    real = m1.datagram_received
+    m1.datagram_received = lambda d, p, n: (handed.append(d[3]), real(d, p, n))  # type: ignore
+    for mux in (m0, m1):
+        _sent(mux, 0.0, 1 << 20, False)
+    m = t0.message
+    other = wire.Header(Kind.STOP, m.session, m.round_id, m.message_id, 0, m.count + 1,
+                        m.message_bytes + 64, m.chunk_bytes)
+    for d in (wire.stop_datagram(other, wire.CloseReason.COMPLETE, 3),
+              wire.stop_datagram(m, wire.CloseReason.BOUND_MET, 97)):
+        m0.datagram_received(d, PEER, 0.01)
+        m1.data_path.take(d, PEER, 0.01)  # type: ignore[union-attr]
+    assert handed == [Kind.STOP]  # (the other geometry's: the core counts it)
+    assert t1.result is not None and t1.result == t0.result
+    assert t1.result.close_reason == wire.CloseReason.BOUND_MET and t1.result.stats.delivered == 97
+    assert m0.counters() == m1.counters() and m1.counters()["geometry_mismatch"] == 1
+    assert m1.pop_finished() == [t1.result]
+
+
 def test_answers_for_finished_sends_are_stale_on_both_paths() -> None:
     """An ACK, STOP or BITMAP for a send that finished is counted stale - by the compiled
     path for the sends it still keeps (the latest 1,024 to close), by the core for those

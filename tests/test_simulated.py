@@ -364,7 +364,7 @@ def test_each_datagram_the_python_core_handles_costs_its_i_o_thread(compiled, mo
         _, got = spawn_transfer(rt, a, b, payload)
         end = rt.run()
         assert got.result().complete
-        return end, a.mux.datagrams_in + b.mux.datagrams_in
+        return end, a.mux.core_datagrams + b.mux.core_datagrams
 
     for loss in (0.0, 0.1):
         free, _ = transfer(0.0, loss)

@@ -20,7 +20,8 @@ datagrams' sendmsg or sendmmsg, select, and the send runs - the compiled path's 
 cannot be told apart from its sendmsg here, so it counts as the kernel's),
 ``per_message_us`` (Python CPU per message posted, as a receive or a send) and
 ``per_control_datagram_us`` (the Python core's CPU per datagram the compiled path handed
-it).
+it, or took and handed the core a decision about: the DATA that meets a receive's plan, a
+STOP).
 
 (root, or a user namespace of its own, as ``boundedloss testbed``.)
 """
@@ -47,6 +48,7 @@ IO_STEPS = {
                               "authenticated_datagram_received"),
     "    core: handed back (plain)": ("boundedloss.protocol.mux", "TransferMux",
                                       "datagram_received"),
+    "    core: a taken one's decision": ("boundedloss.net.native", "NativeDataPath", "_event"),
     "send runs (tags, sendmsg)": ("boundedloss.net.udp", "UdpEndpoint", "_send_run"),
     "sendmsg (control datagrams)": None,
     "sendmmsg (control datagrams)": ("boundedloss.net.native", "NativeDataPath",
@@ -217,6 +219,9 @@ def main() -> None:
         n = sum(rk["calls"].get(("kind " if " " not in kind else "") + kind, 0.0)
                 for rk in per_rank) / n_ranks
         print(f"  {kind:26s} {n:7.1f}")
+    n = sum(rk["calls"].get("    core: a taken one's decision", 0.0)
+            for rk in per_rank) / n_ranks
+    print(f"  {'taken, decision handed':26s} {n:7.1f}   (the DATA that meets a plan, a STOP)")
     split = where_it_goes(per_rank)
     print("per rank and round: " + ", ".join(
         f"{k} {v:.2f}" for k, v in split.items()))
@@ -240,8 +245,11 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
 
     io_all = mean("ms", "I/O thread, all")
     recv, take = mean("ms", "  recvmmsg"), mean("ms", "  take (tags, copies)")
+    # (a datagram the compiled path took but whose decision is the core's - the DATA that
+    # meets a plan, a STOP - counts as one the core handled: its CPU, and one datagram)
     core_back = (mean("ms", "    core: handed back")
-                 + mean("ms", "    core: handed back (plain)"))
+                 + mean("ms", "    core: handed back (plain)")
+                 + mean("ms", "    core: a taken one's decision"))
     sends = mean("ms", "send runs (tags, sendmsg)")
     syscalls = (recv + mean("ms", "sendmsg (control datagrams)")
                 + mean("ms", "sendmmsg (control datagrams)") + mean("ms", "select"))
@@ -250,7 +258,8 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
     main_all = sum(mean("ms", step) for step in MAIN_STEPS if step.startswith("collective call"))
     python = (io_all - compiled - kernel) + main_all
     messages = sum(mean("calls", step + ", messages") for step in POSTS)
-    handed = sum(mean("calls", "kind " + k) for k in KINDS.values())
+    handed = (sum(mean("calls", "kind " + k) for k in KINDS.values())
+              + mean("calls", "    core: a taken one's decision"))
     return {
         "python_ms": python, "compiled_ms": compiled, "kernel_ms": kernel,
         "per_message_us": 1e3 * python / messages if messages else float("nan"),

@@ -68,6 +68,12 @@ typedef struct {
     Py_ssize_t verdicts_cap, slot_seq0;  /* (slot_seq0: the batch index of its first) */
     int verified_slot;
     Sealer sealer;                   /* on: every datagram carries a tag (authenticate) */
+    /* the event take() returned EVENT for (see EVENT): a receive's plan met (KIND_DATA,
+     * ``event_rx``) or a STOP for an open send (KIND_STOP, its key, index and count) */
+    int event_kind;
+    ReceiveObject *event_rx;
+    uint32_t event_ip, event_round, event_message, event_index, event_delivered;
+    uint16_t event_port;
 } DispatcherObject;
 
 static inline uint32_t bucket_of(uint32_t ip, uint16_t port, uint32_t rnd, uint32_t msg) {
@@ -213,7 +219,12 @@ static PyObject *dispatcher_unregister(DispatcherObject *d, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-enum { TAKEN = 0, HANDED_BACK = 1, FAILED = -1 };
+/* What take() did with a datagram. EVENT: taken, and the Python core must decide
+ * something about it before the next datagram - a receive whose plan this DATA met
+ * closes, a send that a STOP ends - with what the data path parsed already (d->event_*):
+ * the same decisions as for the datagram handed back, without the core parsing and
+ * routing it again. */
+enum { TAKEN = 0, HANDED_BACK = 1, EVENT = 2, FAILED = -1 };
 
 static PyObject *dispatcher_register_send(DispatcherObject *d, PyObject *arg) {
     if (!PyObject_TypeCheck(arg, &SendType)) {
@@ -501,7 +512,19 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     if (h.kind == KIND_ACK) return take_ack(d, p, &h, ip, port);
     if (h.kind == KIND_STOP || h.kind == KIND_BITMAP) {
         SendObject *s = lookup_send(d, ip, port, h.round_id, h.message_id);
-        return s != NULL && s->closed ? stale(d) : HANDED_BACK;
+        if (s != NULL && s->closed) return stale(d);
+        if (h.kind != KIND_STOP || s == NULL || h.mbytes != s->mbytes || h.cbytes != s->cbytes)
+            return HANDED_BACK;
+        /* (TransferMux.stop_arrived: parse() held a STOP's payload to its 4 bytes) */
+        d->taken++;
+        d->event_kind = KIND_STOP;
+        d->event_ip = ip;
+        d->event_port = port;
+        d->event_round = h.round_id;
+        d->event_message = h.message_id;
+        d->event_index = h.index;
+        d->event_delivered = ld32(p + HEADER_BYTES);
+        return EVENT;
     }
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
     if (rx != NULL && rx->closed) return answer_closed(d, rx, h.kind, out);
@@ -513,15 +536,15 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
         || h.cbytes != rx->cbytes)
         return HANDED_BACK;
     unsigned char *delivered = (unsigned char *)rx->delivered.buf;
-    int fresh = !delivered[h.index];
+    int fresh = !delivered[h.index], met = 0;
     if (fresh) {
-        /* would this chunk meet the plan? then Python's core closes the receive */
+        /* would this chunk meet the plan? then Python's core closes the receive: taken
+         * here as any other, and an EVENT after it */
         long long now_delivered = rx->delivered_count + 1;
         long long crit = rx->critical_missing
             - (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index] ? 1 : 0);
-        if (now_delivered >= rx->need && crit == 0
-            && (now_delivered == (long long)rx->count || rx->early_stop || rx->need == 0))
-            return HANDED_BACK;
+        met = now_delivered >= rx->need && crit == 0
+            && (now_delivered == (long long)rx->count || rx->early_stop || rx->need == 0);
     }
     d->taken++;
     if (!rx->heard) {  /* (MessageReceiver._heard, with no clock to start) */
@@ -581,11 +604,28 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     rx->delivered_count++;
     if (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index])
         rx->critical_missing--;
-    return TAKEN;
+    if (!met) return TAKEN;
+    d->event_kind = KIND_DATA;
+    d->event_rx = rx;
+    return EVENT;
 }
 
-/* take(datagram, ip, port, out, now) -> bool: the data path took it (False: Python's turn);
- * ``now``: when it arrived, as the core reads the time. */
+/* The event take() found, as step() and take() give it to Python: ``(KIND_DATA, peer,
+ * round, message)`` (the receive's plan is met) or ``(KIND_STOP, ip, port, round,
+ * message, index, delivered)``. Built at once, while the receive is surely registered. */
+static PyObject *event_tuple(DispatcherObject *d) {
+    if (d->event_kind == KIND_DATA) {
+        ReceiveObject *rx = d->event_rx;
+        return Py_BuildValue("(iOII)", KIND_DATA, rx->peer, rx->round_id, rx->message_id);
+    }
+    return Py_BuildValue("(iIIIIII)", KIND_STOP, d->event_ip, (unsigned int)d->event_port,
+                         d->event_round, d->event_message, d->event_index,
+                         d->event_delivered);
+}
+
+/* take(datagram, ip, port, out, now) -> True (the data path took it), False (Python's
+ * turn: the datagram is the core's) or an event tuple (taken, and the core must decide:
+ * event_tuple); ``now``: when it arrived, as the core reads the time. */
 static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     Py_buffer b;
     unsigned int ip, port;
@@ -596,12 +636,14 @@ static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     int r = take(d, (const unsigned char *)b.buf, &n, ip, (uint16_t)port, out, UNCHECKED);
     PyBuffer_Release(&b);
     if (r == FAILED) return NULL;
+    if (r == EVENT) return event_tuple(d);
     return PyBool_FromLong(r == TAKEN);
 }
 
 /* take_rows(rows, stride, lengths, ip, port, out, start) -> index: datagram i is
  * rows[i*stride : i*stride + lengths[i]] (lengths: uint32 array); takes datagrams from
- * ``start`` on and returns the index of the first one handed back (or their count). For
+ * ``start`` on and returns the index of the first one handed back or taken with an event
+ * (or their count). For
  * the fuzz tests: it takes no time, and what it takes is heard at the last take's or
  * step's. */
 static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
@@ -629,7 +671,7 @@ static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
         int r = take(d, (const unsigned char *)rows.buf + i * stride, &n, ip, (uint16_t)port,
                      out, UNCHECKED);
         if (r == FAILED) goto done;
-        if (r == HANDED_BACK) break;
+        if (r != TAKEN) break;  /* (an EVENT too: what it calls for is the core's) */
     }
     result = PyLong_FromSsize_t(i);
 done:
@@ -1077,6 +1119,7 @@ static PyObject *dispatcher_step(DispatcherObject *d, PyObject *args) {
         int verdict = d->verified_slot == s ? d->verdicts[seq - d->slot_seq0] : UNCHECKED;
         int r = take(d, p, &len_in, d->ips[s], d->ports[s], out, verdict);
         if (r == FAILED) return NULL;
+        if (r == EVENT) return event_tuple(d);
         if (r == HANDED_BACK)  /* (verified and without its tag, when authenticating) */
             return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)len_in, d->ips[s],
                                  (unsigned int)d->ports[s]);

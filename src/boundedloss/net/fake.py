@@ -371,10 +371,10 @@ class FakeNetwork:
                 self._push(node.io_free, _TAKE, node, src, data)
         elif kind == _TAKE:
             mux = node.mux
-            before = mux.datagrams_in  # (what reaches the Python core counts there)
+            before = mux.core_datagrams  # (what reaches the Python core counts there)
             node.receive(data, src, t)
             cpu, cores = node.profile.cpu, node.cores
-            if (mux.datagrams_in > before and cpu is not None and cpu.datagram_core > 0
+            if (mux.core_datagrams > before and cpu is not None and cpu.datagram_core > 0
                     and cores is not None):
                 # the I/O thread is busy with the core's handling before it goes on
                 node.io_free = cores.run(max(t, node.io_free), cpu.datagram_core, t)

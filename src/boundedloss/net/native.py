@@ -5,9 +5,12 @@ It takes the DATA datagrams of open receives off the Python core's hands: valida
 the copy into the destination, the delivered flags, the counters and the ACKs; the ACKs
 for open sends: the bookkeeping they are (``protocol.acks``); the PROBEs for open
 receives, answered with their BITMAPs; and what still comes for messages that closed
-(stale; a remembered receive's STOP said again). Every other datagram - and the few that
-call for a decision: a receive's first DATA where its plan starts a clock on it, the one
-that would meet its plan, its first FINAL PROBE, an ACK that may add PROBE copies - goes
+(stale; a remembered receive's STOP said again). Two it takes and then hands the core the
+decision they call for, before the next datagram: the DATA that meets a receive's plan
+(``TransferMux.receive_met``: the receive closes) and a STOP for an open send
+(``TransferMux.stop_arrived``, with its reason and count: the send ends). Every other
+datagram - and the few whose handling is a decision: a receive's first DATA where its
+plan starts a clock on it, its first FINAL PROBE, an ACK that may add PROBE copies - goes
 to ``TransferMux.datagram_received`` as before, in order. The Python path
 stays the reference: ``BOUNDEDLOSS_NATIVE=0`` turns the native one off, and where the
 extension was not built it is off and says why (``status()``).
@@ -26,6 +29,7 @@ from ..protocol.auth import NONCE_BYTES, ipv4_address
 from ..protocol.mux import TransferMux
 from ..protocol.receiver import MessageReceiver
 from ..protocol.sender import MessageSender
+from ..wire import Kind
 from .loss import LossModel
 
 
@@ -147,10 +151,25 @@ class NativeDataPath:
     def take(self, data, peer: Hashable, now: float) -> None:
         """One datagram from ``peer``: taken here, or handed to the mux."""
         address = self.address(peer)
-        if address is None or not self.dispatcher.take(data, address[0], address[1],
-                                                       self._mux.outbox, now):
+        taken = (False if address is None
+                 else self.dispatcher.take(data, address[0], address[1], self._mux.outbox,
+                                           now))
+        if taken is False:
             # (the whole datagram as it came: the mux verifies its tag once more)
             self._mux.datagram_received(data, peer, now)
+        elif taken is not True:
+            self._event(taken, now)
+
+    def _event(self, event: tuple, now: float) -> None:
+        """What a datagram the compiled path took calls for from the core: a receive whose
+        plan it met closes; a STOP ends its send."""
+        if event[0] == Kind.DATA:
+            _, peer, round_id, message_id = event
+            self._mux.receive_met((peer, round_id, message_id), now)
+        else:
+            _, ip, port, round_id, message_id, reason, delivered = event
+            self._mux.stop_arrived((self._peer(ip, port), round_id, message_id), reason,
+                                   delivered, now)
 
     def receive(self, sock: socket.socket, now: float, loss: LossModel | None = None) -> int:
         """One batch from ``sock`` (up to 64 messages, each a datagram or a GRO run):
@@ -196,8 +215,11 @@ class NativeDataPath:
                      else mux.datagram_received)
         handed = dispatcher.step(outbox, now)
         while handed is not None:
-            data, ip, port = handed
-            hand_back(data, self._peer(ip, port), now)
+            if type(handed[0]) is int:  # (taken, with a decision for the core)
+                self._event(handed, now)
+            else:
+                data, ip, port = handed
+                hand_back(data, self._peer(ip, port), now)
             handed = dispatcher.step(outbox, now)
 
     def _peer(self, ip: int, port: int) -> tuple[str, int]:

@@ -57,7 +57,8 @@ RUN_MIN = 16
 class DataPath(Protocol):
     """A compiled data path that takes DATA for open receives, and the ACKs for open
     sends, off the core's hands (``boundedloss.net.native``). The mux tells it which
-    receives and sends are open."""
+    receives and sends are open; it tells the mux when a DATA it took met a receive's
+    plan (``receive_met``) and what a STOP for an open send said (``stop_arrived``)."""
 
     def new_counts(self, peer) -> object | None:
         """A fresh counters object for a receive from ``peer`` to keep its counts in
@@ -136,6 +137,10 @@ class TransferMux:
         self._active: dict[int, MessageSender] = {}
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
+        #: datagrams whose handling reached the core: each it was handed, and each a data
+        #: path took and handed it the decision of (receive_met, stop_arrived) - what the
+        #: simulator charges the core's CPU for
+        self.core_datagrams = 0
         budget = self.config.credit_datagrams
         #: the receiver-driven first pass's budget and shares (None: no credit)
         self.grants = (None if budget is None
@@ -217,6 +222,7 @@ class TransferMux:
     # --------------------------------------------------------------- incoming
     def datagram_received(self, data, peer, now: float) -> None:
         self.datagrams_in += 1
+        self.core_datagrams += 1
         if self.auth is not None:
             body = self._open(data, peer)
             if body is None:
@@ -227,6 +233,7 @@ class TransferMux:
     def authenticated_datagram_received(self, data, peer, now: float) -> None:
         """A datagram whose tag a data path has verified and removed already."""
         self.datagrams_in += 1
+        self.core_datagrams += 1
         self._accept(data, peer, now)
 
     def _open(self, data, peer):
@@ -288,9 +295,39 @@ class TransferMux:
                 tx.ack_received(tseq, STOP_PAYLOAD.unpack_from(payload)[0], now,
                                 idx if flags & Flag.CREDIT else None)
             else:
-                tx.stop_received(idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
-                self._reap_send(tx)
+                self._stopped(tx, idx, STOP_PAYLOAD.unpack_from(payload)[0], now)
+                return
             self._rearm(tx)
+
+    def _stopped(self, tx: MessageSender, reason: int, delivered: int, now: float) -> None:
+        tx.stop_received(reason, delivered, now)
+        self._reap_send(tx)
+        self._rearm(tx)
+
+    # (what a data path that parsed and routed a datagram already hands the core: the
+    # decision its datagram would have called for, without the parse and routing)
+    def stop_arrived(self, key: tuple, reason: int, delivered: int, now: float) -> None:
+        """A valid STOP for the open send ``key`` (``(peer, round, message)``, of the
+        send's geometry; counted in by the data path): as ``datagram_received`` would
+        take it."""
+        self.core_datagrams += 1
+        tx = self._senders.get(key)
+        if tx is None:  # (a data path knows only the sends the mux opened)
+            self.drops[DropReason.STALE] += 1
+            return
+        self._stopped(tx, reason, delivered, now)
+
+    def receive_met(self, key: tuple, now: float) -> None:
+        """The open receive ``key`` took (through a data path that shares its counts) the
+        DATA that meets its plan: it closes, as ``datagram_received`` would close it."""
+        self.core_datagrams += 1
+        rx = self._receivers.get(key)
+        if rx is None or rx.result is not None:
+            return  # (a data path takes DATA only for the receives the mux has open)
+        rx.close_if_done(now, self.outbox)
+        if rx.result is not None:
+            self._reap_receive(rx, now)
+        self._rearm(rx)
 
     def run_received(self, data, size: int, peer, now: float, keep=None) -> None:
         """Datagrams that arrived back to back in ``data``, every one ``size`` bytes (a
@@ -317,6 +354,7 @@ class TransferMux:
         for i, row in enumerate(rows):
             if self._open(row.data, peer) is None:
                 self.datagrams_in += 1
+                self.core_datagrams += 1
             else:
                 good.append(i)
         return rows[good, : rows.shape[1] - TRAILER_BYTES]  # (a copy, contiguous)
@@ -347,6 +385,7 @@ class TransferMux:
         if int(index.max()) >= full:
             return False  # not a chunk of full length: parse() says why, one by one
         self.datagrams_in += n
+        self.core_datagrams += n
         for lo in range(0, n, RUN_MAX):
             if rx.result is None:
                 rx.data_run(index[lo:lo + RUN_MAX], tseq[lo:lo + RUN_MAX], rows[lo:lo + RUN_MAX],

@@ -138,7 +138,7 @@ class TcpHost:
         self._make_future = make_future
         self._conns: dict[Hashable, _Connection] = {}
         self._acks: list = []  # ACKs to send, as (parts, peer)
-        self.datagrams_in = 0  # segments taken in (FakeNetwork reads a core's count)
+        self.core_datagrams = 0  # segments taken in (FakeNetwork reads a core's count)
         self.retransmits = 0
         self.timeouts = 0
         self.probes = 0
@@ -173,7 +173,7 @@ class TcpHost:
     # ------------------------------------------------ the core, for the network
     def datagram_received(self, data: bytes, peer: Hashable, now: float) -> None:
         self.now = now
-        self.datagrams_in += 1
+        self.core_datagrams += 1
         kind, index, ack, size, echo, number = _HEAD.unpack_from(data, len(_PAD))
         conn = self.connection(peer)
         if kind == _DATA:
