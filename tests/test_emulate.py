@@ -893,6 +893,7 @@ def test_kernel_loss_runs_the_world_asked_for(tmp_path):
         ("reliable", 6, None, False), ("reliable", 6, 65536, False),
         ("reliable", 6, CREDIT_AUTO.budget_bytes, True), ("tcp-ps", 6, None, False)]
     assert all(r["delivered_fraction"] == 1.0 for r in rows)
+    assert rows[-1]["tcp_retrans_segs_per_round"] > 0  # (Linux's TCP recovered the 1%)
     assert "6-rank exchange" in p.stdout
     bad = subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                           "--ranks", "17"], capture_output=True, text=True, timeout=60)
@@ -916,6 +917,8 @@ def test_kernel_loss_runs_without_root_in_a_user_namespace_of_its_own():
             ("reliable", "ps", 0.01, "random"), ("reliable", "ps", 0.01, "off"),
             ("tcp-ps", "ps", 0.01, "off")]
         assert all(r["delivered_fraction"] == 1.0 and r["repeats"] == 2 for r in rows)
+        # (the nodes' TCP counters are read inside the user namespace too)
+        assert rows[-1]["tcp_retrans_segs_per_round"] > 0
 
 
 def test_the_microburst_comparison_runs_without_root():

@@ -481,6 +481,17 @@ def test_boundedloss_sim_runs_gloo_and_tcp_ps_on_their_own_topologies(tmp_path):
         (w, s, t, p) for s, t in (("gloo", "gloo"), ("tcp-ps", "ps"), ("reliable", "allreduce"))
         for p in (0.0, 0.02) for w in (2, 3)}
     assert all(r["p50_ms"] > 0 for r in rows)
+    # the TCP model's recovery, per round, as bench kernel-loss reads Linux's: nothing to
+    # recover without loss, retransmissions at 2% (of data segments or their ACKs: some
+    # of the losses need none); ours have no TCP
+    for r in rows:
+        counts = [r[f"tcp_{c}_per_round"] for c in ("timeouts", "loss_probes", "retrans_segs")]
+        if r["system"] == "reliable":
+            assert counts == [None] * 3
+        elif r["loss"] == 0:
+            assert counts == [0, 0, 0]
+        else:
+            assert r["path_losses"] > 0 and r["tcp_retrans_segs_per_round"] > 0
 
 
 def test_a_ring_allreduce_over_tcp_pays_its_hosts_cpu():

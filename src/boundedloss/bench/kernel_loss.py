@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,12 @@ class KernelLossRow:
     credit_bytes: int | None = None
     #: each receiver sized that budget from the overflows it saw, credit_bytes its floor
     credit_adaptive: bool = False
+    #: what the nodes' TCP did, per round run (warm-up rounds included): retransmission
+    #: timeouts, tail loss probes and segments retransmitted - Linux's own counters,
+    #: summed over the nodes (a TCP system's gradients; for ours, their barrier's)
+    tcp_timeouts_per_round: float = 0.0
+    tcp_loss_probes_per_round: float = 0.0
+    tcp_retrans_segs_per_round: float = 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -238,10 +245,14 @@ def interleaved(arms: list[Arm], repeats: int) -> list[Arm]:
 
 
 def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
-             master: str, nodes: list[str]) -> list[dict]:
-    """One run of ``arm``: a rank in each of ``nodes``; each rank's log."""
+             master: str, nodes: list[str]) -> tuple[list[dict], dict[str, int]]:
+    """One run of ``arm``: a rank in each of ``nodes``; each rank's log, and what the
+    nodes' TCP counted meanwhile (``tcp_counters``)."""
+    from ..emulate import tcp_counters
+
     system, topology, auth, credit = arm
     world = len(nodes)
+    tcp_before = tb.tcp_counters()
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(Path(tmp, f"rank{r}.log"), "w") for r in range(world)]
         procs = [
@@ -272,7 +283,9 @@ def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
             tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
             raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
                                f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
-        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+        ranks_logs = [json.loads(Path(tmp, f"rank{r}.json").read_text())
+                      for r in range(world)]
+    return ranks_logs, tcp_counters.difference(tcp_before, tb.tcp_counters())
 
 
 def run_kernel_loss_bench(
@@ -328,15 +341,20 @@ def run_kernel_loss_bench(
             these = ([(BARE_UDP, "allreduce", False, CREDIT_OFF)] if bare and not loss
                      else []) + arms
             runs: dict[Arm, list[list[dict]]] = {arm: [] for arm in these}  # per-rank logs
+            tcp: dict[Arm, Counter[str]] = {arm: Counter() for arm in these}
             for arm in interleaved(these, repeats):
                 port += 1
-                runs[arm].append(_run_arm(tb, arm, loss, port, elements, rounds, master,
-                                          nodes))
+                ranks_logs, counted = _run_arm(tb, arm, loss, port, elements, rounds,
+                                               master, nodes)
+                runs[arm].append(ranks_logs)
+                tcp[arm].update(counted)
                 if progress:
                     p50 = _percentile(round_latencies_ms(runs[arm][-1]), 0.5)
                     progress(f"{arm[0]} ({arm[1]}) at {loss:.0%} loss, run {len(runs[arm])} "
                              f"of {repeats}: p50 {p50:.1f} ms")
-            for (system, topology, _, credit), logs in runs.items():
+            for arm, logs in runs.items():
+                system, topology, _, credit = arm
+                run_rounds = (rounds + 1) * len(logs)  # (round 0, the warm-up, too)
                 lat = [ms for per_rank in logs for ms in round_latencies_ms(per_rank)]
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
@@ -348,6 +366,11 @@ def run_kernel_loss_bench(
                     delivered_fraction=round(statistics.mean(frac), 5),
                     auth=logs[0][0]["auth"], repeats=repeats, ranks=ranks,
                     credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
+                    tcp_timeouts_per_round=round(tcp[arm]["tcp_timeouts"] / run_rounds, 4),
+                    tcp_loss_probes_per_round=round(
+                        tcp[arm]["tcp_loss_probes"] / run_rounds, 4),
+                    tcp_retrans_segs_per_round=round(
+                        tcp[arm]["tcp_retrans_segs"] / run_rounds, 4),
                 ))
     return rows
 

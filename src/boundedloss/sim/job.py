@@ -265,6 +265,12 @@ class SimRow:
     burst_round_ms_mean: float | None = None
     normal_round_ms_p50: float | None = None
     burst_over_normal_round: float | None = None
+    #: the TCP baselines (gloo, tcp-ps): what the TCP model did per round, summed over
+    #: the hosts - retransmission timeouts, tail loss probes, segments retransmitted (as
+    #: bench kernel-loss reads Linux's own counters); None for our systems
+    tcp_timeouts_per_round: float | None = None
+    tcp_loss_probes_per_round: float | None = None
+    tcp_retrans_segs_per_round: float | None = None
 
 
 class _Barrier:
@@ -336,6 +342,7 @@ def run_job(job: SimJob) -> SimRow:
     starts = np.zeros((job.workers, job.rounds))
     ends = np.zeros((job.workers, job.rounds))
     endpoints: list[SimEndpoint] = []
+    tcp: list[SimTcp] = []
 
     if job.system in EXCHANGES:  # a baseline, over the TCP model
         tcp = [SimTcp(runtime, peer, job.mtu, profiles[r]) for r, peer in enumerate(peers)]
@@ -385,6 +392,12 @@ def run_job(job: SimJob) -> SimRow:
         for ep in endpoints:
             ep.close()
     latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
+
+    def tcp_per_round(count: str) -> float | None:
+        if not tcp:
+            return None
+        return round(sum(getattr(host.stack, count) for host in tcp) / job.rounds, 4)
+
     bursts = burst_round_figures(on_paths, at_node, starts.max(axis=0), ends.max(axis=0))
     return SimRow(
         workers=job.workers, system=job.system, topology=job.topology, loss=job.loss,
@@ -410,7 +423,10 @@ def run_job(job: SimJob) -> SimRow:
         background="" if background is None else str(background),
         background_bytes=net.counts["background_bytes"],
         background_drops=(net.counts["background_queue_drop"]
-                          + net.counts["background_fabric_drop"]))
+                          + net.counts["background_fabric_drop"]),
+        tcp_timeouts_per_round=tcp_per_round("timeouts"),
+        tcp_loss_probes_per_round=tcp_per_round("probes"),
+        tcp_retrans_segs_per_round=tcp_per_round("retransmits"))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
