@@ -95,11 +95,13 @@ class KernelLossRow:
     #: each receiver sized that budget from the overflows it saw, credit_bytes its floor
     credit_adaptive: bool = False
     #: what the nodes' TCP did, per round run (warm-up rounds included): retransmission
-    #: timeouts, tail loss probes and segments retransmitted - Linux's own counters,
-    #: summed over the nodes (a TCP system's gradients; for ours, their barrier's)
+    #: timeouts, tail loss probes, segments retransmitted and, of those, the ones the
+    #: receiver had already (D-SACK: not needed) - Linux's own counters, summed over the
+    #: nodes (a TCP system's gradients; for ours, their barrier's)
     tcp_timeouts_per_round: float = 0.0
     tcp_loss_probes_per_round: float = 0.0
     tcp_retrans_segs_per_round: float = 0.0
+    tcp_dsack_segs_per_round: float = 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -371,6 +373,7 @@ def run_kernel_loss_bench(
                         tcp[arm]["tcp_loss_probes"] / run_rounds, 4),
                     tcp_retrans_segs_per_round=round(
                         tcp[arm]["tcp_retrans_segs"] / run_rounds, 4),
+                    tcp_dsack_segs_per_round=round(tcp[arm]["tcp_dsack_segs"] / run_rounds, 4),
                 ))
     return rows
 

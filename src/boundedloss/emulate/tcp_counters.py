@@ -6,7 +6,9 @@ in each node's namespace, they say how the run's TCP flows recovered their losse
 retransmission timeout (``TCPTimeouts``, each one at least Linux's 200 ms minimum RTO -
 what incast collapse is made of), by a tail loss probe (``TCPLossProbes``: a copy of the
 last segment sent about two round trips after it, which turns a lost tail into a fast
-recovery instead of a timeout), or by fast retransmit. They count every TCP flow in the
+recovery instead of a timeout), or by fast retransmit - and how many of the
+retransmissions were not needed (``TCPDSACKRecvSegs``: segments the receiver said it got
+twice). They count every TCP flow in the
 namespace: a run's own rendezvous traffic too, which is small next to a TCP arm's
 gradients.
 
@@ -28,6 +30,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "tcp_loss_probes": ("TcpExt", "TCPLossProbes"),
     "tcp_loss_probe_recoveries": ("TcpExt", "TCPLossProbeRecovery"),
     "tcp_fast_retrans": ("TcpExt", "TCPFastRetrans"),
+    # segments a receiver reported getting twice (D-SACK): retransmissions that were not
+    # needed - on the testbed, mostly reordering read as loss
+    "tcp_dsack_segs": ("TcpExt", "TCPDSACKRecvSegs"),
 }
 _FILES = ("/proc/thread-self/net/snmp", "/proc/thread-self/net/netstat")
 
