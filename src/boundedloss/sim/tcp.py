@@ -15,7 +15,9 @@ the SACK scoreboard); a hole lost once 3 segments above it are SACKed, or, as RA
 has it, once a segment sent more than SRTT/4 after it has been delivered (a segment
 sent just before a delivered one, once a round trip and that window have passed: the
 reordering timer); one tail loss probe per tail (the last segment again, 2 x SRTT +
-2 ms after the last send, + 200 ms with a single segment out), not in recovery; the
+2 ms after the last send, + 200 ms with a single segment out, and never later than the
+retransmission timeout would fire: the probe goes then instead, and the timeout starts
+again from it), not in recovery; the
 retransmission timeout at max(200 ms, SRTT + 4 x RTTVAR), doubled on each expiry, with
 the window back to one segment; slow start again after an idle RTO. Not modelled:
 delayed ACKs, the receive window (it never limits) and Nagle. The CPU a host spends
@@ -203,10 +205,13 @@ class TcpHost:
     def timer_fired(self, now: float) -> None:
         self.now = now
         for conn in self._conns.values():
-            if conn.rto_at is not None and now >= conn.rto_at:
-                self._timeout(conn, now)
-            elif conn.pto_at is not None and now >= conn.pto_at:
+            # (a probe due no later than the timeout goes instead of it, as Linux's
+            # loss-probe timer stands in for its retransmission timer)
+            if (conn.pto_at is not None and now >= conn.pto_at
+                    and (conn.rto_at is None or conn.pto_at <= conn.rto_at)):
                 self._probe(conn, now)
+            elif conn.rto_at is not None and now >= conn.rto_at:
+                self._timeout(conn, now)
             elif conn.reo_at is not None and now >= conn.reo_at:
                 conn.reo_at = None
                 self._rack(conn, conn.rack_sent, reordering_waited=True)
@@ -327,10 +332,14 @@ class TcpHost:
 
     def _arm_probe(self, conn: _Connection, now: float) -> None:
         """The tail loss probe's timer, from the last send or ACK: while data is out,
-        not in recovery or after a timeout, and no probe of this tail is out yet."""
+        not in recovery or after a timeout, and no probe of this tail is out yet - and
+        no later than the retransmission timeout would fire (Linux's rule: then the
+        probe goes at the timeout's time, instead of the timeout)."""
         if (conn.srtt is not None and conn.una < conn.nxt and conn.recover is None
                 and conn.probe_out is None and conn.backoff == 1):
             conn.pto_at = now + conn.pto()
+            if conn.rto_at is not None and conn.rto_at < conn.pto_at:
+                conn.pto_at = conn.rto_at
 
     def _mark_lost(self, conn: _Connection, segments: list[int]) -> None:
         if conn.recover is None:  # the window is cut once per window of data
@@ -366,6 +375,7 @@ class TcpHost:
             return
         self.probes += 1
         conn.probe_out = conn.nxt
+        conn.rto_at = now + conn.rto * conn.backoff  # (restarted from the probe, as Linux)
         last = conn.nxt - 1
         if last not in conn.sacked and last not in conn.lost_set:
             conn.lost.appendleft(last)
