@@ -338,11 +338,12 @@ def test_tcp_and_udp_cross_as_wire_size_packets_each_dropped_alone(bed):
     assert tcp.seen_packets > (8 << 20) / 1500  # not 64 KB super-packets
     assert tcp.dropped_bytes / tcp.dropped_packets < 1600  # each drop one wire packet
     assert abs(tcp.dropped_packets / tcp.seen_packets - p) < 0.02
-    # The nodes' own TCP counters saw the flow: its segments, and a retransmission at
-    # least for every one the rule dropped (the root namespace's would see none of it).
+    # The nodes' own TCP counters saw the flow: its segments, and a retransmission for
+    # about every packet the rule dropped - a dropped pure ACK of w0's (the handshake's,
+    # the close's) needs none (the root namespace's counters would see none of it).
     counted = tcp_counters.difference(counted, bed.tcp_counters())
     assert counted["tcp_out_segs"] >= (8 << 20) // 1448
-    assert counted["tcp_retrans_segs"] >= tcp.dropped_packets
+    assert counted["tcp_retrans_segs"] >= 0.9 * tcp.dropped_packets > 0
     assert counted["tcp_fast_retrans"] + counted["tcp_timeouts"] > 0
     bed.set_loss(0, "server")
     bed.set_loss(p, "server", protocol="udp")
