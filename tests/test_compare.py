@@ -580,8 +580,10 @@ def test_incast_on_the_kernel_testbed(tmp_path):
     assert 0 <= row["bottleneck_drop_fraction"] < 1
     # the parameter server over TCP pushes through the same bottleneck, every byte
     assert tcp["policy"] == "tcp-ps" and tcp["bottleneck_sent_mb"] > 2 * 3 * grad_mb
-    # ... and the nodes' TCP counters count its segments (ours: the rendezvous alone)
-    assert tcp["tcp_out_segs"] > 2 * 3 * grad_mb * 1e6 / 1448 > row["tcp_out_segs"]
+    # ... and the nodes' TCP counters count its segments (ours: the rendezvous alone,
+    # about a fifth as many)
+    assert tcp["tcp_out_segs"] > 2 * 3 * grad_mb * 1e6 / 1448
+    assert tcp["tcp_out_segs"] > 2 * row["tcp_out_segs"]
     assert tcp["tcp_retrans_segs"] >= 0 and tcp["tcp_timeouts_per_round"] == pytest.approx(
         tcp["tcp_timeouts"] / 3)
     assert {p.name for p in (tmp_path / "runs" / "ltp-r0").glob("rank*.log")} == {
