@@ -461,6 +461,29 @@ def test_a_lone_lost_last_segment_waits_as_long_as_the_timeout_as_linux_s_does()
     assert (stack.probes, stack.timeouts) == (1, 1)
     assert 2 * MIN_RTO < end < 2.2 * MIN_RTO
 
+def test_in_recovery_the_window_comes_down_in_step_with_what_is_delivered():
+    """Proportional rate reduction (RFC 6937, Linux's tcp_cwnd_reduction): above
+    ssthresh, ssthresh / prior window segments sent per segment delivered; at or below
+    it, back up to ssthresh no faster than slow start would."""
+    from boundedloss.sim.tcp import _Connection
+
+    conn = _Connection(("10.0.0.2", 1), 1448)
+    conn.sizes = [1448] * 40
+    conn.una, conn.nxt = 0, 20
+    conn.ssthresh, conn.prior_cwnd, conn.recover = 14.0, 20.0, 20
+    conn.sacked, conn.lost_set = {3}, {2}
+    conn.reduce_window(1)  # pipe 18 > 14: ceil(1 x 14 / 20) - 0 = 1 more
+    assert conn.cwnd == 19
+    conn.prr_out, conn.nxt = 1, 21  # (it sent that one)
+    conn.sacked.add(4)
+    conn.reduce_window(1)  # pipe 18: ceil(2 x 14 / 20) - 1 = 1 more
+    assert conn.cwnd == 19
+    conn.sacked.update(range(5, 13))
+    conn.prr_delivered, conn.prr_out = 9, 7
+    conn.reduce_window(1)  # pipe 10 <= 14: min(14 - 10, max(10 - 7, 1) + 1) = 4
+    assert conn.cwnd == 14
+
+
 def test_a_ring_allreduce_over_tcp_takes_2_n_minus_1_steps_of_a_chunk_each():
     from boundedloss.sim.baselines import ring_allreduce
 

@@ -9,20 +9,21 @@ one packet (the MTU less 52 bytes of IP and TCP headers with timestamps); an ini
 window of 10 segments; slow start, then one segment more per window of data
 acknowledged (Reno's growth: CUBIC, Linux's default, grows as Reno does where the
 bandwidth-delay product is a few segments, as in a rack), and on loss the window cut
-to 0.7 of itself as CUBIC cuts it, once per window of data; an ACK for every segment,
-carrying the cumulative acknowledgement and the segment it answers (the sender keeps
-the SACK scoreboard); a hole lost once 3 segments above it are SACKed, or, as RACK
-has it, once a segment sent more than SRTT/4 after it has been delivered (a segment
-sent just before a delivered one, once a round trip and that window have passed: the
-reordering timer); one tail loss probe per tail (the last segment again, 2 x SRTT +
-2 ms after the last send, + 200 ms with a single segment out, and never later than the
-retransmission timeout would fire: the probe goes then instead, and the timeout starts
-again from it), not in recovery; the
-retransmission timeout at max(200 ms, SRTT + 4 x RTTVAR), doubled on each expiry, with
-the window back to one segment; slow start again after an idle RTO. Not modelled:
-delayed ACKs, the receive window (it never limits) and Nagle. The CPU a host spends
-(its profile's costs: per byte and segment on the kernel's side, per message sent or
-received on the caller's) is the network's and ``SimTcp``'s to charge.
+to 0.7 of itself as CUBIC cuts it, once per window of data - brought down to that in
+step with what is delivered (proportional rate reduction, RFC 6937, as Linux does); an
+ACK for every segment, carrying the cumulative acknowledgement and the segment it
+answers (the sender keeps the SACK scoreboard); a hole lost once 3 segments above it
+are SACKed, or, as RACK has it, once a segment sent more than SRTT/4 after it has been
+delivered (a segment sent just before a delivered one, once a round trip and that
+window have passed: the reordering timer); one tail loss probe per tail (the last
+segment again, 2 x SRTT + 2 ms after the last send, + 200 ms with a single segment
+out, and never later than the retransmission timeout would fire: the probe goes then
+instead, and the timeout starts again from it), not in recovery; the retransmission
+timeout at max(200 ms, SRTT + 4 x RTTVAR), doubled on each expiry, with the window
+back to one segment; slow start again after an idle RTO. Not modelled: delayed ACKs,
+the receive window (it never limits) and Nagle. The CPU a host spends (its profile's
+costs: per byte and segment on the kernel's side, per message sent or received on the
+caller's) is the network's and ``SimTcp``'s to charge.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class _Connection:
         self.cwnd = float(INITIAL_WINDOW)
         self.ssthresh = math.inf
         self.recover: int | None = None  # in fast recovery until this is acknowledged
+        # proportional rate reduction (RFC 6937, as Linux's tcp_cwnd_reduction) during a
+        # recovery: the window when it began, and the segments delivered and sent since
+        self.prior_cwnd = 0.0
+        self.prr_delivered = 0
+        self.prr_out = 0
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.rto = INITIAL_RTO
@@ -112,6 +118,20 @@ class _Connection:
     def pipe(self) -> int:
         """Segments thought to be in the network (RFC 6675's estimate)."""
         return (self.nxt - self.una) - len(self.sacked) - len(self.lost_set)
+
+    def reduce_window(self, delivered: int) -> None:
+        """Proportional rate reduction (RFC 6937), as Linux's ``tcp_cwnd_reduction``: in
+        a recovery the window comes down to ssthresh in step with what is delivered -
+        ssthresh / prior window segments sent per segment ``delivered`` while more than
+        ssthresh is in flight, then up to ssthresh again no faster than slow start."""
+        self.prr_delivered += delivered
+        pipe = self.pipe()
+        if pipe > self.ssthresh:
+            sndcnt = math.ceil(self.prr_delivered * self.ssthresh / self.prior_cwnd) - self.prr_out
+        else:
+            sndcnt = min(math.ceil(self.ssthresh) - pipe,
+                         max(self.prr_delivered - self.prr_out, delivered) + 1)
+        self.cwnd = float(pipe + max(sndcnt, 0))
 
     def next_segment(self) -> int | None:
         if self.lost:
@@ -218,6 +238,8 @@ class TcpHost:
 
     # -------------------------------------------------------------- internals
     def _transmit(self, conn: _Connection, i: int, now: float, out: list) -> None:
+        if conn.recover is not None:
+            conn.prr_out += 1
         if conn.lost and conn.lost[0] == i:
             conn.lost.popleft()
             conn.lost_set.discard(i)
@@ -250,9 +272,13 @@ class TcpHost:
 
     def _ack(self, conn: _Connection, sacked: int, cumulative: int,
              echo: tuple[float, int], now: float) -> None:
+        delivered = 0  # segments this ACK newly acknowledges or SACKs
         if cumulative > conn.una:
             newly = cumulative - conn.una
+            delivered += newly  # (less those SACKed before, below)
             for j in range(conn.una, cumulative):
+                if j in conn.sacked:
+                    delivered -= 1
                 conn.sacked.discard(j)
                 conn.retransmitted.discard(j)
                 conn.sent_at.pop(j, None)
@@ -278,6 +304,7 @@ class TcpHost:
             self._arm_probe(conn, now)
             self._settle_sends(conn)
         if conn.una <= sacked < conn.nxt and sacked not in conn.sacked:
+            delivered += 1
             conn.sacked.add(sacked)
             conn.retransmitted.discard(sacked)
             if sacked in conn.lost_set:
@@ -285,6 +312,8 @@ class TcpHost:
                 conn.lost.remove(sacked)
         self._detect_loss(conn)
         self._rack(conn, echo)
+        if conn.recover is not None:
+            conn.reduce_window(delivered)
 
     def _detect_loss(self, conn: _Connection) -> None:
         """A hole with DUP_THRESHOLD SACKed segments above it is lost."""
@@ -345,7 +374,8 @@ class TcpHost:
         if conn.recover is None:  # the window is cut once per window of data
             conn.pto_at = None
             conn.ssthresh = max(conn.cwnd * BETA, 2.0)
-            conn.cwnd = conn.ssthresh
+            conn.prior_cwnd = max(conn.cwnd, 1.0)
+            conn.prr_delivered = conn.prr_out = 0
             conn.recover = conn.nxt
         for i in segments:
             conn.retransmitted.discard(i)
