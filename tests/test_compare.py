@@ -584,8 +584,7 @@ def test_incast_on_the_kernel_testbed(tmp_path):
     # about a fifth as many)
     assert tcp["tcp_out_segs"] > 2 * 3 * grad_mb * 1e6 / 1448
     assert tcp["tcp_out_segs"] > 2 * row["tcp_out_segs"]
-    assert tcp["tcp_retrans_segs"] >= 0 and tcp["tcp_timeouts_per_round"] == pytest.approx(
-        tcp["tcp_timeouts"] / 3)
+    assert tcp["tcp_timeouts_per_round"] == pytest.approx(tcp["tcp_timeouts"] / 3)
     assert {p.name for p in (tmp_path / "runs" / "ltp-r0").glob("rank*.log")} == {
         "rank0.log", "rank1.log", "rank2.log"}
     assert set(leftovers()) <= before

@@ -392,9 +392,8 @@ def _beside(path: str, what: str) -> str:
                    "per other rank.")
 @click.option("--credit", "credits", default="off", show_default=True,
               help="Our transport's receiver-driven credit, comma-separated, an arm each: "
-                   "sizes (e.g. 256k), auto (each receiver sizes its own from the overflows it "
-                   "sees) "
-                   "and/or off.")
+                   "sizes (e.g. 256k), auto (each receiver sizes its own from the overflows "
+                   "it sees) and/or off.")
 def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, mtu,
                       auth, bare, repeats, ranks, credits) -> None:
     """Round latency of a gradient exchange among --ranks ranks under real kernel loss

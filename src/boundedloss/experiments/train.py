@@ -108,8 +108,7 @@ class TrainConfig:
     #: receiver-driven credit per receiver, bytes (TransportConfig.credit_bytes; None: off)
     credit_bytes: int | None = None
     #: each receiver sizes the credit budget from the overflows it sees, credit_bytes
-    #: its floor
-    #: (TransportConfig.credit_adaptive)
+    #: its floor (TransportConfig.credit_adaptive)
     credit_adaptive: bool = False
     #: sender-side congestion control (TransportConfig.congestion: off, delay)
     congestion: str = "off"

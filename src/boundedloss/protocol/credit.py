@@ -93,7 +93,6 @@ class _Phase:
         self.rtt: float | None = None
 
 
-
 def ack_cadence(ack_every: int, credit: int) -> int:
     """DATA datagrams per ACK of a receive whose sender holds ``credit`` (its latest
     grant; -1: none yet): four ACKs per credit's worth, so that the sender's window

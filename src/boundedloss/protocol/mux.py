@@ -137,10 +137,9 @@ class TransferMux:
         self._active: dict[int, MessageSender] = {}
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
-        #: datagrams whose handling reached the core: each it was handed, and each a data
-        #: path took and handed it the decision of (receive_met, stop_arrived) - what the
-        #: simulator charges the core's CPU for
-        self.core_datagrams = 0
+        #: datagrams a data path took and handed the core the decision of (receive_met,
+        #: stop_arrived)
+        self.decisions_in = 0
         budget = self.config.credit_datagrams
         #: the receiver-driven first pass's budget and shares (None: no credit)
         self.grants = (None if budget is None
@@ -222,7 +221,6 @@ class TransferMux:
     # --------------------------------------------------------------- incoming
     def datagram_received(self, data, peer, now: float) -> None:
         self.datagrams_in += 1
-        self.core_datagrams += 1
         if self.auth is not None:
             body = self._open(data, peer)
             if body is None:
@@ -233,7 +231,6 @@ class TransferMux:
     def authenticated_datagram_received(self, data, peer, now: float) -> None:
         """A datagram whose tag a data path has verified and removed already."""
         self.datagrams_in += 1
-        self.core_datagrams += 1
         self._accept(data, peer, now)
 
     def _open(self, data, peer):
@@ -310,7 +307,7 @@ class TransferMux:
         """A valid STOP for the open send ``key`` (``(peer, round, message)``, of the
         send's geometry; counted in by the data path): as ``datagram_received`` would
         take it."""
-        self.core_datagrams += 1
+        self.decisions_in += 1
         tx = self._senders.get(key)
         if tx is None:  # (a data path knows only the sends the mux opened)
             self.drops[DropReason.STALE] += 1
@@ -320,7 +317,7 @@ class TransferMux:
     def receive_met(self, key: tuple, now: float) -> None:
         """The open receive ``key`` took (through a data path that shares its counts) the
         DATA that meets its plan: it closes, as ``datagram_received`` would close it."""
-        self.core_datagrams += 1
+        self.decisions_in += 1
         rx = self._receivers.get(key)
         if rx is None or rx.result is not None:
             return  # (a data path takes DATA only for the receives the mux has open)
@@ -354,7 +351,6 @@ class TransferMux:
         for i, row in enumerate(rows):
             if self._open(row.data, peer) is None:
                 self.datagrams_in += 1
-                self.core_datagrams += 1
             else:
                 good.append(i)
         return rows[good, : rows.shape[1] - TRAILER_BYTES]  # (a copy, contiguous)
@@ -385,7 +381,6 @@ class TransferMux:
         if int(index.max()) >= full:
             return False  # not a chunk of full length: parse() says why, one by one
         self.datagrams_in += n
-        self.core_datagrams += n
         for lo in range(0, n, RUN_MAX):
             if rx.result is None:
                 rx.data_run(index[lo:lo + RUN_MAX], tseq[lo:lo + RUN_MAX], rows[lo:lo + RUN_MAX],
@@ -577,6 +572,12 @@ class TransferMux:
         carries the ``transfer_id`` of the MessageSender / MessageReceiver it ends)."""
         done, self._finished = self._finished, []
         return done
+
+    @property
+    def core_datagrams(self) -> int:
+        """Datagrams whose handling reached the core: each it was handed, and each a data
+        path handed it the decision of - what the simulator charges the core's CPU for."""
+        return self.datagrams_in + self.decisions_in
 
     @property
     def open_receives(self) -> int:
