@@ -16,7 +16,6 @@ since the compiled data path shares them (:meth:`MessageReceiver.share_counts`).
 
 from __future__ import annotations
 
-import enum
 import functools
 import struct
 from collections.abc import Hashable
@@ -28,32 +27,26 @@ from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
 from .credit import CreditGrants, ack_cadence
 from .path import PeerPath
-from .types import CloseReason, ReceiveResult, TransferStats, TransportConfig
+from .types import CloseReason, ReceiveResult, TransferStats, TransitionEnum, TransportConfig
 
 #: the most datagrams ``data_run`` takes at once (its duplicate marks are uint8 > 1)
 RUN_MAX = 250
 _MARKS = np.arange(2, 2 + RUN_MAX, dtype=np.uint8)
 
 
-class ReceiveState(enum.Enum):
+class ReceiveState(TransitionEnum):
     SIZELESS = "sizeless"  # posted without a size: no plan until the first datagram
     FIRST_PASS = "first_pass"  # the sender is still sending its first pass
     SENDER_DONE = "sender_done"  # a FINAL PROBE: every chunk was sent once
     ACCEPTING = "accepting"  # the acceptance deadline passed: what arrived is taken
     CLOSED = "closed"  # the receive has its result
 
-    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
-    __hash__ = object.__hash__
 
-
-class ReceiveEvent(enum.Enum):
+class ReceiveEvent(TransitionEnum):
     SIZED = "sized"  # the message's size is known: its plan is set
     SENDER_DONE = "sender_done"  # a PROBE flagged FINAL
     ACCEPT_DEADLINE = "accept_deadline"
     CLOSED = "closed"  # the plan met, the hard deadline, or a cancel
-
-    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
-    __hash__ = object.__hash__
 
 
 _S, _E = ReceiveState, ReceiveEvent

@@ -17,7 +17,6 @@ are its ``recovery``'s (``recovery.py``), pacing and delivery-rate samples its
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -37,21 +36,19 @@ from .types import (
     SendResult,
     SendStatus,
     TransferStats,
+    TransitionEnum,
     TransportConfig,
 )
 
 
-class SendState(enum.Enum):
+class SendState(TransitionEnum):
     SENDING = "sending"  # no PROBE awaits an answer: DATA goes as window and pacing allow
     PROBE_DUE = "probe_due"  # a PROBE goes out at the next poll
     AWAITING_REPLY = "awaiting_reply"  # a PROBE is out: its answer, or its timeout
     DONE = "done"  # the send has its result
 
-    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
-    __hash__ = object.__hash__
 
-
-class SendEvent(enum.Enum):
+class SendEvent(TransitionEnum):
     PROBE_SENT = "probe_sent"
     PROBE_DEFERRED = "probe_deferred"  # the queue drained with no room left in this poll
     WINDOW_STUCK = "window_stuck"  # the window stayed shut for an RTO: ACKs were lost
@@ -59,9 +56,6 @@ class SendEvent(enum.Enum):
     REPLY_NOTHING_QUEUED = "reply_nothing_queued"  # it asked for nothing not yet queued
     PROBE_TIMEOUT = "probe_timeout"
     FINISHED = "finished"  # STOP, a silent peer or a cancel
-
-    # (by identity, in C: Enum hashes the name in Python, and a transition looks up two)
-    __hash__ = object.__hash__
 
 
 _S, _E = SendState, SendEvent

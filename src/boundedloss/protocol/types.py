@@ -26,6 +26,13 @@ ACK_EVERY_SHORT = 32
 CONGESTION_ACK_EVERY = 16
 
 
+class TransitionEnum(enum.Enum):
+    """A state or event of a transition table: hashed by identity, in C (Enum hashes
+    the name in Python, and each transition looks up two)."""
+
+    __hash__ = object.__hash__
+
+
 class SendStatus(enum.Enum):
     STOPPED = "stopped"  # the receiver said STOP
     PEER_SILENT = "peer_silent"  # the receiver never answered within peer_timeout
