@@ -307,6 +307,7 @@ def test_cores_place_work_in_the_first_gap_long_enough_on_the_core_free_first():
     assert cores.run(3.0, 1.0, now=0.0) == 4.0  # core 1 (free from 1): [3, 4]
     assert cores.run(1.0, 2.0, now=0.0) == 3.0  # fits before [3, 4] on core 1: [1, 3]
     assert cores.run(1.0, 0.5, now=0.0) == 2.5  # core 0's [1, 2] is taken: from 2
+    assert cores.charged == 6.5  # (what ran, wherever and whenever it ran)
     with pytest.raises(ValueError):
         Cores(0)
 
@@ -555,6 +556,10 @@ def test_like_testbed_simulates_the_baselines_with_tcp_s_measured_costs(tmp_path
     assert row["cpu"] == "this-machine" and MEASURED_TCP_COSTS.message_main > 0
     # (at 100 Gb/s the wire takes 0.1 ms of the round: the rest is the CPU's)
     assert row["p50_ms"] > 10 * free.p50_ms
+    # the row says what its hosts' CPU was charged a round: the round is that work on
+    # the testbed's 2 shared cores, all but the wire's share of it
+    assert free.cpu_ms_per_round is None
+    assert 0.8 * 2 * row["mean_ms"] < row["cpu_ms_per_round"] <= 2 * row["mean_ms"]
 
 
 def test_a_program_unwound_while_its_cleanup_waits_ends():

@@ -58,6 +58,8 @@ class Cores:
             raise ValueError(f"a host needs at least one core, not {count}")
         # per core, its busy intervals (start, end), in order, none touching another
         self._busy: list[list[tuple[float, float]]] = [[] for _ in range(count)]
+        #: seconds of work run on these cores so far (all of them together)
+        self.charged = 0.0
 
     def run(self, ready: float, seconds: float, now: float) -> float:
         """Run ``seconds`` of work that is ready at ``ready`` (>= ``now``, the virtual
@@ -74,6 +76,7 @@ class Cores:
                 start = max(start, e)
             if start < best_start:
                 best, best_start, best_at = core, start, at
+        self.charged += seconds
         busy = self._busy[best]
         end = best_start + seconds
         # merge with the neighbours it touches, so that a thread's run of work stays one

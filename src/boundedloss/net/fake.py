@@ -162,6 +162,7 @@ class FakeNetwork:
         machine running every rank); None: each such host has a core of its own."""
         self.now = 0.0
         self._shared = None if shared_cores is None else Cores(shared_cores)
+        self._cores: list[Cores] = [] if self._shared is None else [self._shared]
         self._rng = np.random.default_rng(seed)
         self._nodes: dict = {}
         self._paths: dict = {}
@@ -198,8 +199,17 @@ class FakeNetwork:
         node = self._nodes[address] = _Node(address, mux, profile or NodeProfile(), serviced,
                                             receive)
         if node.profile.cpu is not None:
-            node.cores = self._shared or Cores(1)
+            node.cores = self._shared
+            if node.cores is None:
+                node.cores = Cores(1)
+                self._cores.append(node.cores)
         return mux
+
+    @property
+    def cpu_charged(self) -> float:
+        """Seconds of CPU the hosts with costs have spent so far, all together (those that
+        have left included)."""
+        return sum(cores.charged for cores in self._cores)
 
     def charge(self, address, *, main: float = 0.0, io: float = 0.0) -> float:
         """Work, ready now, for the host at ``address``: ``main`` seconds on its main

@@ -271,6 +271,9 @@ class SimRow:
     tcp_timeouts_per_round: float | None = None
     tcp_loss_probes_per_round: float | None = None
     tcp_retrans_segs_per_round: float | None = None
+    #: the CPU the hosts' costs charged, per round, all hosts together (None: ``--cpu
+    #: none``) - what ``tools/round_perf.py`` reads on the testbed as a round's busy CPU
+    cpu_ms_per_round: float | None = None
 
 
 class _Barrier:
@@ -426,7 +429,9 @@ def run_job(job: SimJob) -> SimRow:
                           + net.counts["background_fabric_drop"]),
         tcp_timeouts_per_round=tcp_per_round("timeouts"),
         tcp_loss_probes_per_round=tcp_per_round("probes"),
-        tcp_retrans_segs_per_round=tcp_per_round("retransmits"))
+        tcp_retrans_segs_per_round=tcp_per_round("retransmits"),
+        cpu_ms_per_round=(None if costs is None
+                          else round(net.cpu_charged * 1e3 / job.rounds, 3)))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
