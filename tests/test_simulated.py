@@ -794,10 +794,11 @@ def test_this_machine_s_cpu_preset_is_the_calibration_s_measurement():
 
     from boundedloss.sim.job import MEASURED_COSTS, MEASURED_TCP_COSTS
 
-    calibration = json.loads((Path(__file__).parent.parent / "benchmarks"
-                              / "sim-calibration-1500.json").read_text())
+    benchmarks = Path(__file__).parent.parent / "benchmarks"
+    calibration = json.loads((benchmarks / "sim-calibration-1500.json").read_text())
+    tcp_fit = json.loads((benchmarks / "tcp-costs-perf.json").read_text())
     for preset, measured in ((MEASURED_COSTS, calibration["costs"]),
-                             (MEASURED_TCP_COSTS, calibration["tcp_costs"])):
+                             (MEASURED_TCP_COSTS, tcp_fit["tcp_costs"])):
         for name, value in dataclasses.asdict(preset).items():
             assert value == pytest.approx(measured[name], rel=0.005, abs=1e-12), name
 

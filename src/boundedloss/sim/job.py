@@ -125,12 +125,15 @@ def costs_from_round_cpu(*figures: dict) -> CpuCosts:
                     post_main=float(post_main), datagram_core=datagram_core)
 
 
-#: What a TCP baseline's host spends on this machine: the mean of the two
-#: ``tools/tcp_cpu.py`` runs (a bulk transfer's cost per byte; what gloo's ring, 4 ranks,
-#: 4 MB, MTU 1,500, spends beyond it per message) around the same testbed run
-#: (benchmarks/sim-calibration-1500.json, "tcp_costs").
-MEASURED_TCP_COSTS = CpuCosts(byte_out=1.143e-9, byte_in=0.255e-9,
-                              message_main=119.6e-6)
+#: What a TCP baseline's host spends on this machine: fitted to what a round of gloo's
+#: ring (4 MB, MTU 1,500) cost the whole machine at 4, 8 and 16 ranks, every process
+#: together (``tools/round_perf.py``; the fit ``tools/tcp_fit.py``,
+#: benchmarks/tcp-costs-perf.json) - a byte out and a byte in split as one flow's bulk
+#: transfer splits them (``tools/tcp_cpu.py``). (One process's ``getrusage`` at 4 ranks
+#: alone, before, read 1.143 + 0.255 ns a byte and 119.6 us a message: 12% under the
+#: machine's CPU at 4 ranks and 11% over it at 16.)
+MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
+                              message_main=56.75e-6)
 
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
