@@ -106,12 +106,12 @@ def per_round(samples: list[tuple[float, str]], rounds: int,
     if span < MIN_SPAN_S:
         raise SystemExit(f"the rounds took {span:.1f} s: run more (--rounds), for a "
                          f"window of a few seconds inside them")
-    end = max(t for t, _ in samples) - TEARDOWN_S
+    last = max(t for t, _ in samples)
+    end = last - TEARDOWN_S
     lo, hi = end - span * (1 - WINDOW[0]), end - span * (1 - WINDOW[1])
     counts = Counter(c for t, c in samples if lo <= t <= hi)
     n = sum(counts.values())
     ms = {c: counts[c] / n * CORES * mean_ms for c in CATEGORIES}
-    last = max(t for t, _ in samples)
     return ms, (last - lo, last - hi), n
 
 
