@@ -868,3 +868,31 @@ def test_a_run_holds_off_full_collections_and_restores_the_thresholds():
     with pytest.raises(ValueError):
         rt.run()
     assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+def test_what_a_waited_future_held_is_freed_with_it_not_left_to_a_full_collection(timeout):
+    # (a run holds off full collections: a future in a reference cycle would keep its
+    # result - a receive's buffer - until the run ends, and memory would grow by a
+    # round's receives every round)
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    net, rt, _, _ = _pair()
+    seen: list = []
+
+    def wait_for_one():
+        fut = SimFuture(rt)
+        net.call_at(rt.now + 0.1, lambda: fut.set_result(Payload()))
+        seen.append(weakref.ref(fut.result(timeout=timeout)))
+
+    gc.disable()
+    try:
+        rt.spawn(wait_for_one)
+        rt.run()
+        assert seen and seen[0]() is None
+    finally:
+        gc.enable()

@@ -196,17 +196,21 @@ class SimRuntime:
         if future.done():
             return
         program.waiting = future
+        # (the callbacks take the future as their argument: one that closed over it would
+        # make a cycle - the future holds its callbacks - and what the future holds, a
+        # receive's result and buffer, would outlive the round until a full collection,
+        # which a run holds off; the alarm lets go of it once called or cancelled)
         if timeout is not None:
             alarm = self.network.call_at(self.network.now + max(0.0, timeout),
                                          lambda: self._wake(program, future))
 
-            def done(_: Future) -> None:
+            def done(f: Future) -> None:
                 self.network.cancel(alarm)  # (a stale timeout would hold off SimDeadlock)
-                self._wake(program, future)
+                self._wake(program, f)
 
             future.add_done_callback(done)
         else:
-            future.add_done_callback(lambda _: self._wake(program, future))
+            future.add_done_callback(lambda f: self._wake(program, f))
         assert self._hub is not None  # (a program runs only from run())
         try:
             self._hub.switch()
