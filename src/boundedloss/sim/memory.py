@@ -1,8 +1,9 @@
 """How much memory a simulated job needs at least, and whether this machine has it.
 
-The simulator holds every rank of a job in one process: each rank's gradient, the
-receive buffers of a round and of the next (posted ahead), the collective's memory, and
-a Python object or three for every message it has open. A sweep that does not fit is
+The simulator holds every rank of a job in one process: the job's gradient (one, which
+every rank sends), each rank's receive buffers of a round and of the next (posted
+ahead), the collective's memory, and a Python object or three for every message it has
+open. A sweep that does not fit is
 stopped before it starts, rather than killed by the kernel minutes in.
 
 The estimate is a floor, under the peak of every job measured (``boundedloss sim``'s
@@ -21,9 +22,10 @@ from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
 
 #: the interpreter, numpy and the simulator before any rank (a 2-worker run's peak)
 BASE_BYTES = 46_000_000
-#: a rank's gradient's bytes, this many times over at least: its own, the round's and
-#: the next round's receive buffers, what the collective remembers
-VECTOR_COPIES = {"ps": 3.0, "allreduce": 3.8, "two-level": 3.8}
+#: a rank's gradient's bytes, this many times over at least: the round's and the next
+#: round's receive buffers, what the collective remembers (the gradient itself is one
+#: for the whole job, which every rank sends from)
+VECTOR_COPIES = {"ps": 1.5, "allreduce": 2.8, "two-level": 2.8}
 #: a send's or a receive's Python objects, its future and its small buffers
 MESSAGE_BYTES = 2_500
 
@@ -63,7 +65,7 @@ def job_floor(system: str, topology: str, workers: int, elements: int) -> int:
         return BASE_BYTES
     per_rank = (VECTOR_COPIES[topology] * 4 * elements
                 + MESSAGE_BYTES * messages_per_rank(topology, workers))
-    return int(BASE_BYTES + workers * per_rank)
+    return int(BASE_BYTES + 4 * elements + workers * per_rank)
 
 
 def available_bytes() -> int | None:
