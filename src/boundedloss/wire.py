@@ -295,6 +295,13 @@ def stop_datagram(message: Header, reason: CloseReason, delivered: int) -> bytes
 
 def as_bytes_view(array) -> memoryview:
     """A flat byte view of a C-contiguous buffer (numpy array, bytes, bytearray...)."""
+    if type(array) is np.ndarray and array.flags.c_contiguous:
+        # (one view, where a numpy reshape and view kept two arrays alive under it: a
+        # send and a receive each hold one, for as long as they are open)
+        try:
+            return memoryview(array).cast("B")
+        except (TypeError, ValueError):  # (a dtype with no buffer format: bfloat16...)
+            pass
     if isinstance(array, bytes):  # np.asarray(b"") is one NUL byte of dtype S1
         array = np.frombuffer(array, dtype=np.uint8)
     arr = np.asarray(array)

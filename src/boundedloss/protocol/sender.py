@@ -204,6 +204,15 @@ class OutstandingProbe:
 
 
 class MessageSender:
+    # (slots: a send's attributes in a dict cost a simulated job's millions of open sends
+    # a kilobyte or more each)
+    __slots__ = (
+        "peer", "transfer_id", "config", "_payload", "message", "round_id", "message_id",
+        "nbytes", "chunk_bytes", "count", "_tseq_field", "_headers", "_queue", "_state",
+        "_probe", "path", "recovery", "acks", "_window", "_acks_shared", "pacer",
+        "_samples", "started", "counts", "result",
+    )
+
     def __init__(
         self,
         *,
