@@ -299,7 +299,7 @@ def as_bytes_view(array) -> memoryview:
         # (one view, where a numpy reshape and view kept two arrays alive under it: a
         # send and a receive each hold one, for as long as they are open)
         try:
-            return memoryview(array).cast("B")
+            return array.data.cast("B")
         except (TypeError, ValueError):  # (a dtype with no buffer format: bfloat16...)
             pass
     if isinstance(array, bytes):  # np.asarray(b"") is one NUL byte of dtype S1
