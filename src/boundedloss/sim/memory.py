@@ -25,7 +25,7 @@ BASE_BYTES = 46_000_000
 #: a rank's gradient's bytes, this many times over at least: the round's and the next
 #: round's receive buffers, what the collective remembers (the gradient itself is one
 #: for the whole job, which every rank sends from)
-VECTOR_COPIES = {"ps": 1.5, "allreduce": 2.8, "two-level": 2.8}
+VECTOR_COPIES = {"ps": 1.4, "allreduce": 2.8, "two-level": 2.8}
 #: a send's or a receive's Python objects, its future and its small buffers
 MESSAGE_BYTES = 2_500
 
