@@ -898,3 +898,8 @@ def test_the_message_cost_tool_carries_each_message_through_its_four_phases(auth
     spec.loader.exec_module(tool)
     us = tool.measure(3 * 1400 + 8, 20, authenticated)
     assert set(us) == set(tool.PHASES) and all(v > 0 for v in us.values())
+    held = tool.held(4096, 50, authenticated)
+    # (what an open message holds: a simulated job holds millions; 3.3 KB a receive and
+    # 3.0 a send before their slots - 1.9 and 2.8 at 06d7598)
+    assert held["receive_buffer_bytes"] == 4096
+    assert 500 < held["receive_bytes"] < 2500 and 500 < held["send_bytes"] < 3300

@@ -20,8 +20,15 @@ A rank spends several times these on a loaded machine (``tools/round_cpu.py``: t
 cores' caches are shared with the other ranks); this is the floor the Python objects
 of a message set, which is what a per-message engine in C would take away.
 
+With ``--memory`` it says instead what an open message holds: the bytes of Python
+objects (and the compiled path's) allocated by posting ``--rounds`` receives and as
+many sends and kept while they are open, per message (``tracemalloc``) - a receive's
+besides its destination buffer, which it reports apart. What a simulated job of
+millions of open messages needs (``boundedloss sim``'s memory floor) is mostly these.
+
     python tools/message_cost.py
     python tools/message_cost.py --auth --bytes 4096 --json message-cost.json
+    python tools/message_cost.py --memory --bytes 4096
 """
 
 from __future__ import annotations
@@ -100,17 +107,66 @@ def measure(nbytes: int, rounds: int, auth: bool) -> dict[str, float]:
     return {p: 1e6 * statistics.median(v[skip:]) for p, v in took.items()}
 
 
+def held(nbytes: int, count: int, auth: bool) -> dict[str, float]:
+    """Bytes an open receive (its destination buffer apart) and an open send hold, per
+    message, over ``count`` of each posted on two cores (nothing sent or received)."""
+    import tracemalloc
+
+    config = TransportConfig(max_open_receives=count + 64)
+    key = bytes(range(32))
+
+    def core(local) -> TransferMux:
+        mux = TransferMux(SESSION, config, auth=DatagramAuth(key, local) if auth else None)
+        NativeDataPath(mux)
+        return mux
+
+    sender, receiver = core(A), core(B)
+    payload = np.zeros(max(1, nbytes // 4), dtype=np.float32)[: nbytes // 4]
+    policy = ReliablePolicy()
+    for r in range(32):  # (a warm-up: the caches and tables a first message fills)
+        receiver.cancel_receive(receiver.start_receive(A, r, 2, 0.0, policy=policy,
+                                                       nbytes=payload.nbytes), 0.0)
+        sender.cancel_send(sender.start_send(B, r, 2, payload, 0.0), 0.0)
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        receives = [receiver.start_receive(A, r, 1, 0.0, policy=policy, nbytes=payload.nbytes)
+                    for r in range(count)]
+        after_receives = tracemalloc.get_traced_memory()[0]
+        sends = [sender.start_send(B, r, 1, payload, 0.0) for r in range(count)]
+        after_sends = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(receives) == len(sends) == count
+    buffer = payload.nbytes
+    return {"receive_bytes": (after_receives - start) / count - buffer,
+            "receive_buffer_bytes": buffer, "send_bytes": (after_sends - after_receives) / count}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bytes", type=int, default=262144, help="message size")
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--auth", action="store_true", help="authenticated datagrams")
+    ap.add_argument("--memory", action="store_true",
+                    help="what an open message holds, instead of what it costs")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
     if a.bytes < 8 or a.rounds < 10:
         raise SystemExit("--bytes must be at least 8 and --rounds at least 10")
     if not enabled():
         raise SystemExit(f"the compiled data path is needed: {status()}")
+    if a.memory:
+        figures = held(a.bytes, a.rounds, a.auth)
+        print(f"An open message of {a.bytes:,} B, auth {'on' if a.auth else 'off'} "
+              f"(mean of {a.rounds} of each):")
+        print(f"  receive  {figures['receive_bytes']:7.0f} B "
+              f"(and its {figures['receive_buffer_bytes']:,} B destination buffer)")
+        print(f"  send     {figures['send_bytes']:7.0f} B")
+        if a.json:
+            a.json.write_text(json.dumps({"bytes": a.bytes, "auth": a.auth, "count": a.rounds,
+                                          **figures}, indent=2) + "\n")
+        return
     us = measure(a.bytes, a.rounds, a.auth)
     print(f"Python core per message, {a.bytes:,} B, auth {'on' if a.auth else 'off'} "
           f"(median of {a.rounds - a.rounds // 5} rounds):")
