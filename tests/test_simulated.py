@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from concurrent import futures
@@ -896,3 +897,38 @@ def test_what_a_waited_future_held_is_freed_with_it_not_left_to_a_full_collectio
         assert seen and seen[0]() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("topology", ["ps", "allreduce", "two-level"])
+def test_a_job_s_last_round_posts_no_next_round_where_posting_costs_nothing(topology,
+                                                                            monkeypatch):
+    # (what nothing would use: left out where it moves no virtual time - the rows the
+    # same as with it - and kept where the hosts' CPU pays for posting)
+    from boundedloss.collective.base import Collective
+    from boundedloss.sim.job import SimJob, run_job
+
+    posted_for: list[int] = []
+    post_many = Collective._post_many  # noqa: SLF001 - counted where it is called
+
+    def counting(self, nbytes, bucket, phase, round_id, remembered=True):
+        posted_for.append(round_id)
+        return post_many(self, nbytes, bucket, phase, round_id, remembered)
+
+    monkeypatch.setattr(Collective, "_post_many", counting)
+    job = SimJob(workers=6, system="dblp", topology=topology, loss=0.02, elements=20_000,
+                 rounds=2)
+    row = dataclasses.asdict(run_job(job))
+    assert 1 in posted_for and 2 not in posted_for  # (round 1 posted ahead in round 0)
+
+    monkeypatch.setattr(Collective, "post_ahead", property(lambda self: True,
+                                                          lambda self, value: None),
+                        raising=False)
+    posted_for.clear()
+    always = dataclasses.asdict(run_job(job))
+    assert 2 in posted_for
+    assert {k: v for k, v in row.items() if k != "wall_s"} == {
+        k: v for k, v in always.items() if k != "wall_s"}
+
+    posted_for.clear()
+    run_job(dataclasses.replace(job, cpu="cluster-node"))
+    assert 2 in posted_for

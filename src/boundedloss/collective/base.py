@@ -180,6 +180,9 @@ class Collective(abc.ABC):
         self.guard = LossGuards(guard, f"rank {rank}")
         self._reliable = ReliablePolicy()  # (stateless: one for every reliable receive)
         self._pending: dict[tuple[int, int, int], Posted] = {}  # (bucket, phase, peer)
+        #: post the next round's receives during this one (see the module's docstring);
+        #: False before a job's last round, where nothing would use them
+        self.post_ahead = True
         #: per-bucket memory, (bucket, role) -> last round's value: the aggregate this
         #: rank made, or the broadcast it accepted (stale fill and bounded drift start
         #: from it; a checkpoint keeps it)
@@ -240,7 +243,9 @@ class Collective(abc.ABC):
     def _post_ahead(self, nbytes: dict[int, int], bucket: int, phase: int,
                     round_id: int) -> None:
         """Post next round's receives now (see the module's docstring), from each peer
-        rank in ``nbytes`` (its size)."""
+        rank in ``nbytes`` (its size) - unless ``post_ahead`` is off."""
+        if not self.post_ahead:
+            return
         for peer_rank, posted in self._post_many(nbytes, bucket, phase, round_id).items():
             self._pending[(bucket, phase, peer_rank)] = posted
 

@@ -49,7 +49,11 @@ class MemoryShortfall:
 
 def messages_per_rank(topology: str, workers: int) -> int:
     """The sends and receives a rank holds in a round, the next round's receives
-    (posted ahead) included; a parameter server's averaged over its ranks."""
+    (posted ahead) included; a parameter server's averaged over its ranks. (A one-round
+    job without CPU costs posts none ahead - the simulator leaves them out where they
+    cost no virtual time - and needs less; it is counted the same, its measured peaks
+    still above the floor, which stays on the side of refusing a job predicted not to
+    fit.)"""
     if topology == "ps":
         return 6  # (the server 3 x 2(N - 1), a worker 3 x 2: about 6 a rank)
     # (a round's sends and receives, and the next round's receives)
