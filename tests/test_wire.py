@@ -395,3 +395,26 @@ def test_header_struct_matches_numpy_dtype() -> None:
     packed = HEADER.pack(*values)
     arr = np.frombuffer(packed, dtype=wire.HEADER_DTYPE)
     assert tuple(int(arr[0][name]) for name in names) == values
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(12, dtype=np.float32),
+    np.arange(12, dtype=np.float64).reshape(3, 4),
+    np.zeros(0, dtype=np.float32),
+    np.arange(6, dtype=np.uint16).view(np.dtype(np.uint16, metadata={"bfloat16": True})),
+    np.arange(5).astype("datetime64[s]"),  # (no buffer format: numpy's own view)
+    np.frombuffer(b"abc", dtype=np.uint8),  # (read-only)
+    b"abcd", bytearray(b"abcd"),
+])
+def test_a_buffer_s_byte_view_is_its_bytes_flat_and_as_writable_as_it(array):
+    view = wire.as_bytes_view(array)
+    assert view.format == "B" and view.ndim == 1
+    assert view.tobytes() == (bytes(array) if isinstance(array, (bytes, bytearray))
+                              else array.tobytes())
+    assert view.readonly == (isinstance(array, bytes)
+                             or (isinstance(array, np.ndarray) and not array.flags.writeable))
+
+
+def test_a_byte_view_of_a_strided_array_is_refused():
+    with pytest.raises(ValueError, match="C-contiguous"):
+        wire.as_bytes_view(np.arange(10, dtype=np.float32)[::2])

@@ -300,7 +300,7 @@ def as_bytes_view(array) -> memoryview:
         # send and a receive each hold one, for as long as they are open)
         try:
             return array.data.cast("B")
-        except (TypeError, ValueError):  # (a dtype with no buffer format: bfloat16...)
+        except (TypeError, ValueError):  # (a dtype with no buffer format: datetime64...)
             pass
     if isinstance(array, bytes):  # np.asarray(b"") is one NUL byte of dtype S1
         array = np.frombuffer(array, dtype=np.uint8)
