@@ -39,6 +39,19 @@ SESSION = 0x5EED_0000_CAFE_F00D
 SENTINEL = 0xFF
 
 
+def load_tool(name: str):
+    """``tools/<name>.py`` as a module (the tools are scripts, not part of the package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def ctypes_gmac():
     """The Python core's tags through ctypes, as with ``BOUNDEDLOSS_NATIVE=0``: where the

@@ -31,7 +31,7 @@ from boundedloss.policy import ClosePlan, EarlyClosePolicy, FixedBoundPolicy, Re
 from boundedloss.protocol import TransferMux, TransportConfig, auth
 from boundedloss.protocol.auth import TRAILER_BYTES, DatagramAuth, job_key
 from boundedloss.wire import HEADER_BYTES, DropReason, Flag, Kind, MalformedDatagram
-from conftest import PROPERTY, SENTINEL, SESSION, source_bytes
+from conftest import PROPERTY, SENTINEL, SESSION, load_tool, source_bytes
 
 # (the reference's tags through ctypes, not the compiled module: conftest.ctypes_gmac)
 pytestmark = [pytest.mark.skipif(native.status().startswith("python ("),
@@ -888,14 +888,7 @@ def test_control_datagrams_sealed_as_they_go_verify_as_the_cores_seal_would() ->
 def test_the_message_cost_tool_carries_each_message_through_its_four_phases(authenticated):
     """tools/message_cost.py: every round's message completes (it raises if not), with
     the compiled path taking what it takes on a rank, and each phase is timed."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "message_cost.py"
-    spec = importlib.util.spec_from_file_location("message_cost", path)
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("message_cost")
     us = tool.measure(3 * 1400 + 8, 20, authenticated)
     assert set(us) == set(tool.PHASES) and all(v > 0 for v in us.values())
     held = tool.held(4096, 50, authenticated)

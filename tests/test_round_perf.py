@@ -3,20 +3,14 @@ inside the rounds it reads them from (the perf runs themselves are the tool's)."
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    path = Path(__file__).resolve().parents[1] / "tools" / "round_perf.py"
-    spec = importlib.util.spec_from_file_location("round_perf", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("round_perf")
 
 
 @pytest.mark.parametrize(("comm", "dso", "expected"), [
@@ -59,3 +53,10 @@ def test_the_window_lies_inside_the_rounds_and_scales_shares_to_a_round(tool):
 def test_too_short_a_run_for_a_window_is_refused(tool):
     with pytest.raises(SystemExit, match="run more"):
         tool.per_round([(0.0, "kernel"), (1.0, "kernel")], 10, 25.0)
+
+
+def test_a_window_with_no_samples_is_refused_not_divided_by(tool):
+    # (the run's samples all at its end: nothing inside the rounds' window)
+    samples = [(100.0 + i / 1000, "kernel") for i in range(100)]
+    with pytest.raises(SystemExit, match="no samples"):
+        tool.per_round(samples, 400, 25.0)

@@ -53,23 +53,24 @@ SESSION = 7
 A, B = ("10.0.0.1", 5000), ("10.0.0.2", 5000)
 KIND_AT = OFFSET["kind"]
 PHASES = ("post receive", "post send", "close receive", "finish send")
+KEY = bytes(range(32))
+
+
+def core(local, config: TransportConfig, auth: bool, compiled: bool = True) -> TransferMux:
+    """A rank's core at ``local``, with the compiled data path attached as a rank's is."""
+    mux = TransferMux(SESSION, config, auth=DatagramAuth(KEY, local) if auth else None)
+    if compiled:
+        NativeDataPath(mux)
+    return mux
 
 
 def measure(nbytes: int, rounds: int, auth: bool) -> dict[str, float]:
     """Median microseconds of each phase per message (the first fifth of the rounds
     left out as a warm-up)."""
-    key = bytes(range(32))
     config = TransportConfig()
-
-    def core(local, compiled: bool) -> TransferMux:
-        mux = TransferMux(SESSION, config,
-                          auth=DatagramAuth(key, local) if auth else None)
-        if compiled:
-            NativeDataPath(mux)
-        return mux
-
-    sender, receiver = core(A, True), core(B, True)
-    twin = core(A, False)  # (the Python path builds the DATA datagrams to feed in)
+    sender, receiver = core(A, config, auth), core(B, config, auth)
+    # (the Python path builds the DATA datagrams to feed in)
+    twin = core(A, config, auth, compiled=False)
     payload = np.arange(nbytes // 4, dtype=np.float32)
     policy = ReliablePolicy()
     took: dict[str, list[float]] = {p: [] for p in PHASES}
@@ -113,14 +114,7 @@ def held(nbytes: int, count: int, auth: bool) -> dict[str, float]:
     import tracemalloc
 
     config = TransportConfig(max_open_receives=count + 64)
-    key = bytes(range(32))
-
-    def core(local) -> TransferMux:
-        mux = TransferMux(SESSION, config, auth=DatagramAuth(key, local) if auth else None)
-        NativeDataPath(mux)
-        return mux
-
-    sender, receiver = core(A), core(B)
+    sender, receiver = core(A, config, auth), core(B, config, auth)
     payload = np.zeros(nbytes // 4, dtype=np.float32)
     policy = ReliablePolicy()
     for r in range(32):  # (a warm-up: the caches and tables a first message fills)

@@ -111,6 +111,8 @@ def per_round(samples: list[tuple[float, str]], rounds: int,
     lo, hi = end - span * (1 - WINDOW[0]), end - span * (1 - WINDOW[1])
     counts = Counter(c for t, c in samples if lo <= t <= hi)
     n = sum(counts.values())
+    if not n:
+        raise SystemExit("no samples inside the rounds: did perf record the whole run?")
     ms = {c: counts[c] / n * CORES * mean_ms for c in CATEGORIES}
     return ms, (last - lo, last - hi), n
 
