@@ -382,7 +382,7 @@ def run_job(job: SimJob) -> SimRow:
                 for t in range(job.rounds):
                     # The last round's posts of a next round's receives, which nothing
                     # uses, are left out where posting costs no virtual time (the rows
-                    # the same): a one-round job then holds a third fewer receives.
+                    # the same): a one-round job then posts half the receives.
                     coll.post_ahead = t + 1 < job.rounds or profiles[r].cpu is not None
                     barrier.wait()
                     starts[r, t] = runtime.now
