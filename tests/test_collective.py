@@ -739,3 +739,89 @@ def test_a_failed_broadcast_leaves_the_later_ones_tracked_for_close():
     with pytest.raises(TransportError):
         server._settle_broadcasts(0, before=2)  # noqa: SLF001
     assert [p.future for p in server.unacknowledged_broadcasts(0)] == [later]
+
+
+def _gathered_in_place(cls, world: int, sizes: list[tuple[int, np.dtype]], monkeypatch,
+                       **kw) -> tuple[dict, dict, dict]:
+    """Reliable rounds of ``cls`` on a simulated world, round t of ``sizes[t]`` (elements,
+    dtype): each rank's inputs and outputs by (rank, round), and by (rank, round) the
+    buffers its gathered results arrived in (every receive ``_accept_broadcast`` is
+    handed)."""
+    from boundedloss.collective.base import Collective
+
+    arrived: dict = {}
+    accept = Collective._accept_broadcast  # noqa: SLF001 - observed where it is called
+
+    def observed(self, res, size, dtype, memory_key):
+        arrived.setdefault((self.rank, res.round_id), []).append(res.data)
+        return accept(self, res, size, dtype, memory_key)
+
+    monkeypatch.setattr(Collective, "_accept_broadcast", observed)
+    sim = _Simulated()
+    config = TransportConfig(chunk_bytes=1202, receive_deadline=10.0, peer_timeout=10.0)
+    eps = [sim.endpoint(r, config) for r in range(world)]
+    peers = [ep.address for ep in eps]
+    rng = np.random.default_rng(3)
+    inputs = {(r, t): rng.standard_normal(n).astype(dtype)
+              for r in range(world) for t, (n, dtype) in enumerate(sizes)}
+    outputs: dict = {}
+
+    def rank_main(r):
+        coll = cls(eps[r], r, peers, policy=ReliablePolicy(), aggregator=UnbiasedRescale(),
+                   session=SESSION, **kw)
+        try:
+            for t in range(len(sizes)):
+                outputs[(r, t)] = coll.allreduce_mean(inputs[(r, t)], t)[0]
+            outputs[("memory", r)] = dict(coll.memory)
+        finally:
+            coll.close()
+
+    for r in range(world):
+        sim.spawn(lambda r=r: rank_main(r))
+    try:
+        sim.run()
+    finally:
+        for ep in eps:
+            ep.close()
+    return inputs, outputs, arrived
+
+
+@pytest.mark.parametrize(("cls", "world"), [(TransposeAllreduce, 3), (TwoLevelAllreduce, 6)])
+def test_a_reliable_gather_lands_in_the_result_in_place(cls, world, monkeypatch):
+    """Without stale_broadcast every gathered piece is received reliably, straight into
+    the round's result - posted ahead into next round's array, or posted in the round
+    into its own - so nothing is copied, no last value is kept, and no round writes into
+    an earlier one's result. A round of another size or type (DDP rebuilding its
+    buckets) cancels what was posted ahead for it and posts into an array of its own:
+    still the exact mean."""
+    sizes = [(5000, np.float32), (5000, np.float32), (3001, np.float32),
+             (3001, np.float16), (3001, np.float16)]
+    inputs, outputs, arrived = _gathered_in_place(cls, world, sizes, monkeypatch)
+    for r in range(world):
+        for t, (_, dtype) in enumerate(sizes):
+            out = outputs[(r, t)]
+            expected = np.mean([inputs[(q, t)].astype(np.float64) for q in range(world)],
+                               axis=0)
+            tolerance = 1e-5 if dtype == np.float32 else 2e-3
+            np.testing.assert_allclose(out, expected, rtol=tolerance, atol=tolerance)
+            assert out.dtype == dtype
+            # (the last: the other ranks' shards - in two levels, the group's)
+            gathered = arrived[(r, t)][-(world if cls is TransposeAllreduce
+                                         else default_group_size(world)) + 1:]
+            assert all(np.shares_memory(data, out) for data in gathered), (r, t)
+            if t:
+                assert not np.shares_memory(out, outputs[(r, t - 1)]), (r, t)
+        kept = {role for _, role in outputs[("memory", r)]}
+        assert not {role for role in kept if re.fullmatch(r"(gather|piece)\d+", role)}, kept
+
+
+def test_with_stale_broadcast_the_gather_keeps_buffers_of_its_own(monkeypatch):
+    """With stale_broadcast a piece may miss chunks and keep its last value: its receive
+    lands in a buffer of its own, which memory keeps, apart from the result handed on."""
+    inputs, outputs, arrived = _gathered_in_place(
+        TransposeAllreduce, 3, [(5000, np.float32)] * 3, monkeypatch, stale_broadcast=True)
+    for r in range(3):
+        for t in range(3):
+            assert not any(np.shares_memory(d, outputs[(r, t)]) for d in arrived[(r, t)])
+        assert {role for _, role in outputs[("memory", r)]} == {
+            "shard"} | {f"gather{q}" for q in range(3) if q != r}

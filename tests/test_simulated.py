@@ -910,9 +910,9 @@ def test_a_job_s_last_round_posts_no_next_round_where_posting_costs_nothing(topo
     posted_for: list[int] = []
     post_many = Collective._post_many  # noqa: SLF001 - counted where it is called
 
-    def counting(self, nbytes, bucket, phase, round_id, remembered=True):
+    def counting(self, nbytes, bucket, phase, round_id, *args, **kwargs):
         posted_for.append(round_id)
-        return post_many(self, nbytes, bucket, phase, round_id, remembered)
+        return post_many(self, nbytes, bucket, phase, round_id, *args, **kwargs)
 
     monkeypatch.setattr(Collective, "_post_many", counting)
     job = SimJob(workers=6, system="dblp", topology=topology, loss=0.02, elements=20_000,

@@ -146,6 +146,9 @@ class Posted:
     watched: bool
     #: reliably, for the loss guard (the job's policy would take part of the message)
     guarded: bool
+    #: where it lands: a piece of the array the round's result is gathered into (see
+    #: ``Collective._gather_target``), or None: a buffer of its own
+    into: np.ndarray | None = None
 
 
 class Collective(abc.ABC):
@@ -189,6 +192,9 @@ class Collective(abc.ABC):
         self.memory: dict[MemoryKey, np.ndarray] = {}
         self._timeout = endpoint.config.receive_deadline + endpoint.config.peer_timeout
         self._full_masks: dict[int, np.ndarray] = {}  # size -> every element arrived
+        #: (bucket, role) -> (round, array): where the pieces of a round that receives
+        #: posted ahead gather land (``_gather_target``)
+        self._targets: dict[MemoryKey, tuple[int, np.ndarray]] = {}
 
     # ------------------------------------------------------------- receiving
     def _receive_policy(self, bucket: int, phase: int,
@@ -204,26 +210,30 @@ class Collective(abc.ABC):
         return (self._reliable if self.guard.holds(bucket) else self.policy), True
 
     def _post(self, peer_rank: int, bucket: int, phase: int, round_id: int,
-              nbytes: int, remembered: bool = True) -> Posted:
-        return self._post_many({peer_rank: nbytes}, bucket, phase, round_id,
-                               remembered)[peer_rank]
+              nbytes: int, remembered: bool = True, into: np.ndarray | None = None) -> Posted:
+        return self._post_many({peer_rank: nbytes}, bucket, phase, round_id, remembered,
+                               None if into is None else {peer_rank: into})[peer_rank]
 
     def _post_many(self, nbytes: dict[int, int], bucket: int, phase: int,
-                   round_id: int, remembered: bool = True) -> dict[int, Posted]:
+                   round_id: int, remembered: bool = True,
+                   into: dict[int, np.ndarray] | None = None) -> dict[int, Posted]:
         """Post the receives of ``bucket``'s ``phase`` from each peer rank in ``nbytes``
-        (its size), at once (``remembered``: see ``_receive_policy``)."""
+        (its size), at once (``remembered``: see ``_receive_policy``; ``into``: where
+        each lands, by rank, if not in a buffer of its own)."""
         policy, watched = self._receive_policy(bucket, phase, remembered)
+        dest = [None] * len(nbytes) if into is None else [into[r] for r in nbytes]
         futures = self.endpoint.receive_many(
             [(self.peers[r], n) for r, n in nbytes.items()],
-            message_id=message_id(bucket, phase), round_id=round_id, policy=policy)
+            message_id=message_id(bucket, phase), round_id=round_id, policy=policy,
+            into=dest)
         guarded = watched and policy is not self.policy
-        return {r: Posted(round_id, n, policy, fut, watched, guarded=guarded)
-                for (r, n), fut in zip(nbytes.items(), futures)}
+        return {r: Posted(round_id, n, policy, fut, watched, guarded=guarded, into=d)
+                for (r, n), fut, d in zip(nbytes.items(), futures, dest)}
 
     def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int,
-              nbytes: int, remembered: bool = True) -> Posted:
+              nbytes: int, remembered: bool = True, into: np.ndarray | None = None) -> Posted:
         """The receive for this round: posted ahead last round, or posted now
-        (``remembered``: see ``_receive_policy``)."""
+        (``remembered``: see ``_receive_policy``; ``into``: where one posted now lands)."""
         pending = self._pending.pop((bucket, phase, peer_rank), None)
         if pending is not None:
             same = pending.round_id == round_id and pending.nbytes == nbytes
@@ -238,16 +248,50 @@ class Collective(abc.ABC):
             if same and pending.future.result(self._timeout).close_reason != (
                     CloseReason.CANCELLED):
                 return pending  # it had closed already: the peer will not send it again
-        return self._post(peer_rank, bucket, phase, round_id, nbytes, remembered)
+        return self._post(peer_rank, bucket, phase, round_id, nbytes, remembered, into)
 
     def _post_ahead(self, nbytes: dict[int, int], bucket: int, phase: int,
-                    round_id: int) -> None:
+                    round_id: int, into: dict[int, np.ndarray] | None = None) -> None:
         """Post next round's receives now (see the module's docstring), from each peer
-        rank in ``nbytes`` (its size) - unless ``post_ahead`` is off."""
+        rank in ``nbytes`` (its size; ``into``: where each lands, if not in a buffer of
+        its own) - unless ``post_ahead`` is off."""
         if not self.post_ahead:
             return
-        for peer_rank, posted in self._post_many(nbytes, bucket, phase, round_id).items():
+        for peer_rank, posted in self._post_many(nbytes, bucket, phase, round_id,
+                                                 into=into).items():
             self._pending[(bucket, phase, peer_rank)] = posted
+
+    # ------------------------------------------------------ gathering in place
+    def _in_place(self) -> bool:
+        """Whether results are gathered where they land: when they are received
+        reliably (no ``stale_broadcast``), every piece arrives whole and none needs a
+        last value kept, so the receives write straight into the round's result -
+        no buffer of their own, no copy."""
+        return not self.stale_broadcast
+
+    def _gather_target(self, key: MemoryKey, round_id: int, size: int,
+                       dtype: np.dtype) -> np.ndarray:
+        """The array (``size`` of ``dtype``) a round's result of ``key`` (bucket, role)
+        is gathered into: the one the receives posted ahead for it write into, if it is
+        this round's and of that size and type, or else a new one."""
+        held = self._targets.pop(key, None)
+        if held is not None:
+            held_round, target = held
+            if (held_round == round_id and target.size == size and target.dtype == dtype
+                    and target.dtype.metadata == dtype.metadata):
+                return target
+        return np.empty(size, dtype=dtype)
+
+    def _post_target_ahead(self, key: MemoryKey, round_id: int, size: int, dtype: np.dtype,
+                           bounds: dict[int, tuple[int, int]]) -> dict[int, np.ndarray] | None:
+        """Round ``round_id``'s array for ``key`` (bucket, role), ``size`` of ``dtype``,
+        and each other rank's piece of it by ``bounds``: where the receives posted ahead
+        land. None where results are not gathered in place or nothing is posted ahead."""
+        if not (self.post_ahead and self._in_place()):
+            return None
+        target = np.empty(size, dtype=dtype)
+        self._targets[key] = (round_id, target)
+        return {r: target[lo:hi] for r, (lo, hi) in bounds.items() if r != self.rank}
 
     def _wait(self, posted: Posted, what: str) -> ReceiveResult:
         try:
@@ -339,7 +383,8 @@ class Collective(abc.ABC):
             result = apply_broadcast(values, mask, previous if previous is not None
                                      else np.zeros_like(values))
             result = result.view(values.dtype)  # (np.where drops bfloat16's marking)
-        self.memory[memory_key] = result
+        if self.stale_broadcast:  # (the only reader: a piece that did not arrive)
+            self.memory[memory_key] = result
         return result
 
     # ----------------------------------------------------------------- masks
@@ -383,6 +428,7 @@ class Collective(abc.ABC):
         for pending in self._pending.values():
             self.endpoint.cancel(pending.future)
         self._pending.clear()
+        self._targets.clear()
 
     def _clock(self) -> float:
         """Now, on the endpoint's clock (virtual on a simulated network)."""

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from .. import wire
 from .base import PULL, PUSH, Collective, Posted, RoundStats, Tally, message_id
 
 #: rank -> the (lo, hi) of the piece of a vector that rank owns
@@ -49,20 +50,21 @@ class TransposeAllreduce(Collective):
 
         # Post (or take the pre-posted) receives for both phases before sending anything.
         scatter_in = self._take_contributions(bucket, round_id, (hi - lo) * coded.itemsize)
-        gather_in = self._take_shards(bounds, bucket, round_id, coded.itemsize)
+        out = self._gather_target((bucket, "gather"), round_id, coded.size, coded.dtype)
+        gather_in = self._take_shards(bounds, bucket, round_id, coded.itemsize, into=out)
         sends = self._scatter(coded, bounds, bucket, round_id)
 
         # Reduce my shard.
         tally = Tally()
         mine = self._reduce(coded[lo:hi], scatter_in, round_id, bucket, "shard", tally,
                             (bucket, "shard"))
+        del scatter_in  # (the contributions' buffers, free while the gather runs)
 
         # All-gather the reduced shards.
         sends += self._broadcast(mine, bucket, round_id)
-        out = np.empty_like(coded)
         self._gather(out, mine, bounds, gather_in, bucket, round_id, tally)
         # (a peer sends its next reduced shard only after this rank's next contribution)
-        self._post_shards_ahead(bounds, bucket, round_id, coded.itemsize)
+        self._post_shards_ahead(bounds, bucket, round_id, coded)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)
         return out_x, tally.stats(round_id, bucket, self._clock() - t0)
@@ -98,18 +100,19 @@ class TransposeAllreduce(Collective):
         k = shard.size
         bounds = {r: (r * k, (r + 1) * k) for r in range(self.world_size)}
         if out is None:
-            out = np.empty(k * self.world_size, dtype=shard.dtype)
+            out = self._gather_target((bucket, "gather"), round_id, k * self.world_size,
+                                      shard.dtype)
         elif out.shape != (k * self.world_size,) or out.dtype != shard.dtype:
             raise ValueError(f"all-gather into {out.shape} {out.dtype}: expected "
                              f"({k * self.world_size},) {shard.dtype}")
         mine = np.ascontiguousarray(shard)
         gather_in = self._take_shards(bounds, bucket, round_id, mine.itemsize,
-                                      check_memory=True)
+                                      check_memory=True, into=out)
         sends = self._broadcast(mine, bucket, round_id)
         tally = Tally()
         self._gather(out, mine, bounds, gather_in, bucket, round_id, tally)
         self._guard_round(bucket, round_id, tally)  # (bounded shards are the job's bet)
-        self._post_shards_ahead(bounds, bucket, round_id, mine.itemsize)
+        self._post_shards_ahead(bounds, bucket, round_id, out)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         return out, tally.stats(round_id, bucket, self._clock() - t0)
 
@@ -131,15 +134,20 @@ class TransposeAllreduce(Collective):
         return {r: self._take(r, bucket, PUSH, round_id, nbytes) for r in self._others(ranks)}
 
     def _take_shards(self, bounds: Bounds, bucket: int, round_id: int, itemsize: int,
-                     check_memory: bool = False, role: str = "gather") -> dict[int, Posted]:
+                     check_memory: bool = False, role: str = "gather",
+                     into: np.ndarray | None = None) -> dict[int, Posted]:
         """This round's receives of every other rank's (reduced) shard; ``check_memory``:
-        reliably where no last value of it is remembered."""
+        reliably where no last value of it is remembered; ``into``: the array the
+        round gathers them into, which those posted now write into in place where
+        results are (``_in_place``)."""
+        into = into if self._in_place() else None
         return {r: self._take(r, bucket, PULL, round_id, (hi - lo) * itemsize,
                               remembered=not check_memory or self._remembered(
-                                  (bucket, f"{role}{r}"), (hi - lo,)) is not None)
+                                  (bucket, f"{role}{r}"), (hi - lo,)) is not None,
+                              into=None if into is None else into[lo:hi])
                 for r, (lo, hi) in bounds.items() if r != self.rank}
 
-    def _send_each(self, payloads: dict[int, np.ndarray], bucket: int, phase: int,
+    def _send_each(self, payloads: dict[int, np.ndarray | memoryview], bucket: int, phase: int,
                    round_id: int) -> list[tuple[int, Future]]:
         """Send each other rank in ``payloads`` its payload, all in one batch."""
         others = self._others(payloads)
@@ -147,17 +155,22 @@ class TransposeAllreduce(Collective):
             [(self.peers[r], payloads[r]) for r in others],
             message_id=message_id(bucket, phase), round_id=round_id)))
 
+    # (a send holds its payload as a flat byte view: slices of one view of ``x``, and one
+    # view of ``mine`` for all, spare a simulated job's millions of sends an array and a
+    # view each)
     def _scatter(self, x: np.ndarray, bounds: Bounds, bucket: int,
                  round_id: int) -> list[tuple[int, Future]]:
         """Send every other rank its shard of my ``x``."""
-        return self._send_each({r: x[lo:hi] for r, (lo, hi) in bounds.items()}, bucket, PUSH,
-                               round_id)
+        view, size = wire.as_bytes_view(x), x.itemsize
+        return self._send_each({r: view[lo * size:hi * size] for r, (lo, hi) in bounds.items()},
+                               bucket, PUSH, round_id)
 
     def _broadcast(self, mine: np.ndarray, bucket: int, round_id: int,
                    ranks: Iterable[int] | None = None) -> list[tuple[int, Future]]:
         """Send my (reduced) shard to every other rank (of ``ranks``)."""
         ranks = range(self.world_size) if ranks is None else ranks
-        return self._send_each(dict.fromkeys(ranks, mine), bucket, PULL, round_id)
+        return self._send_each(dict.fromkeys(ranks, wire.as_bytes_view(mine)), bucket, PULL,
+                               round_id)
 
     def _gather(self, out: np.ndarray, mine: np.ndarray, bounds: Bounds,
                 gather_in: dict[int, Posted], bucket: int, round_id: int,
@@ -170,10 +183,18 @@ class TransposeAllreduce(Collective):
             rlo, rhi = bounds[r]
             res = self._wait(posted, f"shard from rank {r} (round {round_id}, bucket {bucket})")
             tally.add(res, posted)
-            out[rlo:rhi] = self._accept_broadcast(res, rhi - rlo, out.dtype,
-                                                  (bucket, f"{role}{r}"))
+            values = self._accept_broadcast(res, rhi - rlo, out.dtype, (bucket, f"{role}{r}"))
+            # (a receive that wrote into ``out``'s piece has nothing to copy: the same
+            # bounds carve the same piece of an array of one size)
+            if posted.into is None or posted.into.base is not out:
+                out[rlo:rhi] = values
 
     def _post_shards_ahead(self, bounds: Bounds, bucket: int, round_id: int,
-                           itemsize: int) -> None:
-        self._post_ahead({r: (hi - lo) * itemsize for r, (lo, hi) in bounds.items()
-                          if r != self.rank}, bucket, PULL, round_id + 1)
+                           like: np.ndarray, role: str = "gather") -> None:
+        """Post next round's receives of every other rank's shard of an array like
+        ``like`` - into next round's array of ``role``, where results are gathered in
+        place."""
+        into = self._post_target_ahead((bucket, role), round_id + 1, like.size, like.dtype,
+                                       bounds)
+        self._post_ahead({r: (hi - lo) * like.itemsize for r, (lo, hi) in bounds.items()
+                          if r != self.rank}, bucket, PULL, round_id + 1, into)

@@ -113,28 +113,32 @@ class TwoLevelAllreduce(TransposeAllreduce):
         shard_in = self._take_contributions(bucket, round_id, (hi - lo) * itemsize, self.group)
         piece_in = self._take_contributions(bucket, round_id, (phi - plo) * itemsize,
                                             self.column)
-        pieces_in = self._take_shards(pieces, bucket, round_id, itemsize, role="piece")
-        shards_in = self._take_shards(shards, bucket, round_id, itemsize, role="gather")
+        shard = self._gather_target((bucket, "piece"), round_id, hi - lo, coded.dtype)
+        out = self._gather_target((bucket, "gather"), round_id, coded.size, coded.dtype)
+        pieces_in = self._take_shards(pieces, bucket, round_id, itemsize, role="piece",
+                                      into=shard)
+        shards_in = self._take_shards(shards, bucket, round_id, itemsize, role="gather",
+                                      into=out)
         sends = self._scatter(coded, shards, bucket, round_id)
 
         tally = Tally()
         # 1. my shard, over my group
         group_mean = self._reduce(coded[lo:hi], shard_in, round_id, bucket, "shard", tally,
                                   (bucket, "shard"))
+        del shard_in  # (the contributions' buffers, free from here)
         sends += self._scatter(group_mean, pieces, bucket, round_id)
         # 2. my piece of it, over the groups
         mine = self._reduce(group_mean[plo:phi], piece_in, round_id, bucket, "piece", tally,
                             (bucket, "piece"), guard=False)
+        del piece_in
         # 3. my shard of the mean, from the pieces
         sends += self._broadcast(mine, bucket, round_id, self.column)
-        shard = np.empty_like(group_mean)
         self._gather(shard, mine, pieces, pieces_in, bucket, round_id, tally, role="piece")
         # 4. the mean, from my group's shards
         sends += self._broadcast(shard, bucket, round_id, self.group)
-        out = np.empty_like(coded)
         self._gather(out, shard, shards, shards_in, bucket, round_id, tally)
-        self._post_shards_ahead(pieces, bucket, round_id, itemsize)
-        self._post_shards_ahead(shards, bucket, round_id, itemsize)
+        self._post_shards_ahead(pieces, bucket, round_id, shard, role="piece")
+        self._post_shards_ahead(shards, bucket, round_id, out)
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         out_x = self._decode(out, round_id, bucket, n)
         return out_x, tally.stats(round_id, bucket, self._clock() - t0)
@@ -192,22 +196,23 @@ class TwoLevelAllreduce(TransposeAllreduce):
         # my column's shards back to back, then every group member's column
         pieces = {r: (j * k, (j + 1) * k) for j, r in enumerate(self.column)}
         columns = {r: (m * height * k, (m + 1) * height * k) for m, r in enumerate(self.group)}
+        column = self._gather_target((bucket, "gather"), round_id, height * k, mine.dtype)
+        by_member = self._gather_target((bucket, "column"), round_id, size * height * k,
+                                        mine.dtype)
         pieces_in = self._take_shards(pieces, bucket, round_id, mine.itemsize,
-                                      check_memory=True)
+                                      check_memory=True, into=column)
         columns_in = self._take_shards(columns, bucket, round_id, mine.itemsize,
-                                       check_memory=True, role="column")
+                                       check_memory=True, role="column", into=by_member)
         sends = self._broadcast(mine, bucket, round_id, self.column)
         tally = Tally()
-        column = np.empty(height * k, dtype=mine.dtype)
         self._gather(column, mine, pieces, pieces_in, bucket, round_id, tally)
         sends += self._broadcast(column, bucket, round_id, self.group)
-        by_member = np.empty(size * height * k, dtype=mine.dtype)
         self._gather(by_member, column, columns, columns_in, bucket, round_id, tally,
                      role="column")
         self._guard_round(bucket, round_id, tally)  # (bounded shards are the job's bet)
         # (member m's column holds group j's rank m's shard at j: rank j * size + m's)
         out.reshape(height, size, k)[:] = by_member.reshape(size, height, k).transpose(1, 0, 2)
-        self._post_shards_ahead(pieces, bucket, round_id, mine.itemsize)
-        self._post_shards_ahead(columns, bucket, round_id, mine.itemsize)
+        self._post_shards_ahead(pieces, bucket, round_id, column)
+        self._post_shards_ahead(columns, bucket, round_id, by_member, role="column")
         tally.rounds = max(tally.rounds, self._wait_sends(sends))
         return out, tally.stats(round_id, bucket, self._clock() - t0)

@@ -131,11 +131,15 @@ class Endpoint(abc.ABC):
         return self._receive([(peer, out, nbytes, critical)], message_id, round_id, policy)[0]
 
     def receive_many(self, messages: Sequence[tuple[Any, int]], *, message_id: int,
-                     round_id: int = 0, policy: Policy | None = None) -> list[Future]:
+                     round_id: int = 0, policy: Policy | None = None,
+                     into: Sequence[np.ndarray | None] | None = None) -> list[Future]:
         """``receive`` message ``message_id`` from each ``(peer, nbytes)`` of ``messages``,
-        all at once: the lock taken once, the driver woken at most once. If one
-        cannot be posted, those posted before it are cancelled and the error raised."""
-        return self._receive([(peer, None, nbytes, None) for peer, nbytes in messages],
+        all at once: the lock taken once, the driver woken at most once; ``into``: each
+        one's destination (``receive``'s ``out``; None: a new array). If one cannot be
+        posted, those posted before it are cancelled and the error raised."""
+        outs = [None] * len(messages) if into is None else into
+        return self._receive([(peer, out, nbytes, None)
+                              for (peer, nbytes), out in zip(messages, outs, strict=True)],
                              message_id, round_id, policy)
 
     def _receive(self, messages: list[tuple], message_id: int, round_id: int,
