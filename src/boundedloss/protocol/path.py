@@ -11,7 +11,6 @@ are whatever clock drives the core.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +41,9 @@ class PeerPath:
         self.peer = peer
         #: the round trip the latest finished send to this peer had measured
         self.rtt: RttEstimate | None = None
-        # the delivery-rate samples of the latest passes to this peer (old ones age out)
-        self._rates: deque[float] = deque(maxlen=RATE_SAMPLES)
+        # the delivery-rate samples of the latest passes to this peer (old ones age out;
+        # a tuple: a simulated job keeps a path per pair of ranks, an empty deque 600 B)
+        self._rates: tuple[float, ...] = ()
         # (loss, when): what the latest closed receive from this peer saw
         self._loss_seen: tuple[float, float] | None = None
         #: the credit the peer granted the latest finished send to it (credit.py): the
@@ -70,7 +70,9 @@ class PeerPath:
                       granted: int | None = None) -> None:
         if rtt is not None:
             self.rtt = rtt
-        self._rates.extend(rate_samples)
+        samples = tuple(rate_samples)
+        if samples:
+            self._rates = (self._rates + samples)[-RATE_SAMPLES:]
         if granted is not None:
             self.granted = granted
 
@@ -97,7 +99,7 @@ class PeerPath:
                                                      _non_negative("rttvar", rttvar))
         rates = [_non_negative("rate", r) for r in state["rates"]][-RATE_SAMPLES:]
         self.rtt = rtt
-        self._rates = deque(rates, maxlen=RATE_SAMPLES)
+        self._rates = tuple(rates)
 
 
 def _non_negative(name: str, value: Any) -> float:
