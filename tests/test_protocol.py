@@ -1482,6 +1482,20 @@ def test_a_peer_path_resumes_from_its_state_dict() -> None:
     assert elsewhere.path("b").state_dict() == learned  # unchanged
 
 
+def test_a_peer_path_keeps_only_its_latest_rate_samples() -> None:
+    from boundedloss.protocol.path import RATE_SAMPLES, PeerPath
+
+    path = PeerPath("b")
+    assert path.best_rate() is None
+    path.send_finished(None, [])  # (a send with no sample adds none)
+    assert path.state_dict()["rates"] == []
+    path.send_finished(None, [9e9] + [float(i) for i in range(RATE_SAMPLES)])
+    assert path.state_dict()["rates"] == [float(i) for i in range(RATE_SAMPLES)]
+    assert path.best_rate() == RATE_SAMPLES - 1  # (the 9e9 aged out)
+    path.send_finished(None, iter([5e8]))  # (any iterable)
+    assert path.best_rate() == 5e8 and len(path.state_dict()["rates"]) == RATE_SAMPLES
+
+
 def test_the_mux_forgets_the_timers_of_finished_transfers():
     """A long job's mux keeps no timer bookkeeping for transfers that have finished."""
     import numpy as np

@@ -415,6 +415,15 @@ def test_a_buffer_s_byte_view_is_its_bytes_flat_and_as_writable_as_it(array):
                              or (isinstance(array, np.ndarray) and not array.flags.writeable))
 
 
+def test_a_flat_byte_view_is_its_own_and_other_views_are_flattened():
+    whole = wire.as_bytes_view(np.arange(8, dtype=np.float32))
+    piece = whole[4:12]
+    assert wire.as_bytes_view(piece) is piece  # (a collective's slice: no new object)
+    floats = memoryview(np.arange(6, dtype=np.float32)).cast("B").cast("f")
+    flat = wire.as_bytes_view(floats)
+    assert flat.format == "B" and flat.tobytes() == np.arange(6, dtype=np.float32).tobytes()
+
+
 def test_a_byte_view_of_a_strided_array_is_refused():
     with pytest.raises(ValueError, match="C-contiguous"):
         wire.as_bytes_view(np.arange(10, dtype=np.float32)[::2])
