@@ -1,9 +1,9 @@
 """How much memory a simulated job needs at least, and whether this machine has it.
 
 The simulator holds every rank of a job in one process: the job's gradient (one, which
-every rank sends), each rank's receive buffers of a round and of the next (posted
-ahead), the collective's memory, and a Python object or three for every message it has
-open. A sweep that does not fit is stopped before it starts, rather than killed by the
+every rank sends), each rank's receive buffers and result of a round and of the next
+(posted ahead), the collective's memory, and a Python object or three for every message
+it has open. A sweep that does not fit is stopped before it starts, rather than killed by the
 kernel minutes in.
 
 The estimate is a floor, under the peak of every job measured (``boundedloss sim``'s
@@ -22,12 +22,13 @@ from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
 
 #: the interpreter, numpy and the simulator before any rank (a 2-worker run's peak)
 BASE_BYTES = 46_000_000
-#: a rank's gradient's bytes, this many times over at least: the round's and the next
-#: round's receive buffers, what the collective remembers (the gradient itself is one
-#: for the whole job, which every rank sends from)
-VECTOR_COPIES = {"ps": 1.4, "allreduce": 2.8, "two-level": 2.8}
+#: a rank's gradient's bytes, this many times over at least: the round's contributions
+#: and its result (which the gather's receives write into in place), the next round's
+#: (posted ahead), what the collective remembers (the gradient itself is one for the
+#: whole job, which every rank sends from)
+VECTOR_COPIES = {"ps": 1.0, "allreduce": 1.4, "two-level": 1.4}
 #: a send's or a receive's Python objects, its future and its small buffers
-MESSAGE_BYTES = 2_500
+MESSAGE_BYTES = 2_000
 
 
 @dataclass(frozen=True)
@@ -47,28 +48,29 @@ class MemoryShortfall:
                 "smaller --elements")
 
 
-def messages_per_rank(topology: str, workers: int) -> int:
-    """The sends and receives a rank holds in a round, the next round's receives
-    (posted ahead) included; a parameter server's averaged over its ranks. (A one-round
-    job without CPU costs posts none ahead - the simulator leaves them out where they
-    cost no virtual time - and needs less; it is counted the same, its measured peaks
-    still above the floor, which stays on the side of refusing a job predicted not to
-    fit.)"""
-    if topology == "ps":
-        return 6  # (the server 3 x 2(N - 1), a worker 3 x 2: about 6 a rank)
+def messages_per_rank(topology: str, workers: int, posts_ahead: bool = True) -> int:
+    """The sends and receives a rank holds in a round, and the next round's receives
+    where its last round posts them (``posts_ahead``; a one-round job without CPU costs
+    posts none: ``SimJob.posts_ahead_in_last_round``); a parameter server's averaged
+    over its ranks."""
     # (a round's sends and receives, and the next round's receives)
+    times = 3 if posts_ahead else 2
+    if topology == "ps":
+        return 2 * times  # (the server times x 2(N - 1), a worker times x 2: about so)
     if topology == "two-level":
-        return 3 * messages_per_round(workers)
-    return 3 * 2 * (workers - 1)
+        return times * messages_per_round(workers)
+    return times * 2 * (workers - 1)
 
 
-def job_floor(system: str, topology: str, workers: int, elements: int) -> int:
+def job_floor(system: str, topology: str, workers: int, elements: int,
+              posts_ahead: bool = True) -> int:
     """Bytes a job needs at least (the baselines over the TCP model move no gradient:
-    the process's own)."""
+    the process's own); ``posts_ahead``: its last round posts the next round's receives
+    (``messages_per_rank``)."""
     if system in BASELINE_TOPOLOGY:
         return BASE_BYTES
     per_rank = (VECTOR_COPIES[topology] * 4 * elements
-                + MESSAGE_BYTES * messages_per_rank(topology, workers))
+                + MESSAGE_BYTES * messages_per_rank(topology, workers, posts_ahead))
     return int(BASE_BYTES + 4 * elements + workers * per_rank)
 
 
@@ -90,7 +92,8 @@ def shortfall(jobs: Sequence, available: int | None = None) -> MemoryShortfall |
     available = available_bytes() if available is None else available
     if available is None:
         return None
-    needs, worst = max(((job_floor(j.system, j.topology, j.workers, j.elements), j)
+    needs, worst = max(((job_floor(j.system, j.topology, j.workers, j.elements,
+                                   j.rounds > 1 or j.posts_ahead_in_last_round()), j)
                         for j in jobs), key=lambda pair: pair[0], default=(0, None))
     if worst is None or needs <= available:
         return None
