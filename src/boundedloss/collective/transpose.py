@@ -16,7 +16,7 @@ bucket's own: give the two halves different buckets.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 
 import numpy as np
@@ -147,7 +147,7 @@ class TransposeAllreduce(Collective):
                               into=None if into is None else into[lo:hi])
                 for r, (lo, hi) in bounds.items() if r != self.rank}
 
-    def _send_each(self, payloads: dict[int, np.ndarray | memoryview], bucket: int, phase: int,
+    def _send_each(self, payloads: Mapping[int, np.ndarray | memoryview], bucket: int, phase: int,
                    round_id: int) -> list[tuple[int, Future]]:
         """Send each other rank in ``payloads`` its payload, all in one batch."""
         others = self._others(payloads)
