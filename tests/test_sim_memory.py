@@ -27,11 +27,12 @@ MEASURED = [
 
 
 #: the same for one round at 1% loss without CPU costs (``--losses 0.01 --rounds 1``, no
-#: ``--cpu``; 256 workers reliable, 512 DBLP), where the simulator posts no next round's
-#: receives
+#: ``--cpu``; 256 workers reliable, 512 and 1,024 DBLP), where the simulator posts no next
+#: round's receives
 MEASURED_ONE_ROUND = [
     (256, "allreduce", 1 << 20, 3464),
     (512, "allreduce", 1 << 20, 8284),
+    (1024, "allreduce", 1 << 20, 20759),
 ]
 
 

@@ -4,7 +4,10 @@ The OptiReduce / 2507.07114 topology. The vector is cut into ``world_size`` cont
 shards; rank r owns shard r. Every rank sends shard j to rank j, each owner aggregates
 its shard from whatever arrived (the job's policy and aggregator), then sends the
 reduced shard to every other rank - reliably, or with ``stale_broadcast`` under the
-same bound, a missing value keeping its previous one (bounded drift).
+same bound, a missing value keeping its previous one (bounded drift). Received reliably,
+the shards land where the result is gathered (each receive writes into its piece of the
+round's output array, posted a round ahead into the next round's): no buffer of their
+own, no copy.
 
 Each half also runs on its own, for a sharded model (FSDP2) whose gradients are
 reduce-scattered and whose parameters are all-gathered at different times:
