@@ -1575,3 +1575,29 @@ def test_has_output_follows_which_sends_are_quiet() -> None:
     assert [(h.kind, h.message_id, h.index) for h in sent if h.kind == Kind.DATA] == [
         (Kind.DATA, 1, 3)]
     assert rx[2].result is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_active_sends_are_polled_in_turn_as_a_walk_of_every_open_send_would(data):
+    """``in_turn`` finds the active open sends from their ids; a walk of every open send
+    from position ``turn``, keeping the active ones, gives the same sends in the same
+    order - with sends finished (gone from the open ones, or still active) among them."""
+    from types import SimpleNamespace
+
+    from boundedloss.protocol.mux import in_turn
+
+    count = data.draw(st.integers(1, 40))
+    ids = sorted(data.draw(st.sets(st.integers(0, 10_000), min_size=count, max_size=count)))
+    sends = [SimpleNamespace(transfer_id=i, peer=("10.0.0.1", i % 3), round_id=i // 7,
+                             message_id=i) for i in ids]
+    gone = data.draw(st.sets(st.sampled_from(ids)))
+    open_sends = {(tx.peer, tx.round_id, tx.message_id): tx for tx in sends
+                  if tx.transfer_id not in gone}
+    if not open_sends:
+        return
+    active = {tx.transfer_id: tx for tx in sends if data.draw(st.booleans())}
+    turn = data.draw(st.integers(0, len(open_sends) - 1))
+    walk = list(open_sends.values())
+    walk = [tx for tx in walk[turn:] + walk[:turn] if tx.transfer_id in active]
+    assert in_turn(open_sends, active, turn) == walk

@@ -10,6 +10,7 @@ allocate nothing; a receive must be posted (``start_receive``) to be accepted.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from collections import Counter, OrderedDict
@@ -99,6 +100,20 @@ class _Closed:
     def __init__(self, stop: bytes | None, now: float):
         self.stop = stop
         self.last_sent = now
+
+
+def in_turn(open_sends: dict[tuple, MessageSender], active: dict[int, MessageSender],
+            turn: int) -> list[MessageSender]:
+    """The open sends that are active (``active``: by transfer id), in turn from the one
+    at position ``turn`` of ``open_sends`` (by (peer, round, message), in the order of
+    their transfer ids: each new one has the next id and goes last). Found from the
+    active ones' ids, not by walking every open send - a simulated rank of a large world
+    has thousands, and polls at every datagram."""
+    pivot = next(itertools.islice(open_sends.values(), turn, None)).transfer_id
+    ids = sorted(active)
+    at = bisect.bisect_left(ids, pivot)
+    return [tx for tx in map(active.__getitem__, ids[at:] + ids[:at])
+            if open_sends.get((tx.peer, tx.round_id, tx.message_id)) is tx]
 
 
 class TransferMux:
@@ -518,10 +533,7 @@ class TransferMux:
         active = self._active
         if not active:  # (a poll of each open send would do nothing)
             return out
-        # (in turn among the open sends; the others' polls would do nothing)
-        senders = list(self._senders.values())
-        senders = [tx for tx in senders[self._turn :] + senders[: self._turn]
-                   if tx.transfer_id in active]
+        senders = in_turn(self._senders, active, self._turn)
         batch = max(self.config.send_batch, RUN_TURN) if runs else self.config.send_batch
         progressed = True
         while progressed and n < limit:
