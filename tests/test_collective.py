@@ -548,12 +548,12 @@ def test_a_receive_the_guard_made_reliable_still_hands_on_part_at_the_hard_deadl
 
 
 # ------------------------------------------------------- the transpose's two halves
-def _run_halves(world, make_policy, rounds, piece, shard, losses=None,
-                cls=TransposeAllreduce, **kw):
-    """Each rank r runs ``rounds`` rounds of ``reduce_scatter_mean`` (bucket 0) on its
-    pieces for every owner, ``piece(r, owner, t)`` in rank order, and of ``all_gather``
-    (bucket 1) on ``shard(r, t)``; ``losses[r]``: what rank r's host loses of what
-    reaches it. A program's error ends the run, raised."""
+def _run_ranks(world, make_policy, program, losses=None, cls=TransposeAllreduce,
+               **kw) -> dict:
+    """Each rank r runs ``program(coll, r, results)`` on its collective (``cls``, on a
+    simulated world); ``losses[r]``: what rank r's host loses of what reaches it. The
+    results, each rank's memory at the end as ``results[("memory", r)]``. A program's
+    error ends the run, raised."""
     sim = _Simulated()
     config = TransportConfig(chunk_bytes=1202, receive_deadline=10.0, peer_timeout=10.0)
     eps = [sim.endpoint(r, config, loss=losses[r] if losses else None) for r in range(world)]
@@ -564,11 +564,7 @@ def _run_halves(world, make_policy, rounds, piece, shard, losses=None,
         coll = cls(eps[r], r, peers, policy=make_policy(), aggregator=UnbiasedRescale(),
                    session=SESSION, **kw)
         try:
-            for t in range(rounds):
-                pieces = [piece(r, q, t) for q in range(world)]
-                x = np.concatenate(pieces).view(pieces[0].dtype)  # (bfloat16's marking)
-                results[("rs", r, t)] = coll.reduce_scatter_mean(x, t, 0)
-                results[("ag", r, t)] = coll.all_gather(shard(r, t), t, 1)
+            program(coll, r, results)
             results[("memory", r)] = dict(coll.memory)
         finally:
             coll.close()
@@ -581,6 +577,22 @@ def _run_halves(world, make_policy, rounds, piece, shard, losses=None,
         for ep in eps:
             ep.close()
     return results
+
+
+def _run_halves(world, make_policy, rounds, piece, shard, losses=None,
+                cls=TransposeAllreduce, **kw):
+    """Each rank r runs ``rounds`` rounds of ``reduce_scatter_mean`` (bucket 0) on its
+    pieces for every owner, ``piece(r, owner, t)`` in rank order, and of ``all_gather``
+    (bucket 1) on ``shard(r, t)``; ``losses[r]``: what rank r's host loses of what
+    reaches it."""
+    def halves(coll, r, results):
+        for t in range(rounds):
+            pieces = [piece(r, q, t) for q in range(world)]
+            x = np.concatenate(pieces).view(pieces[0].dtype)  # (bfloat16's marking)
+            results[("rs", r, t)] = coll.reduce_scatter_mean(x, t, 0)
+            results[("ag", r, t)] = coll.all_gather(shard(r, t), t, 1)
+
+    return _run_ranks(world, make_policy, halves, losses, cls, **kw)
 
 
 @pytest.mark.parametrize(("cls", "world"), [(TransposeAllreduce, 3), (TwoLevelAllreduce, 6),
@@ -757,32 +769,15 @@ def _gathered_in_place(cls, world: int, sizes: list[tuple[int, np.dtype]], monke
         return accept(self, res, size, dtype, memory_key)
 
     monkeypatch.setattr(Collective, "_accept_broadcast", observed)
-    sim = _Simulated()
-    config = TransportConfig(chunk_bytes=1202, receive_deadline=10.0, peer_timeout=10.0)
-    eps = [sim.endpoint(r, config) for r in range(world)]
-    peers = [ep.address for ep in eps]
     rng = np.random.default_rng(3)
     inputs = {(r, t): rng.standard_normal(n).astype(dtype)
               for r in range(world) for t, (n, dtype) in enumerate(sizes)}
-    outputs: dict = {}
 
-    def rank_main(r):
-        coll = cls(eps[r], r, peers, policy=ReliablePolicy(), aggregator=UnbiasedRescale(),
-                   session=SESSION, **kw)
-        try:
-            for t in range(len(sizes)):
-                outputs[(r, t)] = coll.allreduce_mean(inputs[(r, t)], t)[0]
-            outputs[("memory", r)] = dict(coll.memory)
-        finally:
-            coll.close()
+    def rounds(coll, r, results):
+        for t in range(len(sizes)):
+            results[(r, t)] = coll.allreduce_mean(inputs[(r, t)], t)[0]
 
-    for r in range(world):
-        sim.spawn(lambda r=r: rank_main(r))
-    try:
-        sim.run()
-    finally:
-        for ep in eps:
-            ep.close()
+    outputs = _run_ranks(world, ReliablePolicy, rounds, cls=cls, **kw)
     return inputs, outputs, arrived
 
 
