@@ -419,6 +419,8 @@ def test_a_flat_byte_view_is_its_own_and_other_views_are_flattened():
     whole = wire.as_bytes_view(np.arange(8, dtype=np.float32))
     piece = whole[4:12]
     assert wire.as_bytes_view(piece) is piece  # (a collective's slice: no new object)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        wire.as_bytes_view(whole[::2])
     floats = memoryview(np.arange(6, dtype=np.float32)).cast("B").cast("f")
     flat = wire.as_bytes_view(floats)
     assert flat.format == "B" and flat.tobytes() == np.arange(6, dtype=np.float32).tobytes()

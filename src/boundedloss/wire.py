@@ -295,7 +295,8 @@ def stop_datagram(message: Header, reason: CloseReason, delivered: int) -> bytes
 
 def as_bytes_view(array) -> memoryview:
     """A flat byte view of a C-contiguous buffer (numpy array, bytes, bytearray...)."""
-    if type(array) is memoryview and array.format == "B" and array.ndim == 1:
+    if (type(array) is memoryview and array.format == "B" and array.ndim == 1
+            and array.c_contiguous):
         return array  # (already one: a collective hands each send a slice of one view)
     if type(array) is np.ndarray and array.flags.c_contiguous:
         # (one view, where a numpy reshape and view kept two arrays alive under it: a

@@ -3,8 +3,8 @@
 The simulator holds every rank of a job in one process: the job's gradient (one, which
 every rank sends), each rank's receive buffers and result of a round and of the next
 (posted ahead), the collective's memory, and a Python object or three for every message
-it has open. A sweep that does not fit is stopped before it starts, rather than killed by the
-kernel minutes in.
+it has open. A sweep that does not fit is stopped before it starts, rather than killed
+by the kernel minutes in.
 
 The estimate is a floor, under the peak of every job measured (``boundedloss sim``'s
 peak RSS at 16 to 1,024 workers, 64 KB to 4 MB gradients, each topology: the runs are in
