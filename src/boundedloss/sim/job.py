@@ -211,11 +211,16 @@ class SimJob:
     #: limit in bytes (None: a link like the others)
     bottleneck: qdisc.Bottleneck | None = None
 
+    def host_costs(self) -> CpuCosts | None:
+        """What our systems' hosts are charged (None: computing takes no time): the
+        job's own costs, or its preset's."""
+        return self.cpu_costs or CPU_PRESETS[self.cpu].costs
+
     def posts_ahead_in_last_round(self) -> bool:
         """Whether the last round posts a next round's receives, which nothing uses:
         only where posting costs the hosts' CPU virtual time (left out, the rows are the
         same, and a one-round job holds a third fewer messages)."""
-        return (self.cpu_costs or CPU_PRESETS[self.cpu].costs) is not None
+        return self.host_costs() is not None
 
 
 @dataclass(frozen=True)
@@ -313,7 +318,7 @@ def run_job(job: SimJob) -> SimRow:
     """Simulate ``job``; its row."""
     wall0 = time.perf_counter()
     cpu = CPU_PRESETS[job.cpu]
-    costs = job.cpu_costs or cpu.costs
+    costs = job.host_costs()
     if job.system in EXCHANGES:  # (a baseline's hosts run TCP)
         costs = job.tcp_costs or cpu.tcp_costs
     on_paths, at_node = job_losses(job)
