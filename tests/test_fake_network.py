@@ -620,14 +620,18 @@ def test_run_until_done_times_out_and_attach_rejects_duplicates() -> None:
 def test_a_microburst_round_simulated_is_deterministic_and_dblp_recovers_in_fewer_passes():
     from boundedloss.bench.burst import run_burst_bench, simulate_round
 
-    kw = dict(seed=1, message_bytes=100_000, link_bps=10e9, rtt=100e-6, workers=2)
-    base = simulate_round(0.8, 0.008, **kw)
-    assert base == simulate_round(0.8, 0.008, **kw)  # a virtual clock: no noise
-    dblp = simulate_round(0.8, 0.408, **kw)
-    # P = 0.8% needs ~log(0.008)/log(0.8) = 22 passes at 80% loss, P = 40.8% about 4
-    assert base["passes"] >= 15 and dblp["passes"] <= 6
-    assert dblp["round_s"] < base["round_s"] and dblp["datagrams"] < base["datagrams"]
-    assert base["normal_s"] < base["round_s"] and dblp["normal_s"] < dblp["round_s"]
+    kw = dict(message_bytes=100_000, link_bps=10e9, rtt=100e-6, workers=2)
+    base = [simulate_round(0.8, 0.008, seed=seed, **kw) for seed in range(1, 6)]
+    assert base[0] == simulate_round(0.8, 0.008, seed=1, **kw)  # a virtual clock: no noise
+    dblp = [simulate_round(0.8, 0.408, seed=seed, **kw) for seed in range(1, 6)]
+    for b, d in zip(base, dblp):
+        # P = 0.8% needs ~log(0.008)/log(0.8) = 22 passes at 80% loss, P = 40.8% about 4
+        assert b["passes"] >= 15 and d["passes"] <= 6
+        assert d["datagrams"] < b["datagrams"]
+        assert b["normal_s"] < b["round_s"] and d["normal_s"] < d["round_s"]
+    # (one seed's round may meet a timeout either side: the median over five)
+    assert (np.median([d["round_s"] for d in dblp])
+            < np.median([b["round_s"] for b in base]))
     (row,) = run_burst_bench(rates=[0.8], message_mb=0.1, link_gbps=10, rtt_us=100,
                              workers=2, seeds=2)
     assert row.speedup == pytest.approx(row.baseline_round_ms / row.dblp_round_ms)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from boundedloss import wire
 from boundedloss.protocol import TransferMux, TransportConfig
+from boundedloss.protocol.loss_prior import HORIZON, PRIOR_DATAGRAMS, LossPrior, pass_loss
 from boundedloss.protocol.pacing import Pacer
 from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEstimate
 from boundedloss.protocol.recovery import Recovery, _loss_limit, copies_for
@@ -79,6 +80,86 @@ def test_recovery_sizes_the_next_probe_from_the_last_pass_loss() -> None:
     assert r.reply_received(2e-3) == (True, 50)
     assert r.pass_started_at is None
     assert r.probe_copies(0.003, first_pass=False) == r.copies_for(0.5) == 7
+
+
+def _answered_pass(r: Recovery, sent: int, missing: int) -> int:
+    """A pass of ``sent`` datagrams whose answer reports ``missing`` of them: the copies
+    the next PROBE goes in."""
+    r.data_sent(0.0, sent)
+    r.probe_copies(0.0, first_pass=False)
+    r.missing_reported(missing)
+    r.reply_received(1e-3)
+    return r.probe_copies(0.002, first_pass=False)
+
+
+def test_a_short_pass_is_read_against_the_endpoints_recent_loss() -> None:
+    """One datagram lost of one is not a path that loses everything (32 copies, each
+    answered): where a sixth of what the endpoint sent lately was lost, it reads as a
+    third."""
+    prior = LossPrior()
+    prior.data_sent(600)
+    prior.missing_reported(100)
+    r = Recovery(CFG, loss_prior=prior)
+    copies = _answered_pass(r, sent=1, missing=1)
+    q = pass_loss(1, 1, 101 / 601)
+    assert q == (1 + PRIOR_DATAGRAMS * 101 / 601) / (1 + PRIOR_DATAGRAMS)
+    assert q == pytest.approx(1 / 3, abs=0.01)
+    assert copies == r.copies_for(q) == 5 < r.copies_for(1.0) == 32
+    # an endpoint that has lost all it sent lately gets no relief
+    assert _answered_pass(Recovery(CFG, loss_prior=LossPrior()), sent=1, missing=1) == 32
+
+
+def test_a_long_pass_keeps_its_own_loss_and_a_sends_later_passes_read_as_it() -> None:
+    """A microburst that takes most of a long pass still calls for the copies it did,
+    however little the endpoint lost before; and the short passes that end the send
+    inside the burst read as the burst the longer ones measured, not as the endpoint's
+    quiet past (a few copies there would cost a timeout a pass)."""
+    prior = LossPrior()
+    prior.data_sent(4000)
+    prior.missing_reported(40)
+    r = Recovery(CFG, loss_prior=prior)
+    first = pass_loss(160, 200, 161 / 4200)
+    assert first == pytest.approx(0.8, abs=0.04)
+    copies = _answered_pass(r, sent=200, missing=160)
+    assert copies == r.copies_for(first) >= r.copies_for(0.8) - 2
+    second = pass_loss(32, 40, first)
+    assert _answered_pass(r, sent=40, missing=32) == r.copies_for(second)
+    tail = pass_loss(2, 2, second)  # two of two lost: read against the burst
+    assert _answered_pass(r, sent=2, missing=2) == r.copies_for(tail) >= r.copies_for(0.8)
+    # the same tail pass as a send's first answered one, on the quiet endpoint: few
+    assert _answered_pass(Recovery(CFG, loss_prior=prior), sent=2, missing=2) <= 6
+
+
+def test_the_loss_prior_forgets_by_halves() -> None:
+    prior = LossPrior()
+    assert prior.rate() == 0.0
+    prior.data_sent(HORIZON)
+    prior.missing_reported(HORIZON // 2)
+    assert prior.rate() == 0.5
+    prior.data_sent(HORIZON)  # past the horizon: both counts halve, the rate with them
+    assert prior.sent == HORIZON and prior.rate() == pytest.approx(0.25)
+    prior.missing_reported(10 * HORIZON)  # (never more than everything)
+    assert prior.rate() == 1.0
+
+
+def test_a_mux_reads_a_sends_short_pass_against_its_other_sends() -> None:
+    """Five one-chunk sends arrive whole (each ends with a STOP, no answer); the sixth
+    loses its chunk. The endpoint lost one of six: its next PROBE goes in the copies a
+    one-lost-of-one pass read against that calls for, not in 32."""
+    mux = TransferMux(7, CFG)
+    for m in range(5):
+        tx = mux.start_send("b", 1, m, np.arange(100, dtype=np.uint8), 0.0)
+        mux.poll(0.0)
+        mux.datagram_received(_stop(tx, CloseReason.COMPLETE), "b", 1e-3)
+        assert tx.done
+    tx = mux.start_send("b", 1, 5, np.arange(100, dtype=np.uint8), 1e-3)
+    mux.poll(1e-3)
+    answer = wire.BITMAP_PREFIX.pack(1, 0) + bytes([0])  # chunk 0 missing
+    mux.datagram_received(wire.control_datagram(tx.message, Kind.BITMAP, 0, answer,
+                                                wire.Flag.FINAL), "b", 2e-3)
+    kinds = [wire.decode(b"".join(parts))[0].kind for parts, _ in mux.poll(2e-3)]
+    expected = tx.recovery.copies_for((1 + PRIOR_DATAGRAMS / 6) / (1 + PRIOR_DATAGRAMS))
+    assert kinds == [Kind.DATA] + [Kind.PROBE] * expected and expected == 5
 
 
 def test_recovery_doubles_the_copies_of_an_unanswered_probe() -> None:

@@ -704,7 +704,9 @@ def test_a_burst_at_one_rank_meets_what_arrives_at_its_host_alone(tmp_path):
     demo's, at the server) - what arrives at that rank's host is lost there (counted
     ``node_losses``), for gloo's segments and our datagrams alike; the paths keep the
     rest of the spec. Recurring bursts do not phase-lock with TCP's timers: a round of
-    the TCP baselines stays within a few retransmission timeouts."""
+    the TCP baselines stays within a few retransmission timeouts. (40 rounds: one round
+    of ours with a timeout under the 1% alone, as the first may have, outweighs what
+    the bursts cost 20.)"""
     from boundedloss.cli import main
 
     path = tmp_path / "sim.json"
@@ -712,7 +714,7 @@ def test_a_burst_at_one_rank_meets_what_arrives_at_its_host_alone(tmp_path):
     on_paths = "bernoulli:0.01"
     assert main(["sim", "--workers", "3", "--systems", "gloo,tcp-ps,reliable", "--topology",
                  "ps", "--losses", "0", "--loss-model", at_server, "--loss-model", on_paths,
-                 "--elements", "1000000", "--rounds", "20", "--link-gbps", "1",
+                 "--elements", "1000000", "--rounds", "40", "--link-gbps", "1",
                  "--json", str(path)]) == 0
     rows = {(r["system"], r["loss_model"]): r for r in json.loads(path.read_text())}
     for system in ("gloo", "tcp-ps", "reliable"):

@@ -34,6 +34,7 @@ from ..wire import (
 )
 from .auth import TRAILER_BYTES, DatagramAuth
 from .credit import CreditGrants
+from .loss_prior import LossPrior
 from .path import PeerPath
 from .receiver import RUN_MAX, MessageReceiver
 from .sender import MessageSender
@@ -136,6 +137,9 @@ class TransferMux:
         self.data_path: DataPath | None = None
         self.run_min = RUN_MIN  # (a tuning; the tests lower it to try every run length)
         self._paths: dict[Hashable, PeerPath] = {}
+        #: what the sends lost lately, over every peer: a short pass's loss is read
+        #: against it (loss_prior.py)
+        self.loss_prior = LossPrior()
         self._finished: list[SendResult | ReceiveResult] = []  # since pop_finished
         self._transfer_ids = itertools.count(1)
         self._turn = 0  # rotates which sender polls first, so none always goes first
@@ -177,6 +181,7 @@ class TransferMux:
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             payload=payload, config=self.config, now=now, critical=critical,
             path=self.path(peer), transfer_id=next(self._transfer_ids),
+            loss_prior=self.loss_prior,
         )
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
             try:

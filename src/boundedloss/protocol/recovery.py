@@ -10,7 +10,8 @@ decides the two things that make that wait short and safe:
   loss into seconds of idle waiting);
 - how many copies a PROBE goes in: enough that all of them, or all their answers, are
   lost with chance at most ``probe_miss_target``, given the loss forward (what the last
-  pass lost, or before any answer what the ACKs say) and on the way back (the ACKs that
+  pass lost, read against the loss expected before it - ``loss_prior.py`` - or before
+  any answer what the ACKs say) and on the way back (the ACKs that
   did not come, or what a receive from this peer saw lately). Each unanswered PROBE
   doubles the copies of the next, up to ``probe_copies_max``.
 
@@ -25,6 +26,7 @@ import functools
 import math
 
 from .acks import AckState, loss_with, reverse_with
+from .loss_prior import LossPrior, pass_loss
 from .path import RttEstimate
 from .types import TransportConfig
 
@@ -79,17 +81,20 @@ def _loss_limit(target: float, most: int, copies: int) -> float:
 
 class Recovery:
     __slots__ = (
-        "_ack_owed_at", "_config", "_copies_sent", "_measured", "_min_copies", "_more_copies",
-        "_pass_sent", "_pass_started_at", "_reply_missing", "_rto", "_rto_base", "_rttvar",
-        "_srtt", "acks", "unanswered",
+        "_ack_owed_at", "_config", "_copies_sent", "_loss", "_measured", "_min_copies",
+        "_more_copies", "_pass_sent", "_pass_started_at", "_prior", "_reply_missing", "_rto",
+        "_rto_base", "_rttvar", "_srtt", "acks", "unanswered",
     )
 
     def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
-                 reverse_loss: float | None = None, *, ack_every: int | None = None):
+                 reverse_loss: float | None = None, *, ack_every: int | None = None,
+                 loss_prior: LossPrior | None = None):
         """``ack_every``: how many DATA datagrams the receiver takes per ACK
         (``config.ack_every_for`` the message's chunk count; default: a short
-        message's)."""
+        message's). ``loss_prior``: the endpoint's, shared by its sends (default: this
+        send's own)."""
         self._config = config
+        self._prior = loss_prior if loss_prior is not None else LossPrior()
         #: what the ACKs say (shared with the sender and its window; the loss on the way
         #: back starts from ``reverse_loss``, a receive's hint)
         self.acks = AckState(ack_every=ack_every or config.ack_every_for(0),
@@ -114,6 +119,7 @@ class Recovery:
         self._ack_owed_at: float | None = None
         self._reply_missing = 0
         self._measured = False  # an answer has reported chunks missing: loss measured
+        self._loss: float | None = None  # what the latest answered pass was read as
         # PROBE copies: the least the last pass's loss calls for, how many went with the
         # PROBE now awaiting its answer, and how many more to send (ACKs behind it)
         self._min_copies = 1
@@ -157,6 +163,7 @@ class Recovery:
 
     # ------------------------------------------------------------------ passes
     def data_sent(self, now: float, k: int) -> None:
+        self._prior.data_sent(k)
         if self._pass_started_at is None:
             self._pass_started_at = now
         self._pass_sent += k
@@ -170,6 +177,7 @@ class Recovery:
     def missing_reported(self, n: int) -> None:
         """A segment of the answer to the PROBE awaiting it reports ``n`` chunks missing."""
         self._reply_missing += n
+        self._prior.missing_reported(n)
 
     def reply_received(self, sample: float) -> tuple[bool, int]:
         """The whole answer came, ``sample`` seconds after its PROBE: learn the round
@@ -185,7 +193,8 @@ class Recovery:
         # The PROBEs that follow cross the same path as the pass just answered, and their
         # answers the way back, so they go in as many copies as that loss calls for.
         if self._pass_sent:
-            q = self._reply_missing / self._pass_sent
+            expected = self._prior.rate() if self._loss is None else self._loss
+            q = self._loss = pass_loss(self._reply_missing, self._pass_sent, expected)
             self._min_copies = self.copies_for(1.0 - (1.0 - q) * (1.0 - self.reverse_loss()))
         got = self._pass_sent - self._reply_missing
         self._pass_started_at = None

@@ -27,6 +27,7 @@ from .. import wire
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, Flag, Kind
 from .acks import AckState
 from .congestion import AckSamples
+from .loss_prior import LossPrior
 from .pacing import Pacer
 from .path import PeerPath
 from .recovery import Recovery
@@ -226,6 +227,7 @@ class MessageSender:
         critical: np.ndarray | None = None,
         path: PeerPath | None = None,
         transfer_id: int = 0,
+        loss_prior: LossPrior | None = None,
     ):
         self.peer = peer
         self.transfer_id = transfer_id
@@ -259,7 +261,7 @@ class MessageSender:
         self._probe = OutstandingProbe()
         self.path = path if path is not None else PeerPath(peer, config.delay_loop)
         self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
-                                 ack_every=config.ack_every_for(count))
+                                 ack_every=config.ack_every_for(count), loss_prior=loss_prior)
         #: what the ACKs move, for recovery, the window and this sender alike (the
         #: compiled data path's Send in its place once it takes them: share_acks)
         self.acks = self.recovery.acks
