@@ -11,9 +11,9 @@ decides the two things that make that wait short and safe:
 - how many copies a PROBE goes in: enough that all of them, or all their answers, are
   lost with chance at most ``probe_miss_target``, given the loss forward (what the last
   pass lost, read against the loss expected before it - ``loss_prior.py`` - or before
-  any answer what the ACKs say) and on the way back (the ACKs that
-  did not come, or what a receive from this peer saw lately). Each unanswered PROBE
-  doubles the copies of the next, up to ``probe_copies_max``.
+  any answer what the ACKs say) and on the way back (the ACKs that did not come, or
+  what a receive from this peer saw lately). Each unanswered PROBE doubles the copies
+  of the next, up to ``probe_copies_max``.
 
 It also keeps the record of the current pass - the DATA sent since the last answered
 PROBE, when it started, and how much of it the answer reported missing - which is
