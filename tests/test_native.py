@@ -209,7 +209,7 @@ def _final_probe(count: int, nbytes: int, chunk_bytes: int, seq: int = 9,
     seed=st.integers(0, 2**16),
     ops=st.lists(st.tuples(st.sampled_from(["drop", "dup", "swap", "mutate", "foreign",
                                             "other", "probe", "probe", "probe_later",
-                                            "probe_open", "unpark"]),
+                                            "probe_open", "unpark", "carry"]),
                            st.integers(0, 10_000)), max_size=40),
     sized=st.booleans(),
     with_critical=st.booleans(),
@@ -245,6 +245,11 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes))
         elif op == "unpark":  # the other message's first pass is over: its credit is free
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, message_id=OTHER))
+        elif op == "carry":  # a DATA that carries the first PROBE, anywhere in the pass
+            b = bytearray(datagrams[i])
+            if len(b) >= HEADER_BYTES and b[wire.OFFSET["kind"]] == Kind.DATA:
+                b[wire.OFFSET["flags"]] |= Flag.PROBE_CARRIED
+            datagrams.insert(i, bytes(b))
         else:  # a later pass's FINAL PROBE, or one sent with the window shut
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, seq=10 + arg % 5,
                                              final=op == "probe_later"))
@@ -404,13 +409,18 @@ def test_the_compiled_path_seals_the_cores_control_datagrams_as_the_core_would()
         assert at_peer.open(data[:-1] + bytes([data[-1] ^ 1]), LOCAL) is None
         assert at_peer.open(data, ("10.1.2.6", 5000)) is None  # (the tag covers the source)
         counters.append(int.from_bytes(sealed[-1][4:12], "big"))
-    # the mux's own PROBE: sealed by the same sealer (its nonces go on counting)
+    # the mux's own PROBE (the first rides on the DATA; its repeat goes on its own, in
+    # two copies): sealed by the same sealer (its nonces go on counting)
     mux.start_send(peer, 1, 2, np.zeros(3000, np.uint8), 0.0)
-    out = mux.poll(0.0, runs=True)
-    control = [item for item in out if isinstance(item, tuple)]
-    assert len(control) == 1 and at_peer.open(b"".join(control[0][0]), LOCAL) is not None
-    counters.append(int.from_bytes(control[0][0][-1][4:12], "big"))
-    assert counters == list(range(counters[0], counters[0] + 4))
+    assert not [item for item in mux.poll(0.0, runs=True) if isinstance(item, tuple)]
+    deadline = mux.next_deadline()
+    mux.timer_fired(deadline)
+    control = [item for item in mux.poll(deadline, runs=True) if isinstance(item, tuple)]
+    assert len(control) == 2
+    for item in control:
+        assert at_peer.open(b"".join(item[0]), LOCAL) is not None
+        counters.append(int.from_bytes(item[0][-1][4:12], "big"))
+    assert counters == list(range(counters[0], counters[0] + 5))
 
 
 @settings(PROPERTY, max_examples=150)
@@ -516,8 +526,8 @@ def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
             # gets it at once)
             assert bool(answered) == (msg >= 3 and (d is datagrams[0] or d is datagrams[-1]))
     counters = side[1][0].counters()
-    # (each first pass's own PROBE came after its close: 4 more stale)
-    assert counters["stale"] == 4 + 8 and counters["unknown_message"] == 8
+    # (each first pass's PROBE rode on the DATA that closed it: none stale then)
+    assert counters["stale"] == 8 and counters["unknown_message"] == 8
     # posted again: the new receive takes its DATA (and is remembered when it closes)
     for mux, _ in side:
         mux.start_receive(PEER, 3, 4, t, policy=ReliablePolicy(), nbytes=64 * 4)
@@ -529,21 +539,31 @@ def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
     assert results[1][-1].complete
 
 
-def test_native_answers_later_probes_as_python_would() -> None:
+@pytest.mark.parametrize("carried", [True, False])
+def test_native_answers_later_probes_as_python_would(carried: bool) -> None:
     """With chunks missing, the first FINAL PROBE goes to the core (the receive's state
-    changes); a later pass's FINAL PROBE, and one sent with the window shut, are
-    answered by the compiled path - the same BITMAPs, counters and result."""
-    datagrams = _message(100 * 64, 64, 5)
-    data, probe = datagrams[:-1], datagrams[-1]
-    kept = [d for k, d in enumerate(data) if k % 7]  # (every 7th chunk lost)
+    changes) - carried by the last DATA, which the compiled path takes, handing the core
+    the PROBE alone, or on its own (as its copies go); a later pass's FINAL PROBE, and
+    one sent with the window shut, are answered by the compiled path - the same BITMAPs,
+    counters and result."""
+    data = _message(100 * 64, 64, 5)
+    assert len(data) == 100 and data[-1][wire.OFFSET["flags"]] & Flag.PROBE_CARRIED
+    probes = []
+    if not carried:  # (the last DATA as it would go without, and the PROBE itself)
+        last = bytearray(data[-1])
+        last[wire.OFFSET["flags"]] &= ~Flag.PROBE_CARRIED
+        data[-1] = bytes(last)
+        probes = [_final_probe(100, 100 * 64, 64, seq=wire.CARRIED_PROBE_SEQ)]
+    kept = [d for k, d in enumerate(data) if k % 7]  # (every 7th chunk lost, not the last)
     later = [_final_probe(100, 100 * 64, 64, seq=10), _final_probe(100, 100 * 64, 64,
                                                                    seq=11, final=False)]
     side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
-    sent = _feed(side, [*kept, probe, *later, *later], 1)
+    sent = _feed(side, [*kept, *probes, *later, *later], 1)
     _same(side, sent)
-    path = side[1][1]
-    handed = len(kept) + 1 + 4 - path.counters()["datagrams_in"]
-    assert handed == 1  # (the first FINAL PROBE)
+    mux, path = side[1][0], side[1][1]
+    handed = len(kept) + len(probes) + 4 - path.counters()["datagrams_in"]
+    # (the first FINAL PROBE: as an event after its DATA, or whole)
+    assert (handed, mux.decisions_in) == ((0, 1) if carried else (1, 0))
     bitmaps = [d for d in sent[1] if d[wire.OFFSET["kind"]] == Kind.BITMAP]
     assert len(bitmaps) == 5 and side[1][3].retransmit_rounds == 5  # (seq 9, 10, 11, 10, 11)
 
@@ -560,7 +580,7 @@ def test_native_answers_probes_while_accepting_as_python_would() -> None:
     (ACCEPTING) answers a later FINAL PROBE, and a window-shut one, from the compiled
     path with the core's BITMAPs; the first FINAL one is the core's."""
     datagrams = _message(100 * 64, 64, 6)
-    data = datagrams[:-1]
+    data = datagrams[:-1]  # (the last, which carries the first PROBE, lost too)
     kept = [d for k, d in enumerate(data) if k % 5]  # (every 5th lost, chunk 0 among them)
     critical = np.zeros(100, dtype=bool)
     critical[0] = True
@@ -581,17 +601,18 @@ def test_native_answers_probes_while_accepting_as_python_would() -> None:
 
 def test_native_takes_the_data_python_would_have() -> None:
     """The point of it: a receive's DATA never reaches the Python core - the one that
-    meets the plan is taken too, and the core told to close the receive - nor does the
-    PROBE that comes after the close (its STOP is said again by the compiled path)."""
+    meets the plan is taken too, and the core told to close the receive (whose STOP
+    answers the PROBE that DATA carries)."""
     datagrams = _message(100 * 64, 64, 3)
     side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
-    _feed(side, datagrams, 10)
+    sent = _feed(side, datagrams, 10)
     mux, path = side[1][0], side[1][1]
     assert side[1][3].result.complete
     taken = path.counters()["datagrams_in"]
-    assert taken == len(datagrams) == 101 and mux.datagrams_in == 0  # 100 DATA + PROBE
+    assert taken == len(datagrams) == 100 and mux.datagrams_in == 0
+    assert mux.decisions_in == 1  # (the close)
     assert mux.counters()["datagrams_in"] == len(datagrams)
-    assert mux.counters()["stale"] == 1
+    assert [d[wire.OFFSET["kind"]] for d in sent[1]].count(Kind.STOP) == 1
 
 
 # ------------------------------------------------------------------------ fuzz
@@ -794,7 +815,10 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         with pytest.raises(ValueError):
             disp.send_run(s, 0x7F000001, 9, bytes(48), bytes(10), np.zeros(1, np.int64), 0,
-                          1 << 31, 10, True)
+                          1 << 31, 10, True, 0)
+        with pytest.raises(ValueError):  # (flags are 16 bits)
+            disp.send_run(s, 0x7F000001, 9, bytes(48), bytes(10), np.zeros(1, np.int64), 0,
+                          10, 10, True, 1 << 16)
 
 
 def test_a_send_set_up_oddly_never_crashes_the_data_path() -> None:

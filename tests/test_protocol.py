@@ -197,14 +197,22 @@ def test_posting_misuse_raises() -> None:
 
 
 def drop_first(kind: Kind, n: int, also_data=(1, 4)):
-    """Lose the first ``n`` datagrams of ``kind`` and, so that BITMAPs matter, the
-    first-pass DATA datagrams numbered ``also_data``."""
+    """Lose the first ``n`` datagrams of ``kind`` (counted in ``drop.lost``) and, so that
+    BITMAPs matter, the first-pass DATA datagrams numbered ``also_data``. The DATA that
+    carries the first PROBE is a PROBE too: the first of them."""
+    seen = 0
 
     def drop(d, nth):
-        if d.kind == kind:
-            return nth <= n
+        nonlocal seen
+        carries = d.kind == Kind.DATA and d.header.flags & Flag.PROBE_CARRIED
+        if d.kind == kind or (carries and kind == Kind.PROBE):
+            seen += 1
+            lose = seen <= n
+            drop.lost += lose  # type: ignore[attr-defined]
+            return lose
         return d.kind == Kind.DATA and nth in also_data
 
+    drop.lost = 0  # type: ignore[attr-defined]
     return drop
 
 
@@ -216,11 +224,12 @@ def test_lost_control_datagrams_do_not_hang(kind: Kind, n: int) -> None:
         cfg = TransportConfig(chunk_bytes=CB, peer_timeout=5.0, receive_deadline=20.0,
                               window_bytes=4 * (CB + HEADER_BYTES))
     src = source_bytes(20 * CB + 5, seed=n)
-    net, tap, a, b = pair(cfg, drop=drop_first(kind, n))
+    drop = drop_first(kind, n)
+    net, tap, a, b = pair(cfg, drop=drop)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, src, net.now)
     t = net.run_until_done([tx, rx], timeout=60.0)
-    assert tap.lost[kind] == n, "the scenario must really lose those datagrams"
+    assert drop.lost == n, "the scenario must really lose those datagrams"
     assert rx.result is not None and rx.result.complete
     assert rx.result.data.tobytes() == src.tobytes()
     assert tx.result is not None and tx.result.status == SendStatus.STOPPED
@@ -999,8 +1008,8 @@ def _first_probe_copies(drop_fn, chunks: int = 300, cfg: TransportConfig = PACED
     probes = []
 
     def drop(d, nth):
-        if d.kind == Kind.PROBE:
-            probes.append(d.header.index)
+        if d.probe_seq is not None:  # (a PROBE, or the DATA that carries the first)
+            probes.append(d.probe_seq)
         return drop_fn(d, nth)
 
     src = source_bytes(chunks * CB, seed=21)
@@ -1030,12 +1039,12 @@ def test_a_silent_first_pass_probes_in_copies_once_the_round_trip_is_known() -> 
     probes = []
 
     def drop(d, nth):
-        if d.kind == Kind.PROBE and d.src == "a" and d.round_id == ROUND + 1:
-            probes.append(d.header.index)
+        if d.probe_seq is not None and d.src == "a" and d.round_id == ROUND + 1:
+            probes.append(d.probe_seq)
         if not burst[0]:
             return False
-        if d.kind == Kind.PROBE:
-            return d.header.index == 1  # every copy of the first PROBE
+        if d.probe_seq is not None:
+            return d.probe_seq == 1  # every copy of the first PROBE (the DATA one rides on)
         # every ACK, and a tenth of the DATA (so the receive waits for a PROBE)
         return (d.src == "b" and d.kind == ACK) or (d.kind == Kind.DATA and nth % 10 == 0)
 
@@ -1100,8 +1109,8 @@ def test_a_stop_answering_the_final_probe_measures_the_round_trip() -> None:
     never by a BITMAP); the next message to that peer must still start from the
     measured round trip, not the conservative initial RTO (Karn: only an unrepeated
     PROBE gives a sample)."""
-    net, _, a, b = pair(drop=lambda d, nth: d.kind == Kind.DATA and nth % 10 == 0,
-                        delay=1e-3)
+    net, _, a, b = pair(drop=lambda d, nth: d.kind == Kind.DATA and nth % 10 == 1,
+                        delay=1e-3)  # (not the last DATA: it carries the PROBE)
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=FixedBoundPolicy(0.2))
     tx = a.start_send("b", ROUND, MSG, source_bytes(50 * CB, 4), net.now)
     net.run_until_done([tx, rx])
@@ -1135,7 +1144,7 @@ def test_acks_arriving_behind_the_first_probe_send_more_copies_at_once() -> None
     first = []
 
     def drop(d, nth):
-        if d.kind == Kind.PROBE and d.header.index == 1:
+        if d.probe_seq == 1:  # (the first copy rides on the last DATA)
             first.append(d)
             return len(first) == 1
         return d.src == "a" and d.kind == Kind.DATA and nth <= 300 and nth % 5 != 0
@@ -1209,17 +1218,18 @@ def test_the_next_message_to_a_peer_starts_from_its_best_recent_delivery_rate() 
 
 
 def test_a_pass_answered_only_after_a_repeated_probe_gives_no_rate_sample() -> None:
-    """Its time holds a timeout (here every copy of the first PROBE is lost), not how
-    fast the path drained: pacing the retransmissions by it would crawl."""
+    """Its time holds a timeout (here every copy of the first PROBE is lost, and with it
+    the last DATA, which carries the first), not how fast the path drained: pacing the
+    retransmissions by it would crawl."""
     net, tap, a, b = pair(PACING, delay=1e-3, drop=lambda d, nth: (
         d.src == "a" and ((d.kind == Kind.DATA and nth <= 200 and nth % 4 != 0)
-                          or (d.kind == Kind.PROBE and d.header.index == 1))))
+                          or d.probe_seq == 1)))
     rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy())
     tx = a.start_send("b", ROUND, MSG, source_bytes(200 * CB, 7), net.now)
     net.run_until_done([tx, rx], timeout=10.0)
     assert rx.result.complete and tx.pacer.rate_samples == []
     retx = tap.departures("a", Kind.DATA)[200:]
-    assert len(retx) == 150 and retx[-1] == retx[0]  # nothing measured: not paced
+    assert len(retx) == 151 and retx[-1] == retx[0]  # nothing measured: not paced
 
 
 # ------------------------------------------------- runs of datagrams (UDP GRO) at once
@@ -1420,8 +1430,8 @@ def test_a_send_takes_the_loss_its_receive_from_that_peer_saw() -> None:
     probes = []
 
     def drop(d, nth):
-        if d.kind == Kind.PROBE and d.src == "a":
-            probes.append((d.round_id, d.header.index))
+        if d.probe_seq is not None and d.src == "a":
+            probes.append((d.round_id, d.probe_seq))
         return d.src == "b" and d.kind == Kind.DATA and nth % 5 != 0
 
     net, _, a, b = pair(drop=drop)
@@ -1559,7 +1569,7 @@ def test_has_output_follows_which_sends_are_quiet() -> None:
     assert a.has_output()
     for parts, _ in a.poll(now):
         head, _ = wire.decode(b"".join(bytes(p) for p in parts))
-        if head.kind == Kind.PROBE:
+        if head.kind == Kind.PROBE or head.flags & Flag.PROBE_CARRIED:  # (held back)
             probes[head.message_id] = b"".join(bytes(p) for p in parts)
         elif not (head.message_id == 1 and head.index == 3):  # (chunk 3 of 1: lost)
             b.datagram_received(b"".join(bytes(p) for p in parts), "a", now)

@@ -19,7 +19,7 @@ from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEs
 from boundedloss.protocol.recovery import Recovery, _loss_limit, copies_for
 from boundedloss.protocol.sender import SendState
 from boundedloss.protocol.types import DataRun
-from boundedloss.wire import CloseReason, Kind
+from boundedloss.wire import CloseReason, Flag, Kind
 from conftest import PROPERTY
 
 CFG = TransportConfig(chunk_bytes=1000, initial_rto=0.05, min_rto=0.002, max_rto=0.5,
@@ -304,8 +304,10 @@ def test_send_state_walks_probe_timeout_and_stop() -> None:
     tx = mux.start_send("b", 1, 2, np.arange(5000, dtype=np.uint8), 0.0)
     assert tx.state is SendState.SENDING and tx.has_data()
     out = mux.poll(0.0)
-    kinds = [wire.decode(b"".join(parts))[0].kind for parts, _ in out]
-    assert kinds == [Kind.DATA] * 5 + [Kind.PROBE]  # the pass, then "what is missing?"
+    heads = [wire.decode(b"".join(bytes(p) for p in parts))[0] for parts, _ in out]
+    # the pass, its last DATA asking "what is missing?" (the send's first PROBE)
+    assert [(h.kind, h.flags) for h in heads] == (
+        [(Kind.DATA, Flag.NONE)] * 4 + [(Kind.DATA, Flag.PROBE_CARRIED)])
     assert tx.state is SendState.AWAITING_REPLY and not tx.has_data()
     deadline = mux.next_deadline()
     assert deadline == pytest.approx(CFG.initial_rto)
@@ -353,7 +355,10 @@ def test_a_poll_in_runs_hands_out_the_same_datagrams_as_one_by_one() -> None:
 
     one_by_one = polled(False)
     assert polled(True) == one_by_one
-    assert len(one_by_one) == 11 + 1  # every chunk, then the PROBE
+    assert len(one_by_one) == 11  # every chunk, the last carrying the PROBE
+    heads = [wire.decode(d)[0] for d in one_by_one]
+    assert [h.flags for h in heads] == [Flag.NONE] * 10 + [Flag.PROBE_CARRIED]
+    assert heads[-1].index == 10
 
 
 @settings(PROPERTY, max_examples=2000)

@@ -294,12 +294,13 @@ class _RefusingOffload:
     def __getattr__(self, name):
         return getattr(self.real, name)
 
-    def send_run(self, sock, ip, port, headers, payload, indices, start, cb, nbytes, segment):
+    def send_run(self, sock, ip, port, headers, payload, indices, start, cb, nbytes, segment,
+                 last_flags):
         if segment and len(indices) - start > 1:
             self.refused += 1
             return start, errno.EINVAL, len(indices), 0
         return self.real.send_run(sock, ip, port, headers, payload, indices, start, cb,
-                                  nbytes, segment)
+                                  nbytes, segment, last_flags)
 
 
 @pytest.mark.skipif(not native.enabled(), reason=f"compiled data path: {native.status()}")

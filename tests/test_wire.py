@@ -276,7 +276,8 @@ BAD = [
     ("magic", patch(GOOD["probe"], magic=0x424C), DropReason.BAD_MAGIC),
     ("magic_zero", bytes(HEADER_BYTES), DropReason.BAD_MAGIC),
     ("version_0", patch(GOOD["probe"], version=0), DropReason.BAD_VERSION),
-    ("version_2", patch(GOOD["data_first"], version=2), DropReason.BAD_VERSION),
+    ("version_1", patch(GOOD["probe"], version=1), DropReason.BAD_VERSION),  # (no carried PROBE)
+    ("version_3", patch(GOOD["data_first"], version=3), DropReason.BAD_VERSION),
     ("version_255", patch(GOOD["stop"], version=255), DropReason.BAD_VERSION),
     ("plen_too_big", patch(GOOD["data_first"], plen=CB + 1), DropReason.BAD_LENGTH),
     ("plen_too_small", patch(GOOD["data_first"], plen=CB - 1), DropReason.BAD_LENGTH),

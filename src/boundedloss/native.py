@@ -21,8 +21,9 @@ def _load() -> tuple[ModuleType | None, str]:
     except ImportError as e:
         return None, f"the compiled extension is not built ({e})"
     if (dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES
-            or _native.TRAILER_BYTES != TRAILER_BYTES):
-        return None, ("the compiled extension's header or trailer layout differs from "
+            or _native.TRAILER_BYTES != TRAILER_BYTES or _native.VERSION != wire.VERSION
+            or getattr(_native, "FLAG_PROBE_CARRIED", None) != wire.Flag.PROBE_CARRIED):
+        return None, ("the compiled extension's header, version or trailer differs from "
                       "wire's and auth's: rebuild it")
     return _native, "built"
 

@@ -24,7 +24,11 @@ anything is written anywhere.
 
 Payloads per kind:
 
-- DATA:   the chunk's bytes (``cbytes`` for every chunk but the last).
+- DATA:   the chunk's bytes (``cbytes`` for every chunk but the last). With
+  ``PROBE_CARRIED`` set it is also the send's first PROBE (sequence 1, ``FINAL``): the
+  last DATA of the first pass asks "what is missing?" itself, so that a message needs
+  no datagram of its own for that question (half the datagrams of a one-datagram
+  message, and of the incast at a receiver of many of them).
 - PROBE:  empty. The sender asks "what is missing?".
 - BITMAP: ``<II`` (echoed probe sequence, chunks delivered so far), then a bitmap of the
   chunks ``index ..`` (bit set = delivered, little bit order, ``index`` a multiple of 8).
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x4C42
-VERSION = 1
+VERSION = 2  # (2: DATA may carry the first PROBE - a version-1 peer would not answer it)
 
 #: the header's fields in order, as (name, struct code): the one definition of the
 #: layout - the struct, its numpy twin and every field offset derive from it
@@ -82,6 +86,7 @@ MAX_MESSAGE_BYTES = 1 << 40
 MAX_CHUNKS = (1 << 32) - 1
 
 TSEQ_OFFSET = OFFSET["tseq"]
+FLAGS_SLICE = slice(OFFSET["flags"], OFFSET["flags"] + FIELD_BYTES["flags"])
 ROUND_SLICE = slice(OFFSET["round"], OFFSET["round"] + FIELD_BYTES["round"])
 
 #: the fields that differ between the DATA datagrams of one sender's pass; every other
@@ -126,8 +131,13 @@ _DATA, _PROBE, _BITMAP, _STOP, _ACK = (
 class Flag(enum.IntFlag):
     NONE = 0
     CRITICAL = 1  # DATA: the chunk must be delivered whatever the bound
+    PROBE_CARRIED = 2  # DATA: it is also the send's first PROBE (sequence 1, FINAL)
     FINAL = 4  # BITMAP: the last segment of one answer; PROBE: every chunk was sent once
     CREDIT = 8  # ACK: ``index`` is the receiver's credit (protocol/credit.py)
+
+
+#: the PROBE a DATA datagram flagged PROBE_CARRIED stands for: always a send's first
+CARRIED_PROBE_SEQ = 1
 
 
 class CloseReason(enum.IntEnum):

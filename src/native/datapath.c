@@ -16,7 +16,9 @@
  *     window) in the Send object the send shares with Python;
  *   - answers a PROBE for an open receive with its BITMAP, as the core would, but for
  *     the first FINAL one (the receive's state changes) and one that meets its plan
- *     (under credit, the core answers every PROBE: it grants with its answer);
+ *     (under credit, the core answers every PROBE: it grants with its answer); a DATA
+ *     that carries its send's first PROBE (FLAG_PROBE_CARRIED) is taken as DATA, and the
+ *     PROBE handed to the core as an event;
  *   - under credit, stamps the share the core set (Dispatcher.credit) on each ACK it
  *     builds, as often as that share calls for (credit.ack_cadence);
  *   - answers for messages that closed, as the core would: a closed receive the core
@@ -69,7 +71,7 @@ typedef struct {
     int verified_slot;
     Sealer sealer;                   /* on: every datagram carries a tag (authenticate) */
     /* the event take() returned EVENT for (see EVENT): a receive's plan met (KIND_DATA,
-     * ``event_rx``) or a STOP for an open send (KIND_STOP, its key, index and count) */
+     * ``event_rx``), a first PROBE carried by DATA for it (KIND_PROBE) or a STOP for an open send (KIND_STOP, its key, index and count) */
     int event_kind;
     ReceiveObject *event_rx;
     uint32_t event_ip, event_round, event_message, event_index, event_delivered;
@@ -474,6 +476,14 @@ static int verify(DispatcherObject *d, const unsigned char *p, size_t n, uint32_
     return VERIFIED;
 }
 
+/* A DATA for the open receive ``rx``, taken, that carries its send's first PROBE (a
+ * FINAL one: the receive's state changes, so the Python core answers it): an EVENT. */
+static inline int carried_probe(DispatcherObject *d, ReceiveObject *rx) {
+    d->event_kind = KIND_PROBE;
+    d->event_rx = rx;
+    return EVENT;
+}
+
 /* Take one datagram if the data path may: TAKEN (counted, dropped or delivered), or
  * HANDED_BACK (Python's core must handle it, untouched but for its tag: when
  * authenticating, *np is cut to the datagram without it, verified). FAILED: a Python
@@ -527,7 +537,10 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
         return EVENT;
     }
     ReceiveObject *rx = lookup(d, ip, port, h.round_id, h.message_id);
-    if (rx != NULL && rx->closed) return answer_closed(d, rx, h.kind, out);
+    /* (a DATA that carries its send's first PROBE is answered as that PROBE) */
+    int carries = h.kind == KIND_DATA && (h.flags & FLAG_PROBE_CARRIED);
+    if (rx != NULL && rx->closed)
+        return answer_closed(d, rx, carries ? KIND_PROBE : h.kind, out);
     if (h.kind == KIND_PROBE)
         return rx == NULL || h.mbytes != rx->mbytes || h.cbytes != rx->cbytes || d->credit
             ? HANDED_BACK : answer_probe(d, rx, &h, out);
@@ -592,7 +605,7 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     }
     if (!fresh) {
         rx->duplicates++;
-        return TAKEN;
+        return carries ? carried_probe(d, rx) : TAKEN;
     }
     uint64_t off = (uint64_t)h.index * rx->cbytes;
     if (off + h.plen > (uint64_t)rx->dest.len) {  /* cannot happen: parse + bind checked */
@@ -604,19 +617,21 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     rx->delivered_count++;
     if (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index])
         rx->critical_missing--;
-    if (!met) return TAKEN;
+    if (!met) return carries ? carried_probe(d, rx) : TAKEN;
+    /* (met: the receive closes, and its STOP answers a PROBE the DATA carried) */
     d->event_kind = KIND_DATA;
     d->event_rx = rx;
     return EVENT;
 }
 
 /* The event take() found, as step() and take() give it to Python: ``(KIND_DATA, peer,
- * round, message)`` (the receive's plan is met) or ``(KIND_STOP, ip, port, round,
+ * round, message)`` (the receive's plan is met), ``(KIND_PROBE, peer, round, message)``
+ * (a DATA it took carried its send's first PROBE, the plan not met) or ``(KIND_STOP, ip, port, round,
  * message, index, delivered)``. Built at once, while the receive is surely registered. */
 static PyObject *event_tuple(DispatcherObject *d) {
-    if (d->event_kind == KIND_DATA) {
+    if (d->event_kind == KIND_DATA || d->event_kind == KIND_PROBE) {
         ReceiveObject *rx = d->event_rx;
-        return Py_BuildValue("(iOII)", KIND_DATA, rx->peer, rx->round_id, rx->message_id);
+        return Py_BuildValue("(iOII)", d->event_kind, rx->peer, rx->round_id, rx->message_id);
     }
     return Py_BuildValue("(iIIIIII)", KIND_STOP, d->event_ip, (unsigned int)d->event_port,
                          d->event_round, d->event_message, d->event_index,
@@ -779,10 +794,11 @@ static int seal_pieces(DispatcherObject *d, const unsigned char *dst, const stru
 #endif
 
 /* send_run(sock, ip, port, headers, payload, indices, start, chunk_bytes, nbytes,
- *          segment) -> (next, err, end, calls): the DATA datagrams of one message, chunk
- * indices[start:] (indices: int64), each its header (48 bytes at i * 48 in headers)
- * then its payload (at i * chunk_bytes in payload), gathered straight from those
- * buffers. With ``segment`` runs of equal-sized datagrams go out as one UDP_SEGMENT
+ *          segment, last_flags) -> (next, err, end, calls): the DATA datagrams of one
+ * message, chunk indices[start:] (indices: int64), each its header (48 bytes at i * 48 in
+ * headers) then its payload (at i * chunk_bytes in payload), gathered straight from those
+ * buffers - but for the run's last datagram, whose header goes as a copy with
+ * ``last_flags`` set in its flags (the first PROBE it carries: DataRun.last_flags). With ``segment`` runs of equal-sized datagrams go out as one UDP_SEGMENT
  * send each (the last may be shorter), else up to 64 datagrams per sendmmsg. Stops at the first error: ``err`` is
  * its errno (0: all sent), ``next`` the first unsent index into indices, ``end`` the end
  * of the call that failed; ``calls``: system calls that sent. The GIL is released
@@ -794,11 +810,12 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     unsigned long long nbytes;
     Py_ssize_t start;
     int segment;
+    unsigned int last_flags;
     Py_buffer hb, pb, ib;
     if (d->stage == NULL && (d->stage = PyMem_Malloc(GSO_MAX_BYTES)) == NULL)
         return PyErr_NoMemory();
-    if (!PyArg_ParseTuple(args, "OIIy*y*y*nIKp", &sock, &ip, &port, &hb, &pb, &ib, &start,
-                          &cb, &nbytes, &segment))
+    if (!PyArg_ParseTuple(args, "OIIy*y*y*nIKpI", &sock, &ip, &port, &hb, &pb, &ib, &start,
+                          &cb, &nbytes, &segment, &last_flags))
         return NULL;
     PyObject *result = NULL;
     const int64_t *idx = ib.buf;
@@ -808,7 +825,8 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     uint64_t count = cb ? (nbytes + cb - 1) / cb : 0;
     if (count == 0) count = 1;
     if (cb == 0 || cb > MAX_CHUNK_BYTES || ib.len % 8 || start < 0 || start > n
-        || (uint64_t)hb.len < count * HEADER_BYTES || (uint64_t)pb.len != nbytes) {
+        || (uint64_t)hb.len < count * HEADER_BYTES || (uint64_t)pb.len != nbytes
+        || last_flags > 0xFFFF) {
         PyErr_SetString(PyExc_ValueError, "send_run: buffers disagree with the geometry");
         goto done;
     }
@@ -824,6 +842,13 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     to.sin_addr.s_addr = htonl(ip);
     to.sin_port = htons((uint16_t)port);
     const unsigned char *H = hb.buf, *P = pb.buf;
+    unsigned char last_header[HEADER_BYTES];  /* (the last datagram's, flagged) */
+    if (last_flags && n > start) {  /* (idx[n - 1] checked above) */
+        memcpy(last_header, H + (size_t)idx[n - 1] * HEADER_BYTES, HEADER_BYTES);
+        uint16_t flags = (uint16_t)(ld16(last_header + OFF_FLAGS) | last_flags);
+        last_header[OFF_FLAGS] = (unsigned char)flags;
+        last_header[OFF_FLAGS + 1] = (unsigned char)(flags >> 8);
+    }
     uint64_t last_len = nbytes - (uint64_t)cb * (count - 1);
 #define CLEN(c) ((c) == count - 1 ? last_len : cb)
     /* authenticating: every datagram ends in its trailer (a third piece, or in the stage) */
@@ -859,7 +884,8 @@ static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
         }
         for (Py_ssize_t j = 0; j < k; j++) {
             uint64_t c = (uint64_t)idx[i + j];
-            iov[pieces * j].iov_base = (void *)(H + (size_t)c * HEADER_BYTES);
+            iov[pieces * j].iov_base = last_flags && i + j == n - 1
+                ? (void *)last_header : (void *)(H + (size_t)c * HEADER_BYTES);
             iov[pieces * j].iov_len = HEADER_BYTES;
             iov[pieces * j + 1].iov_base = (void *)(P + (size_t)c * cb);
             iov[pieces * j + 1].iov_len = (size_t)CLEN(c);

@@ -37,6 +37,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         || PyModule_AddIntConstant(m, "HEADER_BYTES", HEADER_BYTES) < 0
         || PyModule_AddIntConstant(m, "MAGIC", MAGIC) < 0
         || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0
+        || PyModule_AddIntConstant(m, "FLAG_PROBE_CARRIED", FLAG_PROBE_CARRIED) < 0
         || PyModule_AddIntConstant(m, "MAX_CHUNK_BYTES", MAX_CHUNK_BYTES) < 0
         || PyModule_AddIntConstant(m, "TRAILER_BYTES", TRAILER_BYTES) < 0
 #ifdef BL_OPENSSL

@@ -56,9 +56,11 @@ enum {
     OFF_SESSION = 8, OFF_ROUND = 16, OFF_MESSAGE = 20, OFF_INDEX = 24, OFF_COUNT = 28,
     OFF_MBYTES = 32, OFF_CBYTES = 40, OFF_TSEQ = 44, HEADER_BYTES = 48,
 };
-enum { MAGIC = 0x4C42, VERSION = 1 };
+enum { MAGIC = 0x4C42, VERSION = 2 };
 enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK = 5 };
-enum { FLAG_FINAL = 4, FLAG_CREDIT = 8 };
+enum { FLAG_PROBE_CARRIED = 2, FLAG_FINAL = 4, FLAG_CREDIT = 8 };
+/* the PROBE a DATA flagged PROBE_CARRIED stands for (wire.CARRIED_PROBE_SEQ) */
+enum { CARRIED_PROBE_SEQ = 1 };
 /* a BITMAP's payload: the PROBE's seq and the chunks delivered (wire.BITMAP_PREFIX), then
  * the delivered bits */
 enum { BITMAP_PREFIX_BYTES = 8 };

@@ -92,6 +92,17 @@ class Datagram:
     def round_id(self) -> int:
         return wire.peek_round(self.data)
 
+    @property
+    def probe_seq(self) -> int | None:
+        """The sequence of the PROBE this datagram is, or carries (a DATA flagged
+        PROBE_CARRIED); None: neither."""
+        header = self.header
+        if header.kind == wire.Kind.PROBE:
+            return header.index
+        if header.kind == wire.Kind.DATA and header.flags & wire.Flag.PROBE_CARRIED:
+            return wire.CARRIED_PROBE_SEQ
+        return None
+
 
 Route = Callable[[Datagram], Sequence[float]]
 """Decides a datagram's fate: the delays (seconds after it departed, each >= 0) after

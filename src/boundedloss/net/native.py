@@ -162,10 +162,15 @@ class NativeDataPath:
 
     def _event(self, event: tuple, now: float) -> None:
         """What a datagram the compiled path took calls for from the core: a receive whose
-        plan it met closes; a STOP ends its send."""
-        if event[0] == Kind.DATA:
+        plan it met closes; the first PROBE a DATA carried is answered; a STOP ends its
+        send."""
+        kind = event[0]
+        if kind == Kind.DATA:
             _, peer, round_id, message_id = event
             self._mux.receive_met((peer, round_id, message_id), now)
+        elif kind == Kind.PROBE:
+            _, peer, round_id, message_id = event
+            self._mux.probe_carried((peer, round_id, message_id), now)
         else:
             _, ip, port, round_id, message_id, reason, delivered = event
             self._mux.stop_arrived((self._peer(ip, port), round_id, message_id), reason,

@@ -324,7 +324,7 @@ class UdpEndpoint(Endpoint):
         while True:
             start, err, end, calls = data_path.dispatcher.send_run(
                 self.sock, ip, port, run.headers, run.payload, run.indices, start,
-                run.chunk_bytes, nbytes, self.segmentation_offload)
+                run.chunk_bytes, nbytes, self.segmentation_offload, run.last_flags)
             self.sendmsg_calls += calls
             if err == 0:
                 return start, False

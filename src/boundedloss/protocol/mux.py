@@ -22,6 +22,8 @@ import numpy as np
 from .. import wire
 from ..policy.base import Policy
 from ..wire import (
+    CARRIED_PROBE_SEQ,
+    FLAGS_SLICE,
     HEADER_BYTES,
     INDEX_WORD,
     PASS_INVARIANT_MASK,
@@ -54,13 +56,16 @@ RUN_TURN = 512
 #: a run shorter than this goes datagram by datagram: the whole-array steps cost about
 #: as much as 16 datagrams one by one
 RUN_MIN = 16
+#: the byte of a header whose low bits hold the flags DATA may carry
+FLAGS_AT = FLAGS_SLICE.start
 
 
 class DataPath(Protocol):
     """A compiled data path that takes DATA for open receives, and the ACKs for open
     sends, off the core's hands (``boundedloss.net.native``). The mux tells it which
     receives and sends are open; it tells the mux when a DATA it took met a receive's
-    plan (``receive_met``) and what a STOP for an open send said (``stop_arrived``)."""
+    plan (``receive_met``) or carried its sender's first PROBE (``probe_carried``), and
+    what a STOP for an open send said (``stop_arrived``)."""
 
     def new_counts(self, peer) -> object | None:
         """A fresh counters object for a receive from ``peer`` to keep its counts in
@@ -279,8 +284,9 @@ class TransferMux:
         key = (peer, rnd, msg)
         if kind == Kind.DATA or kind == Kind.PROBE:  # for one of our receives
             rx = self._receivers.get(key)
-            if rx is None:
-                self._answer_closed(key, kind, now)
+            if rx is None:  # (a DATA that carries a PROBE is answered as the PROBE)
+                self._answer_closed(
+                    key, Kind.PROBE if flags & Flag.PROBE_CARRIED else kind, now)
                 return
             if mbytes != rx.nbytes or cbytes != rx.chunk_bytes:
                 sized = rx.nbytes is not None
@@ -292,6 +298,8 @@ class TransferMux:
             if rx.result is None:
                 if kind == Kind.DATA:
                     rx.data_received(idx, plen, tseq, data, now, self.outbox)
+                    if flags & Flag.PROBE_CARRIED and rx.result is None:
+                        rx.probe_received(CARRIED_PROBE_SEQ, Flag.FINAL, now, self.outbox)
                 else:
                     rx.probe_received(idx, flags, now, self.outbox)
             if rx.result is not None:
@@ -333,6 +341,19 @@ class TransferMux:
             self.drops[DropReason.STALE] += 1
             return
         self._stopped(tx, reason, delivered, now)
+
+    def probe_carried(self, key: tuple, now: float) -> None:
+        """The open receive ``key`` took (through a data path that shares its counts) a
+        DATA that carries its sender's first PROBE, and its plan is not met: the PROBE
+        is answered, as ``datagram_received`` would answer it."""
+        self.decisions_in += 1
+        rx = self._receivers.get(key)
+        if rx is None or rx.result is not None:
+            return  # (a data path takes DATA only for the receives the mux has open)
+        rx.probe_received(CARRIED_PROBE_SEQ, Flag.FINAL, now, self.outbox)
+        if rx.result is not None:
+            self._reap_receive(rx, now)
+        self._rearm(rx)
 
     def receive_met(self, key: tuple, now: float) -> None:
         """The open receive ``key`` took (through a data path that shares its counts) the
@@ -385,6 +406,8 @@ class TransferMux:
         heads = np.ascontiguousarray(rows[:, :HEADER_BYTES]).view("<u8")
         if ((heads[1:] ^ heads[0]) & PASS_INVARIANT_MASK).any():
             return False
+        if (rows[:, FLAGS_AT] & Flag.PROBE_CARRIED).any():
+            return False  # (the PROBE one carries is answered in turn: one by one)
         head = rows[0]
         try:
             kind, _, plen, session, rnd, msg, _, cnt, mbytes, cbytes, _ = wire.parse(head.data)

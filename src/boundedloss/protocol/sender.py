@@ -17,6 +17,7 @@ are its ``recovery``'s (``recovery.py``), pacing and delivery-rate samples its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -362,6 +363,7 @@ class MessageSender:
             sent = more
         queue = self._queue
         avail = len(queue)
+        run = None
         if avail > 0 and sent < limit:
             window = self._window
             room = window.room()
@@ -371,17 +373,31 @@ class MessageSender:
             if room <= 0:
                 window.shut(now)
             elif k > 0:
-                sent += self._send_data(now, k, out, runs)
+                run = self._take_data(now, k)
+                sent += k
         if len(queue) == 0:
+            # The first pass's last DATA carries the send's first PROBE when it goes in
+            # this poll: one datagram asks for what is missing, not two (a PROBE of its
+            # own would double what a one-datagram message puts into a receiver's queue).
+            carries = (run is not None and queue.first_pass and self._probe.seq == 0
+                       and self._state is SendState.SENDING)
             queue.drained()
+            if run is not None:
+                if carries:
+                    run = dataclasses.replace(run, last_flags=Flag.PROBE_CARRIED)
+                self._emit(run, out, runs)
             if self._state is SendState.SENDING:  # nothing new to send: ask what is missing
-                if sent < limit:
-                    sent += self._send_probe(now, out)
+                if carries or sent < limit:
+                    sent += self._send_probe(now, out, carried=carries)
                 else:
                     self._transition(SendEvent.PROBE_DEFERRED)
+        elif run is not None:
+            self._emit(run, out, runs)
         return sent
 
-    def _send_data(self, now: float, k: int, out: list, runs: bool) -> int:
+    def _take_data(self, now: float, k: int) -> DataRun:
+        """The next ``k`` queued chunks as a run of DATA, each with its transmission
+        sequence (counted sent)."""
         queue = self._queue
         first_pass = queue.first_pass
         batch = queue.take(k)
@@ -393,11 +409,6 @@ class MessageSender:
         self.recovery.data_sent(now, k)
         if self._samples is not None:
             self._samples.sent(tseq, now)
-        run = DataRun(self.peer, self._headers, self._payload, self.chunk_bytes, batch)
-        if runs:
-            out.append(run)
-        else:
-            out.extend(run.datagrams())
         cb = self.chunk_bytes
         counts = self.counts
         counts.datagrams += k
@@ -406,9 +417,19 @@ class MessageSender:
             counts.payload_bytes -= self.count * cb - self.nbytes
         if not first_pass:
             counts.retransmitted += k
-        return k
+        return DataRun(self.peer, self._headers, self._payload, cb, batch)
 
-    def _send_probe(self, now: float, out: list) -> int:
+    @staticmethod
+    def _emit(run: DataRun, out: list, runs: bool) -> None:
+        if runs:
+            out.append(run)
+        else:
+            out.extend(run.datagrams())
+
+    def _send_probe(self, now: float, out: list, carried: bool = False) -> int:
+        """A PROBE, in as many copies as recovery asks for; ``carried``: the first of them
+        went already, carried by the DATA just sent (its sequence is 1: the send's first).
+        The datagrams this puts into ``out``."""
         probe = self._probe
         probe.seq += 1
         probe.sent_at = now
@@ -421,7 +442,7 @@ class MessageSender:
         # (a PROBE sent while the window is shut is not FINAL).
         probe.datagram = wire.control_datagram(
             self.message, Kind.PROBE, probe.seq, flags=Flag.NONE if first_pass else Flag.FINAL)
-        copies = self.recovery.probe_copies(now, first_pass)
+        copies = self.recovery.probe_copies(now, first_pass) - carried
         out.extend([((probe.datagram,), self.peer)] * copies)
         return copies
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..wire import (
     DEFAULT_CHUNK_BYTES,
+    FLAGS_SLICE,
     HEADER_BYTES,
     MAX_MESSAGE_BYTES,
     CloseReason,
@@ -260,21 +261,32 @@ class DataRun:
     """DATA datagrams of one message to one peer, as the sender's buffers hold them: the
     datagram of chunk ``i`` (for ``i`` in ``indices``) is the header
     ``headers[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]`` then the payload
-    ``payload[i * chunk_bytes : (i + 1) * chunk_bytes]`` (the last chunk may be shorter).
-    A data path sends them without building each datagram in Python."""
+    ``payload[i * chunk_bytes : (i + 1) * chunk_bytes]`` (the last chunk may be shorter),
+    but that the last datagram's flags also have ``last_flags`` set (the first PROBE it
+    carries: wire.Flag.PROBE_CARRIED). A data path sends them without building each
+    datagram in Python."""
 
     peer: Hashable
     headers: memoryview
     payload: memoryview
     chunk_bytes: int
     indices: np.ndarray  # int64, C-contiguous
+    last_flags: int = 0
 
-    def datagrams(self) -> list[tuple[tuple[memoryview, memoryview], Hashable]]:
+    def datagrams(self) -> list[tuple[tuple, Hashable]]:
         """The same datagrams one by one, as ``(parts, peer)`` (memoryview slices clamp
         at the end, so the short last chunk needs no min())."""
         hb, cb = HEADER_BYTES, self.chunk_bytes
-        return [((self.headers[i * hb : (i + 1) * hb], self.payload[i * cb : (i + 1) * cb]),
-                 self.peer) for i in self.indices.tolist()]
+        out: list[tuple[tuple, Hashable]] = [
+            ((self.headers[i * hb : (i + 1) * hb], self.payload[i * cb : (i + 1) * cb]),
+             self.peer) for i in self.indices.tolist()]
+        if self.last_flags and out:
+            (head, body), peer = out[-1]
+            flagged = bytearray(head)  # (a copy: the sender's headers stay as they are)
+            flags = int.from_bytes(flagged[FLAGS_SLICE], "little") | self.last_flags
+            flagged[FLAGS_SLICE] = flags.to_bytes(2, "little")
+            out[-1] = ((bytes(flagged), body), peer)
+        return out
 
 
 class TransportError(RuntimeError):
