@@ -86,6 +86,16 @@ def _message(nbytes: int, chunk_bytes: int, seed: int, auth: bool = False,
     return [b"".join(bytes(p) for p in parts) for parts, _ in sender.poll(0.0, 1 << 20)]
 
 
+def _carried(datagrams: list[bytes]) -> list[bytes]:
+    """A message's first pass as a warm sender on a path that loses nothing sends it
+    (MessageSender; test_sender_units): its PROBE carried by its last DATA."""
+    *data, probe = datagrams
+    assert probe[wire.OFFSET["kind"]] == Kind.PROBE and data[-1][wire.OFFSET["kind"]] == Kind.DATA
+    last = bytearray(data[-1])
+    last[wire.OFFSET["flags"]] |= Flag.PROBE_CARRIED
+    return [*data[:-1], bytes(last)]
+
+
 def test_classify_agrees_with_wire_parse() -> None:
     rng = np.random.default_rng(5)
     seeds = _message(5000, 64, 1) + [
@@ -409,18 +419,13 @@ def test_the_compiled_path_seals_the_cores_control_datagrams_as_the_core_would()
         assert at_peer.open(data[:-1] + bytes([data[-1] ^ 1]), LOCAL) is None
         assert at_peer.open(data, ("10.1.2.6", 5000)) is None  # (the tag covers the source)
         counters.append(int.from_bytes(sealed[-1][4:12], "big"))
-    # the mux's own PROBE (the first rides on the DATA; its repeat goes on its own, in
-    # two copies): sealed by the same sealer (its nonces go on counting)
+    # the mux's own PROBE: sealed by the same sealer (its nonces go on counting)
     mux.start_send(peer, 1, 2, np.zeros(3000, np.uint8), 0.0)
-    assert not [item for item in mux.poll(0.0, runs=True) if isinstance(item, tuple)]
-    deadline = mux.next_deadline()
-    mux.timer_fired(deadline)
-    control = [item for item in mux.poll(deadline, runs=True) if isinstance(item, tuple)]
-    assert len(control) == 2
-    for item in control:
-        assert at_peer.open(b"".join(item[0]), LOCAL) is not None
-        counters.append(int.from_bytes(item[0][-1][4:12], "big"))
-    assert counters == list(range(counters[0], counters[0] + 5))
+    out = mux.poll(0.0, runs=True)
+    control = [item for item in out if isinstance(item, tuple)]
+    assert len(control) == 1 and at_peer.open(b"".join(control[0][0]), LOCAL) is not None
+    counters.append(int.from_bytes(control[0][0][-1][4:12], "big"))
+    assert counters == list(range(counters[0], counters[0] + 4))
 
 
 @settings(PROPERTY, max_examples=150)
@@ -526,8 +531,8 @@ def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
             # gets it at once)
             assert bool(answered) == (msg >= 3 and (d is datagrams[0] or d is datagrams[-1]))
     counters = side[1][0].counters()
-    # (each first pass's PROBE rode on the DATA that closed it: none stale then)
-    assert counters["stale"] == 8 and counters["unknown_message"] == 8
+    # (each first pass's own PROBE came after its close: 4 more stale)
+    assert counters["stale"] == 4 + 8 and counters["unknown_message"] == 8
     # posted again: the new receive takes its DATA (and is remembered when it closes)
     for mux, _ in side:
         mux.start_receive(PEER, 3, 4, t, policy=ReliablePolicy(), nbytes=64 * 4)
@@ -539,21 +544,15 @@ def test_closed_receives_are_remembered_and_forgotten_alike() -> None:
     assert results[1][-1].complete
 
 
-@pytest.mark.parametrize("carried", [True, False])
+@pytest.mark.parametrize("carried", [False, True])
 def test_native_answers_later_probes_as_python_would(carried: bool) -> None:
     """With chunks missing, the first FINAL PROBE goes to the core (the receive's state
-    changes) - carried by the last DATA, which the compiled path takes, handing the core
-    the PROBE alone, or on its own (as its copies go); a later pass's FINAL PROBE, and
-    one sent with the window shut, are answered by the compiled path - the same BITMAPs,
-    counters and result."""
-    data = _message(100 * 64, 64, 5)
-    assert len(data) == 100 and data[-1][wire.OFFSET["flags"]] & Flag.PROBE_CARRIED
-    probes = []
-    if not carried:  # (the last DATA as it would go without, and the PROBE itself)
-        last = bytearray(data[-1])
-        last[wire.OFFSET["flags"]] &= ~Flag.PROBE_CARRIED
-        data[-1] = bytes(last)
-        probes = [_final_probe(100, 100 * 64, 64, seq=wire.CARRIED_PROBE_SEQ)]
+    changes) - whole, or carried by the last DATA, which the compiled path takes,
+    handing the core the PROBE alone; a later pass's FINAL PROBE, and one sent with the
+    window shut, are answered by the compiled path - the same BITMAPs, counters and
+    result."""
+    datagrams = _message(100 * 64, 64, 5)
+    data, probes = (_carried(datagrams), []) if carried else (datagrams[:-1], datagrams[-1:])
     kept = [d for k, d in enumerate(data) if k % 7]  # (every 7th chunk lost, not the last)
     later = [_final_probe(100, 100 * 64, 64, seq=10), _final_probe(100, 100 * 64, 64,
                                                                    seq=11, final=False)]
@@ -562,7 +561,7 @@ def test_native_answers_later_probes_as_python_would(carried: bool) -> None:
     _same(side, sent)
     mux, path = side[1][0], side[1][1]
     handed = len(kept) + len(probes) + 4 - path.counters()["datagrams_in"]
-    # (the first FINAL PROBE: as an event after its DATA, or whole)
+    # (the first FINAL PROBE: whole, or as an event after the DATA that carried it)
     assert (handed, mux.decisions_in) == ((0, 1) if carried else (1, 0))
     bitmaps = [d for d in sent[1] if d[wire.OFFSET["kind"]] == Kind.BITMAP]
     assert len(bitmaps) == 5 and side[1][3].retransmit_rounds == 5  # (seq 9, 10, 11, 10, 11)
@@ -580,7 +579,7 @@ def test_native_answers_probes_while_accepting_as_python_would() -> None:
     (ACCEPTING) answers a later FINAL PROBE, and a window-shut one, from the compiled
     path with the core's BITMAPs; the first FINAL one is the core's."""
     datagrams = _message(100 * 64, 64, 6)
-    data = datagrams[:-1]  # (the last, which carries the first PROBE, lost too)
+    data = datagrams[:-1]
     kept = [d for k, d in enumerate(data) if k % 5]  # (every 5th lost, chunk 0 among them)
     critical = np.zeros(100, dtype=bool)
     critical[0] = True
@@ -599,20 +598,26 @@ def test_native_answers_probes_while_accepting_as_python_would() -> None:
     assert sum(d[wire.OFFSET["kind"]] == Kind.BITMAP for d in later[1]) == 3
 
 
-def test_native_takes_the_data_python_would_have() -> None:
+@pytest.mark.parametrize("carried", [False, True])
+def test_native_takes_the_data_python_would_have(carried: bool) -> None:
     """The point of it: a receive's DATA never reaches the Python core - the one that
-    meets the plan is taken too, and the core told to close the receive (whose STOP
-    answers the PROBE that DATA carries)."""
+    meets the plan is taken too, and the core told to close the receive - nor does the
+    PROBE that comes after the close (its STOP is said again by the compiled path), or
+    one the closing DATA carried (the close's STOP answers it)."""
     datagrams = _message(100 * 64, 64, 3)
+    if carried:
+        datagrams = _carried(datagrams)
     side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
     sent = _feed(side, datagrams, 10)
     mux, path = side[1][0], side[1][1]
     assert side[1][3].result.complete
     taken = path.counters()["datagrams_in"]
-    assert taken == len(datagrams) == 100 and mux.datagrams_in == 0
+    assert taken == len(datagrams) == 100 + (not carried) and mux.datagrams_in == 0
     assert mux.decisions_in == 1  # (the close)
     assert mux.counters()["datagrams_in"] == len(datagrams)
-    assert [d[wire.OFFSET["kind"]] for d in sent[1]].count(Kind.STOP) == 1
+    assert mux.counters().get("stale", 0) == (not carried)
+    stops = [d[wire.OFFSET["kind"]] for d in sent[1]].count(Kind.STOP)
+    assert stops == 1 + (not carried)  # (the close's, and the PROBE's answer)
 
 
 # ------------------------------------------------------------------------ fuzz

@@ -142,6 +142,87 @@ def test_the_loss_prior_forgets_by_halves() -> None:
     assert prior.rate() == 1.0
 
 
+def _shuttle(a: TransferMux, b: TransferMux, now: float) -> tuple[float, list[wire.Header]]:
+    """Deliver what ``a`` (at "a") and ``b`` (at "b") poll to each other, a millisecond a
+    turn, until both are quiet; the headers of what ``a`` sent."""
+    sent = []
+    for _ in range(20):
+        moved = False
+        for src, dst, name in ((a, b, "a"), (b, a, "b")):
+            for parts, _ in src.poll(now):
+                data = b"".join(bytes(p) for p in parts)
+                if src is a:
+                    sent.append(wire.decode(data)[0])
+                dst.datagram_received(data, name, now)
+                moved = True
+        now += 1e-3
+        if not moved:
+            break
+    return now, sent
+
+
+def _first_pass_ends(a: TransferMux, b: TransferMux, round_id: int, now: float):
+    """A 5-chunk message from a to b: how its first pass ended (the last DATA's flags,
+    and the PROBEs that went on their own), once it is done."""
+    from boundedloss.policy import ReliablePolicy
+
+    rx = b.start_receive("a", round_id, 0, now, policy=ReliablePolicy())
+    tx = a.start_send("b", round_id, 0, np.arange(5000, dtype=np.uint8), now)
+    now, sent = _shuttle(a, b, now)
+    assert tx.result.ok and rx.result.complete
+    data = [h for h in sent if h.kind == Kind.DATA]
+    return now, data[-1].flags, sum(h.kind == Kind.PROBE for h in sent)
+
+
+def test_a_warm_send_on_a_path_that_loses_nothing_carries_its_first_probe() -> None:
+    """Cold (no round trip measured), a send PROBEs on its own; once the STOP answering
+    that PROBE has measured the path, the next send's last DATA carries its PROBE - until
+    a send has lost something, when the PROBE goes on its own again (a carried PROBE is
+    lost with its DATA: recovery.may_carry_probe)."""
+    a, b = TransferMux(7, CFG), TransferMux(7, CFG)
+    now, flags, probes = _first_pass_ends(a, b, 1, 0.0)
+    assert (flags, probes) == (Flag.NONE, 1) and a.path("b").rtt is not None
+    now, flags, probes = _first_pass_ends(a, b, 2, now)
+    assert (flags, probes) == (Flag.PROBE_CARRIED, 0)
+    a.loss_prior.missing_reported(1)  # (an answer reported a chunk missing)
+    now, flags, probes = _first_pass_ends(a, b, 3, now)
+    assert (flags, probes) == (Flag.NONE, 1)
+
+
+def test_recovery_carries_the_first_probe_only_warm_and_where_nothing_was_lost() -> None:
+    rtt = RttEstimate(srtt=1e-3, rttvar=5e-4)
+    assert Recovery(CFG, rtt).may_carry_probe()
+    assert not Recovery(CFG).may_carry_probe()  # (cold: no round trip measured)
+    assert not Recovery(CFG, rtt, reverse_loss=0.02).may_carry_probe()  # (lost coming back)
+    lossy = LossPrior()
+    lossy.data_sent(100)
+    lossy.missing_reported(1)
+    assert not Recovery(CFG, rtt, loss_prior=lossy).may_carry_probe()  # (lost going there)
+
+
+def test_a_carried_probe_flags_a_copy_of_the_last_header_not_the_senders() -> None:
+    headers = wire.build_data_headers(session=7, round_id=1, message_id=2,
+                                      message_bytes=3000, chunk_bytes=1000)
+    before = bytes(headers)
+    run = DataRun("b", headers.reshape(-1).data, memoryview(bytes(3000)), 1000,
+                  np.array([2, 0], dtype=np.int64), last_flags=Flag.PROBE_CARRIED)
+    heads = [wire.decode(b"".join(bytes(p) for p in parts))[0] for parts, _ in run.datagrams()]
+    assert [(h.index, h.flags) for h in heads] == [(2, Flag.NONE), (0, Flag.PROBE_CARRIED)]
+    assert bytes(headers) == before  # (a retransmission of chunk 0 carries nothing)
+
+
+def test_the_loss_prior_is_quiet_two_halvings_after_a_loss() -> None:
+    prior = LossPrior()
+    assert prior.quiet()
+    prior.data_sent(10)
+    prior.missing_reported(1)
+    assert not prior.quiet()
+    prior.data_sent(HORIZON)  # (halved once: half a datagram lost is still a loss)
+    assert not prior.quiet()
+    prior.data_sent(HORIZON)
+    assert prior.quiet()
+
+
 def test_a_mux_reads_a_sends_short_pass_against_its_other_sends() -> None:
     """Five one-chunk sends arrive whole (each ends with a STOP, no answer); the sixth
     loses its chunk. The endpoint lost one of six: its next PROBE goes in the copies a
@@ -304,10 +385,8 @@ def test_send_state_walks_probe_timeout_and_stop() -> None:
     tx = mux.start_send("b", 1, 2, np.arange(5000, dtype=np.uint8), 0.0)
     assert tx.state is SendState.SENDING and tx.has_data()
     out = mux.poll(0.0)
-    heads = [wire.decode(b"".join(bytes(p) for p in parts))[0] for parts, _ in out]
-    # the pass, its last DATA asking "what is missing?" (the send's first PROBE)
-    assert [(h.kind, h.flags) for h in heads] == (
-        [(Kind.DATA, Flag.NONE)] * 4 + [(Kind.DATA, Flag.PROBE_CARRIED)])
+    kinds = [wire.decode(b"".join(parts))[0].kind for parts, _ in out]
+    assert kinds == [Kind.DATA] * 5 + [Kind.PROBE]  # the pass, then "what is missing?"
     assert tx.state is SendState.AWAITING_REPLY and not tx.has_data()
     deadline = mux.next_deadline()
     assert deadline == pytest.approx(CFG.initial_rto)
@@ -355,10 +434,7 @@ def test_a_poll_in_runs_hands_out_the_same_datagrams_as_one_by_one() -> None:
 
     one_by_one = polled(False)
     assert polled(True) == one_by_one
-    assert len(one_by_one) == 11  # every chunk, the last carrying the PROBE
-    heads = [wire.decode(d)[0] for d in one_by_one]
-    assert [h.flags for h in heads] == [Flag.NONE] * 10 + [Flag.PROBE_CARRIED]
-    assert heads[-1].index == 10
+    assert len(one_by_one) == 11 + 1  # every chunk, then the PROBE
 
 
 @settings(PROPERTY, max_examples=2000)

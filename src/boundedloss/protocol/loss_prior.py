@@ -57,6 +57,12 @@ class LossPrior:
     def missing_reported(self, n: int) -> None:
         self.missing += n
 
+    def quiet(self) -> bool:
+        """Nothing lost lately: under half a datagram's weight of what answers reported
+        missing is left after the halvings (one lost datagram is forgotten two halvings
+        on)."""
+        return self.missing < 0.5
+
     def rate(self) -> float:
         """The fraction of what was sent lately that answers reported missing."""
         return min(1.0, self.missing / self.sent) if self.sent else 0.0
