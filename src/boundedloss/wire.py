@@ -25,10 +25,10 @@ anything is written anywhere.
 Payloads per kind:
 
 - DATA:   the chunk's bytes (``cbytes`` for every chunk but the last). With
-  ``PROBE_CARRIED`` set it is also the send's first PROBE (sequence 1, ``FINAL``): the
-  last DATA of the first pass asks "what is missing?" itself, so that a message needs
-  no datagram of its own for that question (half the datagrams of a one-datagram
-  message, and of the incast at a receiver of many of them).
+  ``PROBE_CARRIED`` set it is also the send's first PROBE (sequence 1, ``FINAL``): on a
+  warm path that loses nothing (``Recovery.may_carry_probe``) the last DATA of the
+  first pass asks "what is missing?" itself - half the datagrams of a lossless
+  one-datagram message.
 - PROBE:  empty. The sender asks "what is missing?".
 - BITMAP: ``<II`` (echoed probe sequence, chunks delivered so far), then a bitmap of the
   chunks ``index ..`` (bit set = delivered, little bit order, ``index`` a multiple of 8).

@@ -232,13 +232,10 @@ class Recovery:
 
         A carried PROBE is lost with its DATA, and where that DATA is all the receive
         lacked, no answer comes but the timeout, where a PROBE of its own would have
-        been answered (and the close's STOP, if lost, said again). Measured in
-        ``boundedloss sim`` (128 workers, one-datagram messages, 1% loss): carried
-        whenever the loss was within the miss target, the rounds after the first were
-        2-4x slower on average than with no PROBE carried; carried in the first round
-        alone, until loss showed, the second round still met 50-100 ms timeouts - the
-        paths whose first-round messages timed out had no round trip measured. So it
-        rides only where neither cost can arise: a warm path that loses nothing."""
+        been answered (and the close's STOP, if lost, said again). Carried always, under
+        loss within the miss target, or cold, rounds of one-datagram messages at 1% loss
+        took 2-4x as long on average, their slowest messages waiting timeouts
+        (BENCHMARKS.md, "The first PROBE carried by the last DATA")."""
         return (self._srtt is not None and self._prior.quiet()
                 and self.reverse_loss() == 0.0)
 

@@ -377,9 +377,8 @@ class MessageSender:
                 sent += k
         if len(queue) == 0:
             # The first pass's last DATA carries the send's first PROBE when it goes in
-            # this poll and little loss is expected: one datagram asks for what is
-            # missing, not two (a PROBE of its own would double what a one-datagram
-            # message puts into a receiver's queue).
+            # this poll on a warm path that loses nothing: one datagram asks for what is
+            # missing, not two (and the closed receive's second STOP is not drawn).
             carries = (run is not None and queue.first_pass and self._probe.seq == 0
                        and self._state is SendState.SENDING
                        and self.recovery.may_carry_probe())
