@@ -86,14 +86,20 @@ def _message(nbytes: int, chunk_bytes: int, seed: int, auth: bool = False,
     return [b"".join(bytes(p) for p in parts) for parts, _ in sender.poll(0.0, 1 << 20)]
 
 
+def _carrying(d: bytes) -> bytes:
+    """``d`` flagged PROBE_CARRIED, if it is a DATA datagram (else as it is)."""
+    b = bytearray(d)
+    if len(b) >= HEADER_BYTES and b[wire.OFFSET["kind"]] == Kind.DATA:
+        b[wire.OFFSET["flags"]] |= Flag.PROBE_CARRIED
+    return bytes(b)
+
+
 def _carried(datagrams: list[bytes]) -> list[bytes]:
     """A message's first pass as a warm sender on a path that loses nothing sends it
     (MessageSender; test_sender_units): its PROBE carried by its last DATA."""
     *data, probe = datagrams
     assert probe[wire.OFFSET["kind"]] == Kind.PROBE and data[-1][wire.OFFSET["kind"]] == Kind.DATA
-    last = bytearray(data[-1])
-    last[wire.OFFSET["flags"]] |= Flag.PROBE_CARRIED
-    return [*data[:-1], bytes(last)]
+    return [*data[:-1], _carrying(data[-1])]
 
 
 def test_classify_agrees_with_wire_parse() -> None:
@@ -256,10 +262,7 @@ def test_native_matches_python_datagram_for_datagram(policy, nbytes, chunk_bytes
         elif op == "unpark":  # the other message's first pass is over: its credit is free
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, message_id=OTHER))
         elif op == "carry":  # a DATA that carries the first PROBE, anywhere in the pass
-            b = bytearray(datagrams[i])
-            if len(b) >= HEADER_BYTES and b[wire.OFFSET["kind"]] == Kind.DATA:
-                b[wire.OFFSET["flags"]] |= Flag.PROBE_CARRIED
-            datagrams.insert(i, bytes(b))
+            datagrams.insert(i, _carrying(datagrams[i]))
         else:  # a later pass's FINAL PROBE, or one sent with the window shut
             datagrams.insert(i, _final_probe(count, nbytes, chunk_bytes, seq=10 + arg % 5,
                                              final=op == "probe_later"))

@@ -204,8 +204,7 @@ def drop_first(kind: Kind, n: int, also_data=(1, 4)):
 
     def drop(d, nth):
         nonlocal seen
-        carries = d.kind == Kind.DATA and d.header.flags & Flag.PROBE_CARRIED
-        if d.kind == kind or (carries and kind == Kind.PROBE):
+        if d.kind == kind or (kind == Kind.PROBE and d.probe_seq is not None):
             seen += 1
             lose = seen <= n
             drop.lost += lose  # type: ignore[attr-defined]

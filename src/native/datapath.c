@@ -71,7 +71,8 @@ typedef struct {
     int verified_slot;
     Sealer sealer;                   /* on: every datagram carries a tag (authenticate) */
     /* the event take() returned EVENT for (see EVENT): a receive's plan met (KIND_DATA,
-     * ``event_rx``), a first PROBE carried by DATA for it (KIND_PROBE) or a STOP for an open send (KIND_STOP, its key, index and count) */
+     * ``event_rx``), a first PROBE a DATA for it carried (KIND_PROBE), or a STOP for an
+     * open send (KIND_STOP, its key, index and count) */
     int event_kind;
     ReceiveObject *event_rx;
     uint32_t event_ip, event_round, event_message, event_index, event_delivered;
@@ -626,12 +627,13 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
 
 /* The event take() found, as step() and take() give it to Python: ``(KIND_DATA, peer,
  * round, message)`` (the receive's plan is met), ``(KIND_PROBE, peer, round, message)``
- * (a DATA it took carried its send's first PROBE, the plan not met) or ``(KIND_STOP, ip, port, round,
- * message, index, delivered)``. Built at once, while the receive is surely registered. */
+ * (a DATA it took carried its send's first PROBE, the plan not met) or ``(KIND_STOP, ip,
+ * port, round, message, index, delivered)``. Built at once, while the receive is surely registered. */
 static PyObject *event_tuple(DispatcherObject *d) {
     if (d->event_kind == KIND_DATA || d->event_kind == KIND_PROBE) {
         ReceiveObject *rx = d->event_rx;
-        return Py_BuildValue("(iOII)", d->event_kind, rx->peer, rx->round_id, rx->message_id);
+        return Py_BuildValue("(iOII)", d->event_kind, rx->peer, rx->round_id,
+                             rx->message_id);
     }
     return Py_BuildValue("(iIIIIII)", KIND_STOP, d->event_ip, (unsigned int)d->event_port,
                          d->event_round, d->event_message, d->event_index,
@@ -798,11 +800,12 @@ static int seal_pieces(DispatcherObject *d, const unsigned char *dst, const stru
  * message, chunk indices[start:] (indices: int64), each its header (48 bytes at i * 48 in
  * headers) then its payload (at i * chunk_bytes in payload), gathered straight from those
  * buffers - but for the run's last datagram, whose header goes as a copy with
- * ``last_flags`` set in its flags (the first PROBE it carries: DataRun.last_flags). With ``segment`` runs of equal-sized datagrams go out as one UDP_SEGMENT
- * send each (the last may be shorter), else up to 64 datagrams per sendmmsg. Stops at the first error: ``err`` is
- * its errno (0: all sent), ``next`` the first unsent index into indices, ``end`` the end
- * of the call that failed; ``calls``: system calls that sent. The GIL is released
- * around each call. */
+ * ``last_flags`` set in its flags (the first PROBE it carries: DataRun.last_flags).
+ * With ``segment`` runs of equal-sized datagrams go out as one UDP_SEGMENT send each
+ * (the last may be shorter), else up to 64 datagrams per sendmmsg. Stops at the first
+ * error: ``err`` is its errno (0: all sent), ``next`` the first unsent index into
+ * indices, ``end`` the end of the call that failed; ``calls``: system calls that sent.
+ * The GIL is released around each call. */
 #ifdef __linux__
 static PyObject *dispatcher_send_run(DispatcherObject *d, PyObject *args) {
     PyObject *sock;

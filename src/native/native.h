@@ -59,8 +59,6 @@ enum {
 enum { MAGIC = 0x4C42, VERSION = 2 };
 enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK = 5 };
 enum { FLAG_PROBE_CARRIED = 2, FLAG_FINAL = 4, FLAG_CREDIT = 8 };
-/* the PROBE a DATA flagged PROBE_CARRIED stands for (wire.CARRIED_PROBE_SEQ) */
-enum { CARRIED_PROBE_SEQ = 1 };
 /* a BITMAP's payload: the PROBE's seq and the chunks delivered (wire.BITMAP_PREFIX), then
  * the delivered bits */
 enum { BITMAP_PREFIX_BYTES = 8 };

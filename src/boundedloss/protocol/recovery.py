@@ -234,7 +234,7 @@ class Recovery:
         lacked, no answer comes but the timeout, where a PROBE of its own would have
         been answered (and the close's STOP, if lost, said again). Carried always, under
         loss within the miss target, or cold, rounds of one-datagram messages at 1% loss
-        took 2-4x as long on average, their slowest messages waiting timeouts
+        took 2.2-4.3x as long on average, their slowest messages waiting timeouts
         (BENCHMARKS.md, "The first PROBE carried by the last DATA")."""
         return (self._srtt is not None and self._prior.quiet()
                 and self.reverse_loss() == 0.0)

@@ -17,7 +17,6 @@ are its ``recovery``'s (``recovery.py``), pacing and delivery-rate samples its
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -363,7 +362,7 @@ class MessageSender:
             sent = more
         queue = self._queue
         avail = len(queue)
-        run = None
+        carries = False
         if avail > 0 and sent < limit:
             window = self._window
             room = window.room()
@@ -373,32 +372,24 @@ class MessageSender:
             if room <= 0:
                 window.shut(now)
             elif k > 0:
-                run = self._take_data(now, k)
-                sent += k
+                # The first pass's last DATA carries the send's first PROBE on a warm path
+                # that loses nothing: one datagram asks for what is missing, not two (and
+                # the closed receive's second STOP is not drawn).
+                carries = (k == avail and queue.first_pass and self._probe.seq == 0
+                           and self._state is SendState.SENDING
+                           and self.recovery.may_carry_probe())
+                sent += self._send_data(now, k, out, runs,
+                                        Flag.PROBE_CARRIED if carries else Flag.NONE)
         if len(queue) == 0:
-            # The first pass's last DATA carries the send's first PROBE when it goes in
-            # this poll on a warm path that loses nothing: one datagram asks for what is
-            # missing, not two (and the closed receive's second STOP is not drawn).
-            carries = (run is not None and queue.first_pass and self._probe.seq == 0
-                       and self._state is SendState.SENDING
-                       and self.recovery.may_carry_probe())
             queue.drained()
-            if run is not None:
-                if carries:
-                    run = dataclasses.replace(run, last_flags=Flag.PROBE_CARRIED)
-                self._emit(run, out, runs)
             if self._state is SendState.SENDING:  # nothing new to send: ask what is missing
                 if carries or sent < limit:
                     sent += self._send_probe(now, out, carried=carries)
                 else:
                     self._transition(SendEvent.PROBE_DEFERRED)
-        elif run is not None:
-            self._emit(run, out, runs)
         return sent
 
-    def _take_data(self, now: float, k: int) -> DataRun:
-        """The next ``k`` queued chunks as a run of DATA, each with its transmission
-        sequence (counted sent)."""
+    def _send_data(self, now: float, k: int, out: list, runs: bool, last_flags: int) -> int:
         queue = self._queue
         first_pass = queue.first_pass
         batch = queue.take(k)
@@ -410,6 +401,12 @@ class MessageSender:
         self.recovery.data_sent(now, k)
         if self._samples is not None:
             self._samples.sent(tseq, now)
+        run = DataRun(self.peer, self._headers, self._payload, self.chunk_bytes, batch,
+                      last_flags)
+        if runs:
+            out.append(run)
+        else:
+            out.extend(run.datagrams())
         cb = self.chunk_bytes
         counts = self.counts
         counts.datagrams += k
@@ -418,14 +415,7 @@ class MessageSender:
             counts.payload_bytes -= self.count * cb - self.nbytes
         if not first_pass:
             counts.retransmitted += k
-        return DataRun(self.peer, self._headers, self._payload, cb, batch)
-
-    @staticmethod
-    def _emit(run: DataRun, out: list, runs: bool) -> None:
-        if runs:
-            out.append(run)
-        else:
-            out.extend(run.datagrams())
+        return k
 
     def _send_probe(self, now: float, out: list, carried: bool = False) -> int:
         """A PROBE, in as many copies as recovery asks for; ``carried``: the first of them
