@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 from boundedloss import wire
 from boundedloss.protocol import TransferMux, TransportConfig
-from boundedloss.protocol.loss_prior import HORIZON, PRIOR_DATAGRAMS, LossPrior, pass_loss
+from boundedloss.protocol.loss_prior import (
+    HORIZON,
+    PRIOR_DATAGRAMS,
+    QUIET_EVIDENCE,
+    LossPrior,
+    pass_loss,
+)
 from boundedloss.protocol.pacing import Pacer
 from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEstimate
 from boundedloss.protocol.recovery import Recovery, _loss_limit, copies_for
@@ -183,19 +189,26 @@ def test_a_warm_send_on_a_path_that_loses_nothing_carries_its_first_probe() -> N
     now, flags, probes = _first_pass_ends(a, b, 1, 0.0)
     assert (flags, probes) == (Flag.NONE, 1) and a.path("b").rtt is not None
     now, flags, probes = _first_pass_ends(a, b, 2, now)
+    assert (flags, probes) == (Flag.NONE, 1)  # (measured, but too little sent to read as quiet)
+    _answered(a.loss_prior, QUIET_EVIDENCE)  # (as a job's earlier lossless sends)
+    now, flags, probes = _first_pass_ends(a, b, 3, now)
     assert (flags, probes) == (Flag.PROBE_CARRIED, 0)
     a.loss_prior.missing_reported(1)  # (an answer reported a chunk missing)
-    now, flags, probes = _first_pass_ends(a, b, 3, now)
+    now, flags, probes = _first_pass_ends(a, b, 4, now)
     assert (flags, probes) == (Flag.NONE, 1)
 
 
 def test_recovery_carries_the_first_probe_only_warm_and_where_nothing_was_lost() -> None:
     rtt = RttEstimate(srtt=1e-3, rttvar=5e-4)
-    assert Recovery(CFG, rtt).may_carry_probe()
-    assert not Recovery(CFG).may_carry_probe()  # (cold: no round trip measured)
-    assert not Recovery(CFG, rtt, reverse_loss=0.02).may_carry_probe()  # (lost coming back)
+    quiet = LossPrior()
+    _answered(quiet, QUIET_EVIDENCE)
+    assert Recovery(CFG, rtt, loss_prior=quiet).may_carry_probe()
+    assert not Recovery(CFG, rtt).may_carry_probe()  # (nothing sent yet: no evidence)
+    assert not Recovery(CFG, loss_prior=quiet).may_carry_probe()  # (no round trip measured)
+    assert not Recovery(CFG, rtt, reverse_loss=0.02,
+                        loss_prior=quiet).may_carry_probe()  # (lost coming back)
     lossy = LossPrior()
-    lossy.data_sent(100)
+    _answered(lossy, QUIET_EVIDENCE)
     lossy.missing_reported(1)
     assert not Recovery(CFG, rtt, loss_prior=lossy).may_carry_probe()  # (lost going there)
 
@@ -211,16 +224,50 @@ def test_a_carried_probe_flags_a_copy_of_the_last_header_not_the_senders() -> No
     assert bytes(headers) == before  # (a retransmission of chunk 0 carries nothing)
 
 
-def test_the_loss_prior_is_quiet_two_halvings_after_a_loss() -> None:
+def _answered(prior: LossPrior, k: int) -> None:
+    """A pass of ``k`` DATA datagrams, sent and answered."""
+    prior.data_sent(k)
+    prior.pass_answered(k)
+
+
+def test_the_loss_prior_is_quiet_on_evidence_and_two_halvings_after_a_loss() -> None:
     prior = LossPrior()
+    assert not prior.quiet()  # (nothing lost, but nothing sent either)
+    prior.data_sent(QUIET_EVIDENCE)
+    assert not prior.quiet()  # (sent, but not answered: no evidence yet)
+    prior.pass_answered(QUIET_EVIDENCE - 1)
+    assert not prior.quiet()
+    prior.pass_answered(1)
     assert prior.quiet()
-    prior.data_sent(10)
     prior.missing_reported(1)
     assert not prior.quiet()
-    prior.data_sent(HORIZON)  # (halved once: half a datagram lost is still a loss)
+    _answered(prior, HORIZON)  # (halved once: half a datagram lost is still a loss)
     assert not prior.quiet()
-    prior.data_sent(HORIZON)
+    _answered(prior, HORIZON)
     assert prior.quiet()
+
+
+def test_the_loss_prior_takes_only_answered_passes_as_evidence() -> None:
+    """A pass in flight is no evidence of anything; one a STOP ended counts the chunks the
+    receive had (a bound met early says nothing of the rest); a BITMAP's pass counts whole,
+    its missing chunks reported."""
+    mux = TransferMux(7, CFG)
+    prior = mux.loss_prior
+    whole = mux.start_send("b", 1, 0, np.arange(5000, dtype=np.uint8), 0.0)
+    bounded = mux.start_send("c", 1, 0, np.arange(5000, dtype=np.uint8), 0.0)
+    mux.poll(0.0)
+    assert (prior.sent, prior.answered) == (10, 0)
+    mux.datagram_received(_stop(whole, CloseReason.COMPLETE), "b", 1e-3)
+    assert prior.answered == 5
+    stop = wire.stop_datagram(bounded.message, CloseReason.BOUND_MET, 3)  # (2 not had)
+    mux.datagram_received(stop, "c", 1e-3)
+    assert whole.done and bounded.done and prior.answered == 8 and prior.missing == 0
+    tx = mux.start_send("d", 1, 0, np.arange(3000, dtype=np.uint8), 2e-3)
+    mux.poll(2e-3)
+    answer = wire.BITMAP_PREFIX.pack(1, 2) + bytes([0b101])  # PROBE 1: chunk 1 missing
+    mux.datagram_received(wire.control_datagram(tx.message, Kind.BITMAP, 0, answer,
+                                                wire.Flag.FINAL), "d", 3e-3)
+    assert (prior.answered, prior.missing) == (11, 1)
 
 
 def test_a_mux_reads_a_sends_short_pass_against_its_other_sends() -> None:

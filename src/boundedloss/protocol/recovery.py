@@ -192,6 +192,7 @@ class Recovery:
         self._more_copies = 0
         # The PROBEs that follow cross the same path as the pass just answered, and their
         # answers the way back, so they go in as many copies as that loss calls for.
+        self._prior.pass_answered(self._pass_sent)
         if self._pass_sent:
             expected = self._prior.rate() if self._loss is None else self._loss
             q = self._loss = pass_loss(self._reply_missing, self._pass_sent, expected)
@@ -210,6 +211,12 @@ class Recovery:
         return self._reply_missing
 
     # ------------------------------------------------------------ PROBE copies
+    def stop_received(self, undelivered: int) -> None:
+        """A STOP ended the send, with ``undelivered`` of its chunks not delivered: of its
+        last pass, at least the rest got through (the undelivered may be lost or still on
+        their way: a bound met early reports neither)."""
+        self._prior.pass_answered(max(0, self._pass_sent - undelivered))
+
     def probe_copies(self, now: float, first_pass: bool) -> int:
         """Copies for a PROBE going out now (and it becomes the one awaiting an answer)."""
         self._reply_missing = 0

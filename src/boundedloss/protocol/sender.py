@@ -527,6 +527,7 @@ class MessageSender:
             # A STOP sent by a receiver's timer (an acceptance or hard deadline) answers
             # no PROBE: its wait is no round trip.
             self.recovery.rtt_sample(now - self._probe.sent_at)
+        self.recovery.stop_received(max(0, self.count - delivered))
         self._finish(SendStatus.STOPPED, close_reason, now)
 
     # ------------------------------------------------------------------- timers
