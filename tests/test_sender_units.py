@@ -196,6 +196,8 @@ def test_a_warm_send_on_a_path_that_loses_nothing_carries_its_first_probe() -> N
     a.loss_prior.missing_reported(1)  # (an answer reported a chunk missing)
     now, flags, probes = _first_pass_ends(a, b, 4, now)
     assert (flags, probes) == (Flag.NONE, 1)
+    counted = a.counters()
+    assert (counted["sends_finished"], counted["probes_carried"]) == (4, 1)
 
 
 def test_recovery_carries_the_first_probe_only_warm_and_where_nothing_was_lost() -> None:

@@ -940,3 +940,25 @@ def test_a_job_s_last_round_posts_no_next_round_where_posting_costs_nothing(topo
     posted_for.clear()
     run_job(dataclasses.replace(job, cpu="cluster-node"))
     assert 2 in posted_for
+
+
+def test_a_row_says_what_share_of_the_sends_carried_their_first_probe():
+    """Lossless, a rank's sends carry their first PROBE in their last DATA once its
+    answered passes hold evidence enough (``loss_prior.QUIET_EVIDENCE`` DATA); under loss
+    none do (a carried PROBE is lost with its DATA); a TCP baseline has no such share."""
+    from boundedloss.sim import SimJob, run_job
+    from boundedloss.sim.job import SimRow
+
+    def row(system: str, loss: float, rounds: int) -> SimRow:
+        # (1 MB shards at MTU 1,500: 720 DATA a message, so a rank's first phase answers
+        # 2,160 - evidence enough for its second phase)
+        return run_job(SimJob(workers=4, system=system, topology="allreduce", loss=loss,
+                              elements=1 << 20, rounds=rounds, mtu=1500))
+
+    lossless = row("reliable", 0.0, 2)
+    # A rank sends 3 messages a phase, 12 in two rounds: the first phase's never carry
+    # (cold), the second round's all do; the first round's second phase's do once the
+    # sends before them were answered.
+    assert 6 / 12 <= lossless.probes_carried_fraction <= 9 / 12
+    assert row("reliable", 0.05, 2).probes_carried_fraction == 0.0
+    assert row("gloo", 0.0, 1).probes_carried_fraction is None

@@ -102,6 +102,9 @@ class KernelLossRow:
     tcp_loss_probes_per_round: float = 0.0
     tcp_retrans_segs_per_round: float = 0.0
     tcp_dsack_segs_per_round: float = 0.0
+    #: of our sends (warm-up round included), the share whose last DATA carried their
+    #: first PROBE (on warm paths that lose nothing); None for gloo, tcp-ps, bare-udp
+    probes_carried_fraction: float | None = None
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -207,8 +210,12 @@ def rank_main(argv: list[str] | None = None) -> None:
             starts.append(t0)
             ends.append(time.monotonic())
             fractions.append(frac)
+    # (our sends: how many finished, and how many carried their first PROBE)
+    counted = {} if endpoint is None else endpoint.counters()
     Path(a.out, f"rank{a.rank}.json").write_text(
-        json.dumps({"start": starts, "end": ends, "frac": fractions, "auth": auth}))
+        json.dumps({"start": starts, "end": ends, "frac": fractions, "auth": auth,
+                    "sends": counted.get("sends_finished", 0),
+                    "probes_carried": counted.get("probes_carried", 0)}))
     dist.barrier()
     if coll is not None:
         coll.close()
@@ -360,6 +367,8 @@ def run_kernel_loss_bench(
                 lat = [ms for per_rank in logs for ms in round_latencies_ms(per_rank)]
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
+                sends = sum(rk.get("sends", 0) for per_rank in logs for rk in per_rank)
+                carried = sum(rk.get("probes_carried", 0) for per_rank in logs for rk in per_rank)
                 rows.append(KernelLossRow(
                     system=system, topology=topology, mtu=mtu, loss=loss, rounds=rounds,
                     elements=elements,
@@ -374,6 +383,7 @@ def run_kernel_loss_bench(
                     tcp_retrans_segs_per_round=round(
                         tcp[arm]["tcp_retrans_segs"] / run_rounds, 4),
                     tcp_dsack_segs_per_round=round(tcp[arm]["tcp_dsack_segs"] / run_rounds, 4),
+                    probes_carried_fraction=round(carried / sends, 4) if sends else None,
                 ))
     return rows
 

@@ -166,6 +166,9 @@ class TransferMux:
         #: datagrams a data path took and handed the core the decision of (receive_met,
         #: stop_arrived)
         self.decisions_in = 0
+        #: sends finished, and of them those whose first PROBE their last DATA carried
+        self.sends_finished = 0
+        self.probes_carried = 0
         budget = self.config.credit_datagrams
         #: the receiver-driven first pass's budget and shares (None: no credit)
         self.grants = (None if budget is None
@@ -592,7 +595,9 @@ class TransferMux:
     def _reap_send(self, sender: MessageSender) -> None:
         if sender.result is not None and self.data_path:
             self.data_path.send_closed(sender)
-        self._take_finished(self._senders, sender)
+        if self._take_finished(self._senders, sender):
+            self.sends_finished += 1
+            self.probes_carried += sender.counts.probe_carried
 
     def _reap_receive(self, receiver: MessageReceiver, now: float) -> None:
         if not self._take_finished(self._receivers, receiver):
@@ -630,9 +635,12 @@ class TransferMux:
         return len(self._senders)
 
     def counters(self) -> dict[str, int]:
-        """Datagrams in and dropped (by DropReason value), the data path's included."""
+        """Datagrams in and dropped (by DropReason value), the data path's included; the
+        sends finished, and how many of them carried their first PROBE."""
         d = {r.value: n for r, n in self.drops.items()}
         d["datagrams_in"] = self.datagrams_in
+        d["sends_finished"] = self.sends_finished
+        d["probes_carried"] = self.probes_carried
         if self.data_path:
             for name, n in self.data_path.counters().items():
                 d[name] = d.get(name, 0) + n

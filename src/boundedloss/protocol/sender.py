@@ -192,6 +192,8 @@ class SendCounts:
     retransmitted: int = 0
     retransmit_rounds: int = 0
     probes: int = 0
+    #: 1 where the first pass's last DATA carried the first PROBE
+    probe_carried: int = 0
 
 
 @dataclass(slots=True)
@@ -426,6 +428,8 @@ class MessageSender:
         probe.sent_at = now
         probe.deadline = now + self.recovery.rto
         self.counts.probes += 1
+        if carried:
+            self.counts.probe_carried = 1
         self._window.probe_mark = self.acks.next_tseq
         first_pass = self._queue.first_pass
         self._transition(SendEvent.PROBE_SENT)

@@ -288,6 +288,9 @@ class SimRow:
     #: the CPU the hosts' costs charged, per round, all hosts together (None: ``--cpu
     #: none``) - what ``tools/round_perf.py`` reads on the testbed as a round's busy CPU
     cpu_ms_per_round: float | None = None
+    #: of our sends, the share whose last DATA carried their first PROBE (on warm paths
+    #: that lose nothing: ``Recovery.may_carry_probe``); None for the TCP baselines
+    probes_carried_fraction: float | None = None
 
 
 class _Barrier:
@@ -415,6 +418,9 @@ def run_job(job: SimJob) -> SimRow:
         for ep in endpoints:
             ep.close()
     latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
+    # (read after close: a send cancelled at the end is finished too, carrying or not)
+    sends = sum(ep.mux.sends_finished for ep in endpoints)
+    carried = sum(ep.mux.probes_carried for ep in endpoints)
 
     def tcp_per_round(count: str) -> float | None:
         if not tcp:
@@ -451,7 +457,8 @@ def run_job(job: SimJob) -> SimRow:
         tcp_loss_probes_per_round=tcp_per_round("probes"),
         tcp_retrans_segs_per_round=tcp_per_round("retransmits"),
         cpu_ms_per_round=(None if costs is None
-                          else round(net.cpu_charged * 1e3 / job.rounds, 3)))
+                          else round(net.cpu_charged * 1e3 / job.rounds, 3)),
+        probes_carried_fraction=round(carried / sends, 5) if sends else None)
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
