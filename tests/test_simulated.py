@@ -950,8 +950,8 @@ def test_a_row_says_what_share_of_the_sends_carried_their_first_probe():
     from boundedloss.sim.job import SimRow
 
     def row(system: str, loss: float, rounds: int) -> SimRow:
-        # (1 MB shards at MTU 1,500: 720 DATA a message, so a rank's first phase answers
-        # 2,160 - evidence enough for its second phase)
+        # (1 MB shards at MTU 1,500: about 730 DATA a message, so a rank's first phase
+        # answers about 2,200 - evidence enough for its second phase)
         return run_job(SimJob(workers=4, system=system, topology="allreduce", loss=loss,
                               elements=1 << 20, rounds=rounds, mtu=1500))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 #: how many datagrams' weight what was expected has against a pass's own measurement
 PRIOR_DATAGRAMS = 4
-#: the datagrams an endpoint's recent loss is counted over (both counts halve past it)
+#: the datagrams an endpoint's recent loss is counted over (its counts halve past it)
 HORIZON = 4096
 #: the DATA datagrams in passes answered lately, at least, before nothing reported
 #: missing reads as quiet (none lost of 1,024 puts the loss under 0.3%, by the rule of
@@ -43,7 +43,7 @@ class LossPrior:
     Counted from every DATA datagram sent and every chunk an answer reported missing: a
     pass that ends well ends with a STOP, not an answer, so counting answered passes
     alone would see only the lossy ones. Its memory is counted in datagrams, not time:
-    both counts halve once ``HORIZON`` datagrams have gone. Not checkpointed: the
+    its counts halve once ``HORIZON`` datagrams have gone. Not checkpointed: the
     network a restarted job meets is another moment's."""
 
     __slots__ = ("answered", "missing", "sent")

@@ -210,13 +210,13 @@ class Recovery:
         """Chunks the answer to the latest PROBE reported missing."""
         return self._reply_missing
 
-    # ------------------------------------------------------------ PROBE copies
     def stop_received(self, undelivered: int) -> None:
         """A STOP ended the send, with ``undelivered`` of its chunks not delivered: of its
         last pass, at least the rest got through (the undelivered may be lost or still on
         their way: a bound met early reports neither)."""
         self._prior.pass_answered(max(0, self._pass_sent - undelivered))
 
+    # ------------------------------------------------------------ PROBE copies
     def probe_copies(self, now: float, first_pass: bool) -> int:
         """Copies for a PROBE going out now (and it becomes the one awaiting an answer)."""
         self._reply_missing = 0
