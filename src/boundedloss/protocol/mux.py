@@ -351,23 +351,27 @@ class TransferMux:
         """The open receive ``key`` took (through a data path that shares its counts) a
         DATA that carries its sender's first PROBE, and its plan is not met: the PROBE
         is answered, as ``datagram_received`` would answer it."""
-        self.decisions_in += 1
-        rx = self._receivers.get(key)
-        if rx is None or rx.result is not None:
-            return  # (a data path takes DATA only for the receives the mux has open)
-        rx.probe_received(CARRIED_PROBE_SEQ, Flag.FINAL, now, self.outbox)
-        if rx.result is not None:
-            self._reap_receive(rx, now)
-        self._rearm(rx)
+        rx = self._decision_for(key)
+        if rx is not None:
+            rx.probe_received(CARRIED_PROBE_SEQ, Flag.FINAL, now, self.outbox)
+            self._decided(rx, now)
 
     def receive_met(self, key: tuple, now: float) -> None:
         """The open receive ``key`` took (through a data path that shares its counts) the
         DATA that meets its plan: it closes, as ``datagram_received`` would close it."""
+        rx = self._decision_for(key)
+        if rx is not None:
+            rx.close_if_done(now, self.outbox)
+            self._decided(rx, now)
+
+    def _decision_for(self, key: tuple) -> MessageReceiver | None:
+        """The open receive a data path handed a decision for (counted), or None."""
         self.decisions_in += 1
         rx = self._receivers.get(key)
-        if rx is None or rx.result is not None:
-            return  # (a data path takes DATA only for the receives the mux has open)
-        rx.close_if_done(now, self.outbox)
+        # (a data path takes DATA only for the receives the mux has open)
+        return None if rx is None or rx.result is not None else rx
+
+    def _decided(self, rx: MessageReceiver, now: float) -> None:
         if rx.result is not None:
             self._reap_receive(rx, now)
         self._rearm(rx)
