@@ -291,11 +291,11 @@ def control_datagram(message: Header, kind: Kind, index: int, payload=b"",
                      flags: Flag = Flag.NONE, tseq: int = 0) -> bytes:
     """A PROBE, BITMAP, STOP or ACK about the message ``message`` describes (its session,
     round, id and geometry), with this datagram's own kind, index, flags and tseq."""
-    return encode(
-        Header(kind, message.session, message.round_id, message.message_id, index,
-               message.count, message.message_bytes, message.chunk_bytes, flags, 0, tseq),
-        payload,
-    )
+    # (packed here rather than through a Header and encode: a fifth of the time, and
+    # every message's STOP and PROBE is built here)
+    return HEADER.pack(MAGIC, VERSION, kind, flags, len(payload), message.session,
+                       message.round_id, message.message_id, index, message.count,
+                       message.message_bytes, message.chunk_bytes, tseq) + bytes(payload)
 
 
 def stop_datagram(message: Header, reason: CloseReason, delivered: int) -> bytes:
