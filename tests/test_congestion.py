@@ -400,6 +400,9 @@ def test_a_send_that_never_opened_holds_no_share_of_the_peers_rate() -> None:
     split among the sends really open, not one more."""
 
     class Refusing:
+        def new_acks(self, peer) -> None:
+            return None
+
         def send_opened(self, sender) -> None:
             raise OSError("refused")
 

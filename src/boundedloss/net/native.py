@@ -112,14 +112,23 @@ class NativeDataPath:
         if shared is not None:
             self.dispatcher.unregister(shared)
 
+    def new_acks(self, peer: Hashable):
+        """A ``Send`` for a send to ``peer`` to keep what its ACKs move in from the start
+        (no copy when it is bound), or None for a peer whose ACKs the Python core takes."""
+        return None if self.address(peer) is None else self._native.Send()
+
     def send_opened(self, sender: MessageSender) -> None:
         address = self.address(sender.peer)
         if address is None:
             return  # not an IPv4 peer: the Python core takes its ACKs
-        shared = self._native.Send()
+        shared: Any = sender.acks
+        kept_in_python = type(shared) is not self._native.Send
+        if kept_in_python:
+            shared = self._native.Send()
         shared.bind(address[0], address[1], sender.round_id, sender.message_id, sender.count,
                     sender.nbytes, sender.chunk_bytes)
-        sender.share_acks(shared)
+        if kept_in_python:
+            sender.share_acks(shared)
         self.dispatcher.register_send(shared)
 
     def send_closed(self, sender: MessageSender) -> None:

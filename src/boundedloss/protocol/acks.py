@@ -28,36 +28,24 @@ ACK_FIELDS = (
 class AckState:
     __slots__ = ACK_FIELDS
 
+    last_heard: float
+    reported_delivered: int
+    acks_heard: int
+    ack_tseq: int
+    ack_delivered: int
+    acked: int
+    next_tseq: int
+    blocked_since: float | None
+    credit: int
+    granted_least: int
+    ack_every: int
+    reverse_hint: float
+    loss_limit: float
+    in_python: bool
+    check_loss: bool
+
     def __init__(self, *, ack_every: int, reverse_hint: float, loss_limit: float):
-        self.last_heard = 0.0  # when the receiver was last heard from
-        self.reported_delivered = 0  # chunks the receiver said it had, latest word
-        # recovery's: ACKs heard, and the highest tseq one reported with what it had
-        # delivered then
-        self.acks_heard = 0
-        self.ack_tseq = -1
-        self.ack_delivered = 0
-        # the window's: every tseq below ``acked`` has arrived or is lost; the next DATA
-        # goes as ``next_tseq``; since when the window has been shut (None: open)
-        self.acked = 0
-        self.next_tseq = 0
-        self.blocked_since: float | None = None
-        #: DATA datagrams the receiver lets us have in flight beyond the highest it has
-        #: seen: its latest grant (an ACK with Flag.CREDIT), or what the send started from
-        self.credit = 1 << 62
-        #: the least credit an ACK granted (-1: none did): a next message to the peer
-        #: starts from it (PeerPath.granted)
-        self.granted_least = -1
-        # what the loss from the ACKs is read against (recovery's, fixed for the send)
-        self.ack_every = ack_every
-        self.reverse_hint = reverse_hint
-        #: the most loss the ACKs may imply for recovery's answer to an ACK to be "no
-        #: more copies" of the PROBE awaiting its answer (Recovery.loss_limit)
-        self.loss_limit = loss_limit
-        #: every ACK goes to the Python core (a decision may hang on any of them)
-        self.in_python = False
-        #: an ACK goes to the Python core unless the loss the ACKs imply with it stays
-        #: at or below ``loss_limit``
-        self.check_loss = False
+        start(self, ack_every=ack_every, reverse_hint=reverse_hint, loss_limit=loss_limit)
 
     def copy_into(self, other) -> None:
         """Every field (ACK_FIELDS) into ``other``. (Written out: a send's post pays for
@@ -96,3 +84,37 @@ def reverse_with(acks, acks_heard: int, ack_delivered: int) -> float:
         return acks.reverse_hint
     sent = max(1, (ack_delivered + 1) // acks.ack_every)
     return max(acks.reverse_hint, 1.0 - min(1.0, acks_heard / sent))
+
+
+def start(acks, *, ack_every: int, reverse_hint: float, loss_limit: float) -> None:
+    """Set ``acks`` (an AckState, or a fresh Send of the compiled path) as a send starts.
+    (Written out, as copy_into: a send's post pays for it.)"""
+    acks.last_heard = 0.0  # when the receiver was last heard from
+    acks.reported_delivered = 0  # chunks the receiver said it had, latest word
+    # recovery's: ACKs heard, and the highest tseq one reported with what it had
+    # delivered then
+    acks.acks_heard = 0
+    acks.ack_tseq = -1
+    acks.ack_delivered = 0
+    # the window's: every tseq below ``acked`` has arrived or is lost; the next DATA
+    # goes as ``next_tseq``; since when the window has been shut (None: open)
+    acks.acked = 0
+    acks.next_tseq = 0
+    acks.blocked_since = None
+    # DATA datagrams the receiver lets us have in flight beyond the highest it has
+    # seen: its latest grant (an ACK with Flag.CREDIT), or what the send started from
+    acks.credit = 1 << 62
+    # the least credit an ACK granted (-1: none did): a next message to the peer
+    # starts from it (PeerPath.granted)
+    acks.granted_least = -1
+    # what the loss from the ACKs is read against (recovery's, fixed for the send)
+    acks.ack_every = ack_every
+    acks.reverse_hint = reverse_hint
+    # the most loss the ACKs may imply for recovery's answer to an ACK to be "no more
+    # copies" of the PROBE awaiting its answer (Recovery.loss_limit)
+    acks.loss_limit = loss_limit
+    # every ACK goes to the Python core (a decision may hang on any of them)
+    acks.in_python = False
+    # an ACK goes to the Python core unless the loss the ACKs imply with it stays at or
+    # below ``loss_limit``
+    acks.check_loss = False

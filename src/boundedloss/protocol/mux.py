@@ -86,6 +86,12 @@ class DataPath(Protocol):
         """The mux no longer remembers the closed receive ``(peer, round, message)``."""
         ...
 
+    def new_acks(self, peer) -> object | None:
+        """A fresh object for a send to ``peer`` to keep what its ACKs move in
+        (MessageSender's ``shared_acks``), one the data path can take its ACKs with;
+        None: an AckState."""
+        ...
+
     def send_opened(self, sender: MessageSender) -> None: ...
 
     def send_closed(self, sender: MessageSender) -> None: ...
@@ -192,6 +198,7 @@ class TransferMux:
             payload=payload, config=self.config, now=now, critical=critical,
             path=self.path(peer), transfer_id=next(self._transfer_ids),
             loss_prior=self.loss_prior,
+            shared_acks=None if self.data_path is None else self.data_path.new_acks(peer),
         )
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
             try:

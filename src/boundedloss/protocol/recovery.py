@@ -26,6 +26,7 @@ import functools
 import math
 
 from .acks import AckState, loss_with, reverse_with
+from .acks import start as start_acks
 from .loss_prior import LossPrior, pass_loss
 from .path import RttEstimate
 from .types import TransportConfig
@@ -88,18 +89,25 @@ class Recovery:
 
     def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
                  reverse_loss: float | None = None, *, ack_every: int | None = None,
-                 loss_prior: LossPrior | None = None):
+                 loss_prior: LossPrior | None = None, acks=None):
         """``ack_every``: how many DATA datagrams the receiver takes per ACK
         (``config.ack_every_for`` the message's chunk count; default: a short
         message's). ``loss_prior``: the endpoint's, shared by its sends (default: this
-        send's own)."""
+        send's own). ``acks``: a fresh state to keep what the ACKs say in (the compiled
+        data path's ``Send``, set up here as an AckState would start; default: an
+        AckState)."""
         self._config = config
         self._prior = loss_prior if loss_prior is not None else LossPrior()
         #: what the ACKs say (shared with the sender and its window; the loss on the way
         #: back starts from ``reverse_loss``, a receive's hint)
-        self.acks = AckState(ack_every=ack_every or config.ack_every_for(0),
-                             reverse_hint=reverse_loss or 0.0,
-                             loss_limit=config.probe_miss_target)
+        ack_every = ack_every or config.ack_every_for(0)
+        if acks is None:
+            acks = AckState(ack_every=ack_every, reverse_hint=reverse_loss or 0.0,
+                            loss_limit=config.probe_miss_target)
+        else:
+            start_acks(acks, ack_every=ack_every, reverse_hint=reverse_loss or 0.0,
+                       loss_limit=config.probe_miss_target)
+        self.acks = acks
         # Round trips: from earlier messages to this peer when there were any, so that a
         # new message does not start from the conservative initial RTO.
         self._srtt: float | None = None

@@ -230,7 +230,11 @@ class MessageSender:
         path: PeerPath | None = None,
         transfer_id: int = 0,
         loss_prior: LossPrior | None = None,
+        shared_acks=None,
     ):
+        """``shared_acks``: a fresh ``Send`` of the compiled data path to keep what the
+        ACKs move in from the start (as ``share_acks`` would, without the copy); None:
+        an AckState of its own."""
         self.peer = peer
         self.transfer_id = transfer_id
         self.config = config
@@ -263,7 +267,8 @@ class MessageSender:
         self._probe = OutstandingProbe()
         self.path = path if path is not None else PeerPath(peer, config.delay_loop)
         self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
-                                 ack_every=config.ack_every_for(count), loss_prior=loss_prior)
+                                 ack_every=config.ack_every_for(count), loss_prior=loss_prior,
+                                 acks=shared_acks)
         #: what the ACKs move, for recovery, the window and this sender alike (the
         #: compiled data path's Send in its place once it takes them: share_acks)
         self.acks = self.recovery.acks
@@ -273,7 +278,8 @@ class MessageSender:
             self.acks.credit = (config.unscheduled_datagrams if granted is None
                                 else max(1, granted))
         self._window = FlowWindow(config.window_datagrams, self.acks)
-        self._acks_shared = False  # (share_acks: the flags then follow every step)
+        # (shared with the compiled path: the flags then follow every step)
+        self._acks_shared = shared_acks is not None
         congestion = self.path.congestion
         self.pacer = Pacer(config, cb + HEADER_BYTES, now, self.path.best_rate(), congestion)
         #: the round trips and delivery rates the ACKs show, for the peer's congestion
