@@ -1099,6 +1099,10 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
                    "--delay-us, --queue-datagrams and --cpu), to compare row by row.")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--jobs", "processes", default=1, show_default=True,
+              type=click.IntRange(1, 1024),
+              help="Rows simulated side by side, each in a process of its own, as memory "
+                   "allows (the rows are the same; each row's wall_s is its own).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               callback=_json_file, help="Write the rows here (a JSON list).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
@@ -1108,7 +1112,7 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
         delay_us, queue_datagrams, queue_bytes, shared_buffer, bottleneck, backgrounds, mtu,
         racks, oversubscription, auth, credit, congestion, cpu, like_testbed, seed,
-        json_path, plot_path) -> None:
+        processes, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .net.background import parse_background
@@ -1173,7 +1177,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
     if short is not None:
         raise click.UsageError(short.message())
     with console.status("simulating...") as status:
-        rows = run_sweep(jobs, progress=lambda m: status.update(m))
+        rows = run_sweep(jobs, progress=lambda m: status.update(m), processes=processes)
     fabric = (f", {racks} racks under a spine ({oversubscription:g}:1)" if racks > 1 else "")
     credit_note = ("" if credit.budget_bytes is None
                    else ", credit each receiver sizes (auto)" if credit.adaptive

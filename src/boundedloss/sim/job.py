@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -561,17 +561,3 @@ def check_loss_model(spec: str, seed: int = 0) -> LossModel:
             raise ValueError(f"{spec!r}: bursts keyed on rounds meet our datagrams alone (a "
                              "TCP segment carries no round): give them as time windows")
     return model
-
-
-def run_sweep(jobs: list[SimJob],
-              progress: Callable[[str], None] | None = None) -> list[SimRow]:
-    """Simulate each of ``jobs`` in turn (``progress`` is told which)."""
-    rows = []
-    for i, job in enumerate(jobs, 1):
-        if progress is not None:
-            background = f", background {job.background}" if job.background else ""
-            progress(f"simulating {i}/{len(jobs)}: {job.workers} workers, {job.system}, "
-                     f"{job.topology}, {job.loss_model or f'{job.loss:.1%}'} loss"
-                     f"{background}")
-        rows.append(run_job(job))
-    return rows
