@@ -73,6 +73,12 @@ class Outcome:
     active: float | None = None
 
 
+def learns(policy: Policy) -> bool:
+    """Whether ``policy`` learns from outcomes (its class has an ``observe`` of its own):
+    a receive closed under one that does not builds no Outcome to tell it."""
+    return type(policy).observe is not Policy.observe
+
+
 def min_delivered_for_bound(info: MessageInfo, bound: float) -> int:
     """Chunks needed so that at most ``bound`` of the message is missing.
 

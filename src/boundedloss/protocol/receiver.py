@@ -23,7 +23,7 @@ from collections.abc import Hashable
 import numpy as np
 
 from .. import wire
-from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy
+from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy, learns
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
 from .credit import CreditGrants, ack_cadence
 from .path import PeerPath
@@ -590,14 +590,13 @@ class MessageReceiver:
             # posted again for the same message will take over)
             self.stop = wire.stop_datagram(self._header, reason, n.delivered_count)
             out.append(((self.stop,), self.peer))
-            self.policy.observe(
-                Outcome(
+            if learns(self.policy):
+                self.policy.observe(Outcome(
                     info=self.info,
                     delivered=n.delivered_count,
                     elapsed=now - self.opened,
                     close_reason=reason,
                     retransmit_rounds=n.retransmit_rounds,
                     active=None if self.first_heard is None else now - self.first_heard,
-                )
-            )
+                ))
 
