@@ -29,6 +29,11 @@ millions of open messages needs (``boundedloss sim``'s memory floor) is mostly t
     python tools/message_cost.py
     python tools/message_cost.py --auth --bytes 4096 --json message-cost.json
     python tools/message_cost.py --memory --bytes 4096
+    python tools/message_cost.py --auth --bytes 4096 --rounds 20000 --open 1,10,100,1000,5000
+
+``--open`` asks instead what a message costs (all four phases, mean) when N are posted,
+fed and finished together: the caches a message's objects meet with that many others
+open, as a rank's meet them in a round of a large world.
 """
 
 from __future__ import annotations
@@ -108,6 +113,46 @@ def measure(nbytes: int, rounds: int, auth: bool) -> dict[str, float]:
     return {p: 1e6 * statistics.median(v[skip:]) for p, v in took.items()}
 
 
+def measure_open(nbytes: int, rounds: int, auth: bool, at_once: int) -> float:
+    """Mean microseconds of all four phases a message, with ``at_once`` messages posted,
+    then fed, then finished together (``rounds`` batches): what a message costs when its
+    objects share the caches with that many others, as a rank's do mid-round."""
+    config = TransportConfig(max_open_receives=at_once + 64)
+    sender, receiver = core(A, config, auth), core(B, config, auth)
+    twin = core(A, config, auth, compiled=False)
+    payload = np.arange(nbytes // 4, dtype=np.float32)
+    policy = ReliablePolicy()
+    clock = time.perf_counter
+    assert receiver.data_path is not None and sender.data_path is not None
+    spent, now, r = 0.0, 0.0, 0
+    for _ in range(rounds):
+        now += 0.01
+        ids = range(r, r + at_once)
+        r += at_once
+        t = clock()
+        rxs = [receiver.start_receive(A, i, 1, now, policy=policy, nbytes=payload.nbytes)
+               for i in ids]
+        txs = [sender.start_send(B, i, 1, payload, now) for i in ids]
+        spent += clock() - t
+        feeds = [twin.start_send(B, i, 1, payload, now) for i in ids]
+        data = [b"".join(parts) for parts, _ in twin.poll(now, limit=1 << 30)]
+        data = [d for d in data if d[KIND_AT] == Kind.DATA]
+        t = clock()
+        for datagram in data:
+            receiver.data_path.take(datagram, A, now)
+        for parts, _ in receiver.poll(now, limit=1 << 30):
+            sender.data_path.take(b"".join(parts), B, now)
+        spent += clock() - t
+        if any(x.result is None for x in [*rxs, *txs]):
+            raise RuntimeError("a message did not complete")
+        for feed in feeds:
+            twin.cancel_send(feed, now)
+        for mux in (sender, receiver, twin):
+            mux.pop_finished()
+            mux.poll(now, runs=True)
+    return 1e6 * spent / r
+
+
 def held(nbytes: int, count: int, auth: bool) -> dict[str, float]:
     """Bytes an open receive (its destination buffer apart) and an open send hold, per
     message, over ``count`` of each posted on two cores (nothing sent or received)."""
@@ -144,6 +189,9 @@ def main() -> None:
     ap.add_argument("--auth", action="store_true", help="authenticated datagrams")
     ap.add_argument("--memory", action="store_true",
                     help="what an open message holds, instead of what it costs")
+    ap.add_argument("--open", type=str, default=None, metavar="N,...",
+                    help="instead: the cost of a message (all four phases, mean) with N "
+                         "posted and completed at once, for each N")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
     if a.bytes < 8 or a.rounds < 10:
@@ -160,6 +208,19 @@ def main() -> None:
         if a.json:
             a.json.write_text(json.dumps({"bytes": a.bytes, "auth": a.auth, "count": a.rounds,
                                           **figures}, indent=2) + "\n")
+        return
+    if a.open:
+        counts = [int(n) for n in a.open.split(",")]
+        if any(n < 1 for n in counts):
+            raise SystemExit("--open takes counts of at least 1")
+        per = {n: measure_open(a.bytes, max(1, a.rounds // n), a.auth, n) for n in counts}
+        print(f"A message of {a.bytes:,} B, auth {'on' if a.auth else 'off'}, all four "
+              "phases (mean), with N open at once:")
+        for n, v in per.items():
+            print(f"  N = {n:6,d} {v:7.1f} us")
+        if a.json:
+            a.json.write_text(json.dumps({"bytes": a.bytes, "auth": a.auth, "messages": a.rounds,
+                                          "us_with_open": per}, indent=2) + "\n")
         return
     us = measure(a.bytes, a.rounds, a.auth)
     print(f"Python core per message, {a.bytes:,} B, auth {'on' if a.auth else 'off'} "
