@@ -1119,6 +1119,33 @@ def test_a_stop_answering_the_final_probe_measures_the_round_trip() -> None:
     assert tx2.recovery.rto == pytest.approx(2e-3 + 4 * 1e-3)  # srtt + 4 rttvar, not initial_rto
 
 
+def test_a_cold_path_s_lost_answer_waits_the_endpoint_s_round_trips_not_the_initial_rto():
+    """A job's first round: every path cold, each rank's first pass to every peer at
+    once. A send whose STOP and answer to its PROBE are lost waits for its PROBE to time
+    out: as long as the endpoint's other paths' round trips call for, once one is
+    measured - not the initial RTO (50 ms, hundreds of round trips here). With no other
+    path to measure one, it still waits that."""
+
+    def finished_after(peers: list[str]) -> float:
+        net = FakeNetwork(path=PathProfile(delay=1e-4))
+        a = net.attach("a", TransferMux(SESSION, CFG))
+        work = []
+        for p in peers:
+            core = net.attach(p, TransferMux(SESSION, CFG))
+            work.append(core.start_receive("a", ROUND, MSG, 0.0, policy=ReliablePolicy(),
+                                           nbytes=CB))
+            work.append(a.start_send(p, ROUND, MSG, source_bytes(CB, 1), 0.0))
+        tap = Tap(net, lambda d, nth: d.src == "b" and d.kind == Kind.STOP and nth <= 2)
+        net.run_until_done(work)
+        assert tap.lost[Kind.STOP] == 2
+        assert all(t.result.complete for t in work[0::2]) and all(t.result.ok for t in work[1::2])
+        return work[1].result.stats.finished
+
+    assert finished_after(["b"]) > CFG.initial_rto
+    alongside = finished_after(["b", "c"])
+    assert alongside < CFG.min_rto + 10 * 2e-4 < CFG.initial_rto / 10
+
+
 def test_a_stop_sent_by_the_acceptance_deadline_is_not_a_round_trip() -> None:
     """A receive closed by its acceptance deadline STOPs the sender whenever the timer
     fires, answering no PROBE; a sender waiting on a PROBE the queue dropped must not

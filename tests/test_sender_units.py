@@ -23,6 +23,7 @@ from boundedloss.protocol.loss_prior import (
 from boundedloss.protocol.pacing import Pacer
 from boundedloss.protocol.path import LOSS_MEMORY, RATE_SAMPLES, PeerPath, RttEstimate
 from boundedloss.protocol.recovery import Recovery, _loss_limit, copies_for
+from boundedloss.protocol.rtt_prior import RttPrior
 from boundedloss.protocol.sender import SendState
 from boundedloss.protocol.types import DataRun
 from boundedloss.wire import CloseReason, Flag, Kind
@@ -38,6 +39,30 @@ def test_recovery_starts_from_the_initial_rto_or_the_path_round_trip() -> None:
     r = Recovery(CFG, RttEstimate(srtt=2e-3, rttvar=1e-3))
     assert r.rto == pytest.approx(2e-3 + 4 * 1e-3) == r.rto_base
     assert r.rtt_estimate == RttEstimate(2e-3, 1e-3)
+
+
+def test_a_send_with_no_round_trip_of_its_own_waits_as_its_endpoint_s_measured() -> None:
+    """A cold path's PROBE times out as the endpoint's other paths' round trips call for
+    - never later than the initial RTO, and only until it has timed out or measured
+    one of its own."""
+    prior = RttPrior()
+    r = Recovery(CFG, rtt_prior=prior)
+    assert r.probe_timeout() == CFG.initial_rto  # (nothing measured anywhere yet)
+    Recovery(CFG, rtt_prior=prior).rtt_sample(1e-3)  # another send, to another peer
+    assert prior.estimate == RttEstimate(1e-3, 0.5e-3)
+    assert r.probe_timeout() == pytest.approx(1e-3 + 4 * 0.5e-3) == r.rto_base
+    r.probe_timed_out()  # backs off from there, and no longer follows the endpoint
+    assert r.rto == pytest.approx(2 * 3e-3)
+    prior.sample(1e-4)
+    assert r.probe_timeout() == pytest.approx(6e-3)
+    slow = RttPrior()
+    slow.sample(1.0)  # (the endpoint's paths slower than the initial RTO: not waited)
+    assert Recovery(CFG, rtt_prior=slow).probe_timeout() == CFG.initial_rto
+    own = Recovery(CFG, RttEstimate(srtt=4e-3, rttvar=1e-3), rtt_prior=prior)
+    assert own.probe_timeout() == pytest.approx(8e-3)  # (its path's own, not the endpoint's)
+    r2 = Recovery(CFG, rtt_prior=prior)
+    r2.rtt_sample(0.02)  # its own
+    assert r2.probe_timeout() == r2.rto == pytest.approx(0.02 + 4 * 0.01)
 
 
 def test_recovery_rtt_samples_follow_rfc6298_within_the_clamp() -> None:

@@ -39,6 +39,7 @@ from .credit import CreditGrants
 from .loss_prior import LossPrior
 from .path import PeerPath
 from .receiver import RUN_MAX, MessageReceiver
+from .rtt_prior import RttPrior
 from .sender import MessageSender
 from .types import (
     DataRun,
@@ -153,6 +154,10 @@ class TransferMux:
         #: what the sends lost lately, over every peer: a short pass's loss is read
         #: against it (loss_prior.py)
         self.loss_prior = LossPrior()
+        #: the round trips the sends measured, over every peer: what a send on a path
+        #: with none of its own yet waits for a PROBE's answer (rtt_prior.py)
+        self.rtt_prior = RttPrior()
+        self._cold_probes_taken = False  # (the PROBEs out when it was first known, once)
         self._finished: list[SendResult | ReceiveResult] = []  # since pop_finished
         self._transfer_ids = itertools.count(1)
         self._turn = 0  # rotates which sender polls first, so none always goes first
@@ -197,7 +202,7 @@ class TransferMux:
             peer=peer, session=self.session, round_id=round_id, message_id=message_id,
             payload=payload, config=self.config, now=now, critical=critical,
             path=self.path(peer), transfer_id=next(self._transfer_ids),
-            loss_prior=self.loss_prior,
+            loss_prior=self.loss_prior, rtt_prior=self.rtt_prior,
             shared_acks=None if self.data_path is None else self.data_path.new_acks(peer),
         )
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
@@ -469,6 +474,8 @@ class TransferMux:
 
     # ----------------------------------------------------------------- timers
     def next_deadline(self) -> float | None:
+        if not self._cold_probes_taken and self.rtt_prior.known:
+            self._take_endpoint_rtt()
         timers = self._timers
         while timers:
             at, _, transfer = timers[0]
@@ -481,6 +488,14 @@ class TransferMux:
             elif self._armed.get(transfer.transfer_id) != due:
                 self._push_timer(transfer, due)
         return None
+
+    def _take_endpoint_rtt(self) -> None:
+        """The endpoint's first round trip is known: the PROBEs out on paths of none time
+        out as it calls for (rtt_prior.py) - their timers pulled in."""
+        self._cold_probes_taken = True
+        for sender in list(self._senders.values()):
+            if sender.take_endpoint_rtt():
+                self._rearm(sender)
 
     def timer_fired(self, now: float) -> None:
         timers = self._timers

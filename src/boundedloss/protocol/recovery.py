@@ -29,6 +29,7 @@ from .acks import AckState, loss_with, reverse_with
 from .acks import start as start_acks
 from .loss_prior import LossPrior, pass_loss
 from .path import RttEstimate
+from .rtt_prior import RttPrior
 from .types import TransportConfig
 
 #: ``--recovery``: how a lost PROBE, or its lost answer, is recovered, as the
@@ -84,20 +85,24 @@ class Recovery:
     __slots__ = (
         "_ack_owed_at", "_config", "_copies_sent", "_loss", "_measured", "_min_copies",
         "_more_copies", "_pass_sent", "_pass_started_at", "_prior", "_reply_missing", "_rto",
-        "_rto_base", "_rttvar", "_srtt", "acks", "unanswered",
+        "_rto_base", "_rtt_prior", "_rttvar", "_srtt", "acks", "unanswered",
     )
 
     def __init__(self, config: TransportConfig, rtt: RttEstimate | None = None,
                  reverse_loss: float | None = None, *, ack_every: int | None = None,
-                 loss_prior: LossPrior | None = None, acks=None):
+                 loss_prior: LossPrior | None = None, acks=None,
+                 rtt_prior: RttPrior | None = None):
         """``ack_every``: how many DATA datagrams the receiver takes per ACK
         (``config.ack_every_for`` the message's chunk count; default: a short
         message's). ``loss_prior``: the endpoint's, shared by its sends (default: this
         send's own). ``acks``: a fresh state to keep what the ACKs say in (the compiled
         data path's ``Send``, set up here as an AckState would start; default: an
-        AckState)."""
+        AckState). ``rtt_prior``: the endpoint's round trips, shared by its sends - what a
+        send with none of its own waits for a PROBE's answer (rtt_prior.py; None: the
+        initial RTO)."""
         self._config = config
         self._prior = loss_prior if loss_prior is not None else LossPrior()
+        self._rtt_prior = rtt_prior
         #: what the ACKs say (shared with the sender and its window; the loss on the way
         #: back starts from ``reverse_loss``, a receive's hint)
         ack_every = ack_every or config.ack_every_for(0)
@@ -153,7 +158,19 @@ class Recovery:
     def rtt_estimate(self) -> RttEstimate | None:
         return None if self._srtt is None else RttEstimate(self._srtt, self._rttvar)
 
+    def probe_timeout(self) -> float:
+        """The timeout a PROBE sent now waits for its answer: ``rto``, or - while the
+        send has no round trip of its own and none of its PROBEs has timed out - the
+        endpoint's, if that is shorter (rtt_prior.py)."""
+        if self._srtt is None and self.unanswered == 0 and self._rtt_prior is not None:
+            endpoint = self._rtt_prior.rto(self._config)
+            if endpoint is not None and endpoint < self._rto:
+                self._rto = self._rto_base = endpoint
+        return self._rto
+
     def rtt_sample(self, sample: float) -> None:
+        if self._rtt_prior is not None:
+            self._rtt_prior.sample(sample)
         if self._srtt is None:
             self._srtt, self._rttvar = sample, sample / 2
         else:

@@ -31,6 +31,7 @@ from .loss_prior import LossPrior
 from .pacing import Pacer
 from .path import PeerPath
 from .recovery import Recovery
+from .rtt_prior import RttPrior
 from .types import (
     CloseReason,
     DataRun,
@@ -231,6 +232,7 @@ class MessageSender:
         transfer_id: int = 0,
         loss_prior: LossPrior | None = None,
         shared_acks=None,
+        rtt_prior: RttPrior | None = None,
     ):
         """``shared_acks``: a fresh ``Send`` of the compiled data path to keep what the
         ACKs move in from the start (as ``share_acks`` would, without the copy); None:
@@ -268,7 +270,7 @@ class MessageSender:
         self.path = path if path is not None else PeerPath(peer, config.delay_loop)
         self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
                                  ack_every=config.ack_every_for(count), loss_prior=loss_prior,
-                                 acks=shared_acks)
+                                 acks=shared_acks, rtt_prior=rtt_prior)
         #: what the ACKs move, for recovery, the window and this sender alike (the
         #: compiled data path's Send in its place once it takes them: share_acks)
         self.acks = self.recovery.acks
@@ -432,7 +434,7 @@ class MessageSender:
         probe = self._probe
         probe.seq += 1
         probe.sent_at = now
-        probe.deadline = now + self.recovery.rto
+        probe.deadline = now + self.recovery.probe_timeout()
         self.counts.probes += 1
         if carried:
             self.counts.probe_carried = 1
@@ -541,6 +543,19 @@ class MessageSender:
         self._finish(SendStatus.STOPPED, close_reason, now)
 
     # ------------------------------------------------------------------- timers
+    def take_endpoint_rtt(self) -> bool:
+        """The PROBE awaiting its answer times out as the endpoint's round trips call for,
+        if that is sooner and the send has none of its own (Recovery.probe_timeout,
+        counted from when the PROBE went). Whether its deadline moved."""
+        probe = self._probe
+        if self._state is SendState.DONE or probe.deadline is None:
+            return False
+        deadline = probe.sent_at + self.recovery.probe_timeout()
+        if deadline >= probe.deadline:
+            return False
+        probe.deadline = deadline
+        return True
+
     def next_deadline(self) -> float | None:
         if self._state is SendState.DONE:
             return None
