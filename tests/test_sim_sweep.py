@@ -10,7 +10,8 @@ import pytest
 
 from boundedloss.cli import main
 from boundedloss.sim import SimJob, run_sweep
-from boundedloss.sim.sweep import _Worker, floor
+from boundedloss.sim.memory import needs
+from boundedloss.sim.sweep import _Worker
 
 JOBS = [SimJob(workers=w, system=s, topology=t, loss=p, elements=20_000, rounds=2)
         for w in (4, 8) for s, t in (("reliable", "ps"), ("dblp", "allreduce"),
@@ -33,7 +34,7 @@ def test_jobs_whose_floors_do_not_fit_together_run_one_at_a_time() -> None:
     """Memory for the biggest job alone: never two at once, and every row still comes."""
     said: list[str] = []
     rows = run_sweep(JOBS[:4], said.append, processes=4,
-                     available=max(floor(j) for j in JOBS[:4]) + 1)
+                     available=max(needs(j) for j in JOBS[:4]) + 1)
     assert _rows(rows) == _rows(run_sweep(JOBS[:4]))
     assert said and all("simulating 1 side by side" in s for s in said)
 

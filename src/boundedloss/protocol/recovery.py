@@ -29,7 +29,7 @@ from .acks import AckState, loss_with, reverse_with
 from .acks import start as start_acks
 from .loss_prior import LossPrior, pass_loss
 from .path import RttEstimate
-from .rtt_prior import RttPrior
+from .rtt_prior import RttPrior, rto_for, smoothed
 from .types import TransportConfig
 
 #: ``--recovery``: how a lost PROBE, or its lost answer, is recovered, as the
@@ -120,7 +120,7 @@ class Recovery:
         self._rto = config.initial_rto
         if rtt is not None:
             self._srtt, self._rttvar = rtt.srtt, rtt.rttvar
-            self._rto = min(config.max_rto, max(config.min_rto, self._srtt + 4 * self._rttvar))
+            self._rto = rto_for(self._srtt, self._rttvar, config)
         self._rto_base = self._rto  # what the round trips say; backoff starts from here
         #: PROBEs in a row that got no answer
         self.unanswered = 0
@@ -171,13 +171,8 @@ class Recovery:
     def rtt_sample(self, sample: float) -> None:
         if self._rtt_prior is not None:
             self._rtt_prior.sample(sample)
-        if self._srtt is None:
-            self._srtt, self._rttvar = sample, sample / 2
-        else:
-            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - sample)
-            self._srtt = 0.875 * self._srtt + 0.125 * sample
-        cfg = self._config
-        self._rto = min(cfg.max_rto, max(cfg.min_rto, self._srtt + 4 * self._rttvar))
+        self._srtt, self._rttvar = smoothed(self._srtt, self._rttvar, sample)
+        self._rto = rto_for(self._srtt, self._rttvar, self._config)
         self._rto_base = self._rto
 
     def probe_timed_out(self) -> None:

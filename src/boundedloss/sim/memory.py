@@ -74,6 +74,12 @@ def job_floor(system: str, topology: str, workers: int, elements: int,
     return int(BASE_BYTES + 4 * elements + workers * per_rank)
 
 
+def needs(job) -> int:
+    """Bytes the SimJob ``job`` needs at least (job_floor, for its settings)."""
+    return job_floor(job.system, job.topology, job.workers, job.elements,
+                     job.rounds > 1 or job.posts_ahead_in_last_round())
+
+
 def available_bytes() -> int | None:
     """Memory available to a new process here (``MemAvailable``; None where the kernel
     does not say)."""
@@ -92,9 +98,8 @@ def shortfall(jobs: Sequence, available: int | None = None) -> MemoryShortfall |
     available = available_bytes() if available is None else available
     if available is None:
         return None
-    needs, worst = max(((job_floor(j.system, j.topology, j.workers, j.elements,
-                                   j.rounds > 1 or j.posts_ahead_in_last_round()), j)
-                        for j in jobs), key=lambda pair: pair[0], default=(0, None))
-    if worst is None or needs <= available:
+    most, worst = max(((needs(j), j) for j in jobs), key=lambda pair: pair[0],
+                      default=(0, None))
+    if worst is None or most <= available:
         return None
-    return MemoryShortfall(worst.workers, worst.topology, worst.elements, needs, available)
+    return MemoryShortfall(worst.workers, worst.topology, worst.elements, most, available)

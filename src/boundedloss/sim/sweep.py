@@ -3,7 +3,7 @@
 Each job is a simulation of its own, seeded by the job alone, so its row is the same
 whichever way it runs, and wherever it runs (its ``wall_s`` apart: what it took, with
 whatever ran beside it). Side by side, a job starts only once one of ``processes``
-slots is free and the floors of what runs (``memory.job_floor``) and of the job
+slots is free and the floors of what runs (``memory.needs``) and of the job
 itself fit in the memory available when the sweep starts; a job too big to run beside
 the others waits until it can run alone. The floor is a floor: jobs it lets through side
 by side may still need more than there is, as a single job may.
@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as connection_wait
 
 from .job import SimJob, SimRow, run_job
-from .memory import available_bytes, job_floor
+from .memory import available_bytes, needs
 
 
 def describe(job: SimJob) -> str:
@@ -26,12 +26,6 @@ def describe(job: SimJob) -> str:
     background = f", background {job.background}" if job.background else ""
     return (f"{job.workers} workers, {job.system}, {job.topology}, "
             f"{job.loss_model or f'{job.loss:.1%}'} loss{background}")
-
-
-def floor(job: SimJob) -> int:
-    """The least memory ``job`` needs (memory.job_floor)."""
-    return job_floor(job.system, job.topology, job.workers, job.elements,
-                     job.rounds > 1 or job.posts_ahead_in_last_round())
 
 
 def run_sweep(jobs: Sequence[SimJob], progress: Callable[[str], None] | None = None, *,
@@ -116,7 +110,7 @@ def _serve(conn: Connection) -> None:
 def _side_by_side(jobs: list[SimJob], progress: Callable[[str], None] | None,
                   processes: int, available: int | None) -> list[SimRow]:
     rows: list[SimRow | None] = [None] * len(jobs)
-    floors = [floor(job) for job in jobs]
+    floors = [needs(job) for job in jobs]
     waiting = list(range(len(jobs)))
     workers: list[_Worker] = []
     # (spawned, not forked: this process has threads - a progress display's, say)
