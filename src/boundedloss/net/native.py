@@ -118,17 +118,12 @@ class NativeDataPath:
         return None if self.address(peer) is None else self._native.Send()
 
     def send_opened(self, sender: MessageSender) -> None:
-        address = self.address(sender.peer)
-        if address is None:
-            return  # not an IPv4 peer: the Python core takes its ACKs
         shared: Any = sender.acks
-        kept_in_python = type(shared) is not self._native.Send
-        if kept_in_python:
-            shared = self._native.Send()
+        address = self.address(sender.peer)
+        if address is None or type(shared) is not self._native.Send:
+            return  # not an IPv4 peer (new_acks gave it none): the Python core takes its ACKs
         shared.bind(address[0], address[1], sender.round_id, sender.message_id, sender.count,
                     sender.nbytes, sender.chunk_bytes)
-        if kept_in_python:
-            sender.share_acks(shared)
         self.dispatcher.register_send(shared)
 
     def send_closed(self, sender: MessageSender) -> None:

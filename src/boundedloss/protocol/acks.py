@@ -47,25 +47,6 @@ class AckState:
     def __init__(self, *, ack_every: int, reverse_hint: float, loss_limit: float):
         start(self, ack_every=ack_every, reverse_hint=reverse_hint, loss_limit=loss_limit)
 
-    def copy_into(self, other) -> None:
-        """Every field (ACK_FIELDS) into ``other``. (Written out: a send's post pays for
-        it, and a loop of getattr and setattr costs twice as much.)"""
-        other.last_heard = self.last_heard
-        other.reported_delivered = self.reported_delivered
-        other.acks_heard = self.acks_heard
-        other.ack_tseq = self.ack_tseq
-        other.ack_delivered = self.ack_delivered
-        other.acked = self.acked
-        other.next_tseq = self.next_tseq
-        other.blocked_since = self.blocked_since
-        other.ack_every = self.ack_every
-        other.reverse_hint = self.reverse_hint
-        other.loss_limit = self.loss_limit
-        other.in_python = self.in_python
-        other.check_loss = self.check_loss
-        other.credit = self.credit
-        other.granted_least = self.granted_least
-
 
 def loss_with(acks, acks_heard: int, ack_tseq: int, ack_delivered: int) -> float:
     """The loss a PROBE and its answer would meet, from ACK counters (forward: of the
@@ -88,7 +69,7 @@ def reverse_with(acks, acks_heard: int, ack_delivered: int) -> float:
 
 def start(acks, *, ack_every: int, reverse_hint: float, loss_limit: float) -> None:
     """Set ``acks`` (an AckState, or a fresh Send of the compiled path) as a send starts.
-    (Written out, as copy_into: a send's post pays for it.)"""
+    (Written out: a send's post pays for it, and a loop of setattr costs twice as much.)"""
     acks.last_heard = 0.0  # when the receiver was last heard from
     acks.reported_delivered = 0  # chunks the receiver said it had, latest word
     # recovery's: ACKs heard, and the highest tseq one reported with what it had

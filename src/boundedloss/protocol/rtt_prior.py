@@ -24,7 +24,6 @@ PROBE time out early: a PROBE again, one datagram, and the backoff.
 
 from __future__ import annotations
 
-from .path import RttEstimate
 from .types import TransportConfig
 
 
@@ -45,10 +44,6 @@ class RttPrior:
     def known(self) -> bool:
         """Whether any round trip has been measured."""
         return self._srtt is not None
-
-    @property
-    def estimate(self) -> RttEstimate | None:
-        return None if self._srtt is None else RttEstimate(self._srtt, self._rttvar)
 
     def rto(self, config: TransportConfig) -> float | None:
         """The RTO the endpoint's round trips call for (None: none measured yet)."""

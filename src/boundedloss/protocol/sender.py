@@ -235,8 +235,8 @@ class MessageSender:
         rtt_prior: RttPrior | None = None,
     ):
         """``shared_acks``: a fresh ``Send`` of the compiled data path to keep what the
-        ACKs move in from the start (as ``share_acks`` would, without the copy); None:
-        an AckState of its own."""
+        ACKs move in, which it then takes the ACKs with (``NativeDataPath.new_acks``);
+        None: an AckState of its own."""
         self.peer = peer
         self.transfer_id = transfer_id
         self.config = config
@@ -272,7 +272,7 @@ class MessageSender:
                                  ack_every=config.ack_every_for(count), loss_prior=loss_prior,
                                  acks=shared_acks, rtt_prior=rtt_prior)
         #: what the ACKs move, for recovery, the window and this sender alike (the
-        #: compiled data path's Send in its place once it takes them: share_acks)
+        #: compiled data path's Send, where it takes them)
         self.acks = self.recovery.acks
         self.acks.last_heard = now
         if config.credit_bytes is not None:  # (the first pass's allowance until a grant)
@@ -307,15 +307,6 @@ class MessageSender:
             self._state = _TRANSITIONS[(self._state, event)]
         except KeyError:
             raise AssertionError(f"send: no transition from {self._state} on {event}") from None
-
-    def share_acks(self, shared) -> None:
-        """Keep what the ACKs move in ``shared`` from now on (the compiled data path's
-        ``Send``, which takes the ACKs that call for no decision): what is there so far
-        is copied into it first."""
-        self.acks.copy_into(shared)
-        self.acks = self.recovery.acks = self._window.acks = shared
-        self._acks_shared = True
-        self._share_ack_flags()
 
     def _share_ack_flags(self) -> None:
         """Say which ACKs need the Python core (see AckState): one heard with the PROBE
