@@ -30,10 +30,15 @@ millions of open messages needs (``boundedloss sim``'s memory floor) is mostly t
     python tools/message_cost.py --auth --bytes 4096 --json message-cost.json
     python tools/message_cost.py --memory --bytes 4096
     python tools/message_cost.py --auth --bytes 4096 --rounds 20000 --open 1,10,100,1000,5000
+    python tools/message_cost.py --auth --bytes 4096 --rounds 400 --peers 63
 
 ``--open`` asks instead what a message costs (all four phases, mean) when N are posted,
 fed and finished together: the caches a message's objects meet with that many others
 open, as a rank's meet them in a round of a large world.
+
+``--peers`` asks what posting a round's receives from N peers and its sends to them
+costs a message: one by one, and batched as an endpoint posts them (the receives of one
+size share their geometry and the policy's plan, the sends their geometry).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ SESSION = 7
 A, B = ("10.0.0.1", 5000), ("10.0.0.2", 5000)
 KIND_AT = OFFSET["kind"]
 PHASES = ("post receive", "post send", "close receive", "finish send")
+POSTS = ("post receive, one by one", "post send, one by one",
+         "post receive, batched", "post send, batched")
 KEY = bytes(range(32))
 
 
@@ -153,6 +160,44 @@ def measure_open(nbytes: int, rounds: int, auth: bool, at_once: int) -> float:
     return 1e6 * spent / r
 
 
+def measure_posts(nbytes: int, rounds: int, auth: bool, peers: int) -> dict[str, float]:
+    """Median microseconds a message of posting a round's receives from ``peers`` peers
+    and its sends to them: one by one, and as an endpoint posts them (a ``ReceiveBatch``
+    and a ``SendBatch``, one geometry and plan per size), interleaved round by round."""
+    # (imported here: the other measures run against trees from before the batches)
+    from boundedloss.protocol.receiver import ReceiveBatch
+    from boundedloss.protocol.sender import SendBatch
+
+    config = TransportConfig(max_open_receives=peers + 64)
+    mux = core(A, config, auth)
+    others = [(f"10.0.{1 + i // 250}.{1 + i % 250}", 5000) for i in range(peers)]
+    payload = np.arange(nbytes // 4, dtype=np.float32)
+    policy = ReliablePolicy()
+    clock = time.perf_counter
+    took: dict[str, list[float]] = {p: [] for p in POSTS}
+    now = 0.0
+    for r in range(1, rounds + 1):
+        now += 0.01
+        for batched in (False, True):
+            rb = ReceiveBatch() if batched else None
+            t = clock()
+            rxs = [mux.start_receive(p, r, int(batched), now, policy=policy,
+                                     nbytes=payload.nbytes, batch=rb) for p in others]
+            took[POSTS[2 * batched]].append((clock() - t) / peers)
+            sb = SendBatch() if batched else None
+            t = clock()
+            txs = [mux.start_send(p, r, int(batched), payload, now, batch=sb) for p in others]
+            took[POSTS[2 * batched + 1]].append((clock() - t) / peers)
+            for rx in rxs:
+                mux.cancel_receive(rx, now)
+            for tx in txs:
+                mux.cancel_send(tx, now)
+            mux.pop_finished()
+            mux.poll(now, runs=True)
+    skip = rounds // 5
+    return {p: 1e6 * statistics.median(v[skip:]) for p, v in took.items()}
+
+
 def held(nbytes: int, count: int, auth: bool) -> dict[str, float]:
     """Bytes an open receive (its destination buffer apart) and an open send hold, per
     message, over ``count`` of each posted on two cores (nothing sent or received)."""
@@ -192,6 +237,10 @@ def main() -> None:
     ap.add_argument("--open", type=str, default=None, metavar="N,...",
                     help="instead: the cost of a message (all four phases, mean) with N "
                          "posted and completed at once, for each N")
+    ap.add_argument("--peers", type=int, default=None, metavar="N",
+                    help="instead: what posting a round's receives from N peers and its "
+                         "sends to them costs a message, one by one and batched as an "
+                         "endpoint posts them")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
     if a.bytes < 8 or a.rounds < 10:
@@ -208,6 +257,19 @@ def main() -> None:
         if a.json:
             a.json.write_text(json.dumps({"bytes": a.bytes, "auth": a.auth, "count": a.rounds,
                                           **figures}, indent=2) + "\n")
+        return
+    if a.peers is not None:
+        if a.peers < 1:
+            raise SystemExit("--peers takes a count of at least 1")
+        posts = measure_posts(a.bytes, a.rounds, a.auth, a.peers)
+        print(f"Posting a round's messages of {a.bytes:,} B with {a.peers} peers, auth "
+              f"{'on' if a.auth else 'off'}, per message (median of "
+              f"{a.rounds - a.rounds // 5} rounds):")
+        for phase, v in posts.items():
+            print(f"  {phase:26s} {v:7.1f} us")
+        if a.json:
+            a.json.write_text(json.dumps({"bytes": a.bytes, "auth": a.auth, "rounds": a.rounds,
+                                          "peers": a.peers, "us": posts}, indent=2) + "\n")
         return
     if a.open:
         counts = [int(n) for n in a.open.split(",")]

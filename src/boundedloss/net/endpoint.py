@@ -34,8 +34,8 @@ from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
 from ..protocol.auth import DatagramAuth
 from ..protocol.mux import TransferMux
-from ..protocol.receiver import MessageReceiver
-from ..protocol.sender import MessageSender
+from ..protocol.receiver import MessageReceiver, ReceiveBatch
+from ..protocol.sender import MessageSender, SendBatch
 from ..protocol.types import ReceiveResult, SendResult, TransportConfig, TransportError
 
 
@@ -113,13 +113,14 @@ class Endpoint(abc.ABC):
         peers = [self._resolve_address(peer) for peer, _ in messages]
         for peer in peers:
             self.check_path(peer)
+        batch = SendBatch()  # (one geometry per size for them all)
         with self._lock:
             self._check_open()
             now = self.clock()
             _, futures = self._start_each(
                 [(peer, payload) for peer, (_, payload) in zip(peers, messages)],
                 lambda m: self.mux.start_send(m[0], round_id, message_id, m[1], now,
-                                              critical=critical),
+                                              critical=critical, batch=batch),
                 self.mux.cancel_send, now)
         self._wake()
         return futures
@@ -148,6 +149,7 @@ class Endpoint(abc.ABC):
         for peer in peers:
             self.check_path(peer)
         policy = policy or ReliablePolicy()
+        batch = ReceiveBatch()  # (one plan per size for them all)
         with self._lock:
             self._check_open()
             now = self.clock()
@@ -155,7 +157,7 @@ class Endpoint(abc.ABC):
                 [(peer, *rest) for peer, (_, *rest) in zip(peers, messages)],
                 lambda m: self.mux.start_receive(m[0], round_id, message_id, now,
                                                  policy=policy, out=m[1], nbytes=m[2],
-                                                 critical=m[3]),
+                                                 critical=m[3], batch=batch),
                 self.mux.cancel_receive, now)
             self._resolve(self.mux.pop_finished())
             # The driver need not run for a receive it would not act on before it

@@ -38,9 +38,9 @@ from .auth import TRAILER_BYTES, DatagramAuth
 from .credit import CreditGrants
 from .loss_prior import LossPrior
 from .path import PeerPath
-from .receiver import RUN_MAX, MessageReceiver
+from .receiver import RUN_MAX, MessageReceiver, ReceiveBatch
 from .rtt_prior import RttPrior
-from .sender import MessageSender
+from .sender import MessageSender, SendBatch
 from .types import (
     DataRun,
     ReceiveResult,
@@ -194,7 +194,10 @@ class TransferMux:
         return path
 
     def start_send(self, peer, round_id: int, message_id: int, payload, now: float, *,
-                   critical: np.ndarray | None = None) -> MessageSender:
+                   critical: np.ndarray | None = None,
+                   batch: SendBatch | None = None) -> MessageSender:
+        """``batch``: the sends posted at this instant with this one, which share its
+        geometry by size (``SendBatch``)."""
         key = (peer, round_id, message_id)
         if key in self._senders:
             raise TransportError(f"message {key} is already being sent")
@@ -204,6 +207,7 @@ class TransferMux:
             path=self.path(peer), transfer_id=next(self._transfer_ids),
             loss_prior=self.loss_prior, rtt_prior=self.rtt_prior,
             shared_acks=None if self.data_path is None else self.data_path.new_acks(peer),
+            batch=batch,
         )
         if self.data_path:  # (before the send is the mux's: it fails whole if this fails)
             try:
@@ -218,7 +222,10 @@ class TransferMux:
     def start_receive(self, peer, round_id: int, message_id: int, now: float, *,
                       policy: Policy, out: np.ndarray | None = None,
                       nbytes: int | None = None,
-                      critical: np.ndarray | None = None) -> MessageReceiver:
+                      critical: np.ndarray | None = None,
+                      batch: ReceiveBatch | None = None) -> MessageReceiver:
+        """``batch``: the receives posted at this instant with this one (of the same
+        policy), which share its plan by size (``ReceiveBatch``)."""
         key = (peer, round_id, message_id)
         if key in self._receivers:
             raise TransportError(f"a receive for {key} is already open")
@@ -237,6 +244,7 @@ class TransferMux:
             critical=critical, path=self.path(peer), transfer_id=next(self._transfer_ids),
             grants=self.grants,
             counts=None if self.data_path is None else self.data_path.new_counts(peer),
+            batch=batch,
         )
         self._receivers[key] = receiver
         try:

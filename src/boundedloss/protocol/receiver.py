@@ -134,6 +134,57 @@ def _ack_template(session: int, count: int, nbytes: int, chunk_bytes: int,
                                  Flag.CREDIT if credit else Flag.NONE)
 
 
+class ReceiveGeometry:
+    """What a receive's size alone decides, once the size is known: its chunks, its ACK
+    cadence, what its policy is told and plans, and the headers of its control datagrams
+    (the BITMAP header the others are built from, and its ACK's bytes, ids included).
+    Receives posted together - one message from many peers at one instant - share one
+    per size (``ReceiveBatch``)."""
+
+    __slots__ = ("ack", "ack_every", "count", "header", "info", "plan", "policy")
+
+    def __init__(self, receiver: MessageReceiver, count: int, nbytes: int,
+                 critical_count: int):
+        cb, config = receiver.chunk_bytes, receiver.config
+        self.count = count
+        self.ack_every = config.ack_every_for(count)
+        self.info = MessageInfo(receiver.round_id, receiver.message_id, count, nbytes, cb,
+                                critical_count)
+        self.policy = receiver.policy
+        self.plan = receiver.policy.plan(self.info)
+        self.header = wire.Header(Kind.BITMAP, receiver.session, receiver.round_id,
+                                  receiver.message_id, 0, count, nbytes, cb)
+        ack = bytearray(_ack_template(receiver.session, count, nbytes, cb,
+                                      receiver.grants is not None))
+        _ROUND_MESSAGE.pack_into(ack, _ROUND_AT, receiver.round_id, receiver.message_id)
+        self.ack = bytes(ack)
+
+
+class ReceiveBatch:
+    """Receives posted at one instant share their ``ReceiveGeometry`` by size: the policy
+    plans once per size and batch - a round's decision, not a message's. That is the plan
+    each would have had: nothing happens between the posts of a batch, and a policy's
+    plan is a function of the message's info and of the policy's state, which moves
+    only between rounds for a policy that does not learn from outcomes. A policy that
+    does (``observe``) plans each receive itself, as do receives with a critical mask
+    (their info differs by it)."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, ReceiveGeometry] = {}
+
+    def geometry(self, receiver: MessageReceiver, count: int, nbytes: int) -> ReceiveGeometry:
+        """The geometry of ``receiver``'s size (one with no critical mask, of a policy
+        that does not learn), shared with the batch's others of that size."""
+        key = (receiver.session, receiver.round_id, receiver.message_id, nbytes,
+               receiver.chunk_bytes, receiver.grants is not None)
+        shared = self._by_key.get(key)
+        if shared is None or shared.policy is not receiver.policy:
+            shared = self._by_key[key] = ReceiveGeometry(receiver, count, nbytes, 0)
+        return shared
+
+
 #: a header's round and message fields, which lie side by side
 _ROUND_MESSAGE = struct.Struct("<II")
 _ROUND_AT = wire.OFFSET["round"]
@@ -148,7 +199,7 @@ class MessageReceiver:
         "policy", "config", "opened", "hard_deadline", "chunk_bytes", "_critical_arg",
         "_out", "nbytes", "count", "plan", "result", "_state", "counts", "ack_every",
         "accept_deadline", "first_pass_delivered", "stop", "_delivered", "_run_views",
-        "info", "_header", "_dest", "_critical",
+        "info", "_header", "_dest", "_critical", "_ack_bytes",
     )
 
     def __init__(
@@ -168,10 +219,12 @@ class MessageReceiver:
         transfer_id: int = 0,
         grants: CreditGrants | None = None,
         counts=None,
+        batch: ReceiveBatch | None = None,
     ):
         """``counts``: a fresh object with ``ReceiveCounts``' fields and initial values to
         keep them in (a compiled data path's ``Receive``, which then needs no copy of
-        them: ``share_counts``); a ReceiveCounts by default."""
+        them: ``share_counts``); a ReceiveCounts by default. ``batch``: the receives
+        posted with this one, whose geometry and plan it shares (``ReceiveBatch``)."""
         self.peer = peer
         self.path = path if path is not None else PeerPath(peer)
         #: the endpoint's credit budget this receive shares once heard (None: no credit)
@@ -211,7 +264,7 @@ class MessageReceiver:
         self.first_pass_delivered: int | None = None
         self.stop: bytes | None = None
         if nbytes is not None:
-            self._open(nbytes)
+            self._open(nbytes, batch)
         else:
             self.ack_every = config.ack_every_for(0)  # (until the size is known)
 
@@ -236,12 +289,12 @@ class MessageReceiver:
         self.counts = shared
 
     # ---------------------------------------------------------------- geometry
-    def _open(self, nbytes: int) -> None:
-        """Fix the geometry, allocate the destination if needed, ask the policy."""
+    def _open(self, nbytes: int, batch: ReceiveBatch | None = None) -> None:
+        """Fix the geometry, allocate the destination if needed, ask the policy (or take
+        the plan ``batch`` holds for this size)."""
         cb = self.chunk_bytes
         self.nbytes = nbytes
         self.count = count = wire.chunk_count(nbytes, cb)
-        self.ack_every = self.config.ack_every_for(count)
         if self._out is None:
             self._out = np.empty(nbytes, dtype=np.uint8)
             self._dest = self._out.data  # (flat bytes already)
@@ -261,19 +314,21 @@ class MessageReceiver:
         else:
             self._critical = None
             self.counts.critical_missing = 0
-        self.info = MessageInfo(
-            self.round_id, self.message_id, count, nbytes, cb, self.counts.critical_missing
-        )
-        self.plan = plan = self.policy.plan(self.info)
+        if batch is None or crit is not None or learns(self.policy):
+            geometry = ReceiveGeometry(self, count, nbytes, self.counts.critical_missing)
+        else:
+            geometry = batch.geometry(self, count, nbytes)
+        self.ack_every = geometry.ack_every
+        self.info = geometry.info
+        self.plan = plan = geometry.plan
+        self._header = geometry.header
+        self._ack_bytes = geometry.ack
         self.counts.need = min(plan.min_delivered, count)
         self.counts.clock_on_first = plan.accept_after is not None and plan.accept_from_first
         self.accept_deadline = (
             None if plan.accept_after is None or plan.accept_from_first
             else self.opened + plan.accept_after
         )  # (accept_from_first: armed by _heard when the first datagram arrives)
-        self._header = wire.Header(
-            Kind.BITMAP, self.session, self.round_id, self.message_id, 0, count, nbytes, cb
-        )
         self._transition(ReceiveEvent.SIZED)
 
 
@@ -398,14 +453,10 @@ class MessageReceiver:
         """Tell the sender what it may send now: an ACK, with its credit."""
         out.append(((self._ack(self.counts.delivered_count),), self.peer))
 
-    def ack_template(self) -> bytearray:
+    def ack_template(self) -> bytes:
         """An ACK of this receive with tseq, the delivered count and any credit zero (the
         compiled data path writes them into a copy)."""
-        h = self._header
-        ack = bytearray(_ack_template(h.session, h.count, h.message_bytes, h.chunk_bytes,
-                                      self.grants is not None))
-        _ROUND_MESSAGE.pack_into(ack, _ROUND_AT, h.round_id, h.message_id)
-        return ack
+        return self._ack_bytes
 
     def buffers(self) -> tuple[memoryview, bytearray, bytearray | None]:
         """What a data path writes and reads: the destination's bytes, a flag byte per

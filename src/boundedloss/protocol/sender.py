@@ -207,6 +207,47 @@ class OutstandingProbe:
     deadline: float | None = None
 
 
+class SendGeometry:
+    """What a send's size alone decides: its chunks, the header its control datagrams are
+    built from, its DATA headers (each send writes its tseqs into a copy of them) and
+    the ACK cadence its receiver keeps. Sends posted together - one message to many
+    peers at one instant - share one per size (``SendBatch``)."""
+
+    __slots__ = ("ack_every", "config", "count", "data_headers", "header")
+
+    def __init__(self, session: int, round_id: int, message_id: int, nbytes: int,
+                 config: TransportConfig, critical: np.ndarray | None):
+        self.config = config
+        cb = config.chunk_bytes
+        self.count = count = wire.chunk_count(nbytes, cb)
+        self.header = wire.Header(Kind.PROBE, session, round_id, message_id, 0, count,
+                                  nbytes, cb)
+        self.data_headers = wire.build_data_headers(
+            session=session, round_id=round_id, message_id=message_id, message_bytes=nbytes,
+            chunk_bytes=cb, critical=critical,
+        )
+        self.ack_every = config.ack_every_for(count)
+
+
+class SendBatch:
+    """Sends posted at one instant share their ``SendGeometry`` by size (those without a
+    critical mask: one with a mask has DATA headers of its own)."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, SendGeometry] = {}
+
+    def geometry(self, session: int, round_id: int, message_id: int, nbytes: int,
+                 config: TransportConfig) -> SendGeometry:
+        key = (session, round_id, message_id, nbytes)
+        shared = self._by_key.get(key)
+        if shared is None or shared.config is not config:
+            shared = self._by_key[key] = SendGeometry(session, round_id, message_id, nbytes,
+                                                      config, None)
+        return shared
+
+
 class MessageSender:
     # (slots: a send's attributes in a dict cost a simulated job's millions of open sends
     # a kilobyte or more each)
@@ -233,10 +274,12 @@ class MessageSender:
         loss_prior: LossPrior | None = None,
         shared_acks=None,
         rtt_prior: RttPrior | None = None,
+        batch: SendBatch | None = None,
     ):
         """``shared_acks``: a fresh ``Send`` of the compiled data path to keep what the
         ACKs move in, which it then takes the ACKs with (``NativeDataPath.new_acks``);
-        None: an AckState of its own."""
+        None: an AckState of its own. ``batch``: the sends posted with this one, whose
+        geometry it shares (``SendBatch``)."""
         self.peer = peer
         self.transfer_id = transfer_id
         self.config = config
@@ -245,23 +288,25 @@ class MessageSender:
         if nbytes > wire.MAX_MESSAGE_BYTES:
             raise ValueError(f"message of {nbytes} bytes exceeds {wire.MAX_MESSAGE_BYTES}")
         cb = config.chunk_bytes
-        count = wire.chunk_count(nbytes, cb)
         if critical is not None:
             critical = np.asarray(critical, dtype=bool)
+            count = wire.chunk_count(nbytes, cb)
             if critical.shape != (count,):
                 raise ValueError(f"critical mask must have one entry per chunk ({count})")
+        if batch is None or critical is not None:
+            geometry = SendGeometry(session, round_id, message_id, nbytes, config, critical)
+            headers = geometry.data_headers
+        else:
+            geometry = batch.geometry(session, round_id, message_id, nbytes, config)
+            headers = geometry.data_headers.copy()  # (its tseqs are written into it)
         #: the message as its control datagrams describe it
-        self.message = wire.Header(Kind.PROBE, session, round_id, message_id, 0, count, nbytes, cb)
+        self.message = geometry.header
         # (its identity and geometry, as the header holds them)
         self.round_id = round_id
         self.message_id = message_id
         self.nbytes = nbytes
         self.chunk_bytes = cb
-        self.count = count
-        headers = wire.build_data_headers(
-            session=session, round_id=round_id, message_id=message_id, message_bytes=nbytes,
-            chunk_bytes=cb, critical=critical,
-        )
+        self.count = count = geometry.count
         self._tseq_field = headers.view("<u4")[:, wire.TSEQ_WORD]
         self._headers = headers.reshape(-1).data
         self._queue = SendQueue(count, critical)
@@ -269,7 +314,7 @@ class MessageSender:
         self._probe = OutstandingProbe()
         self.path = path if path is not None else PeerPath(peer, config.delay_loop)
         self.recovery = Recovery(config, self.path.rtt, self.path.reverse_loss(now),
-                                 ack_every=config.ack_every_for(count), loss_prior=loss_prior,
+                                 ack_every=geometry.ack_every, loss_prior=loss_prior,
                                  acks=shared_acks, rtt_prior=rtt_prior)
         #: what the ACKs move, for recovery, the window and this sender alike (the
         #: compiled data path's Send, where it takes them)
