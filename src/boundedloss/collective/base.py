@@ -15,7 +15,7 @@ deadline therefore covers the time between rounds too; it is the failure detecto
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -232,23 +232,62 @@ class Collective(abc.ABC):
 
     def _take(self, peer_rank: int, bucket: int, phase: int, round_id: int,
               nbytes: int, remembered: bool = True, into: np.ndarray | None = None) -> Posted:
-        """The receive for this round: posted ahead last round, or posted now
-        (``remembered``: see ``_receive_policy``; ``into``: where one posted now lands)."""
+        """The receive for this round from ``peer_rank`` (``_take_many`` of one)."""
+        return self._take_many({peer_rank: nbytes}, bucket, phase, round_id,
+                               {peer_rank: remembered},
+                               None if into is None else {peer_rank: into})[peer_rank]
+
+    def _take_many(self, nbytes: dict[int, int], bucket: int, phase: int, round_id: int,
+                   remembered: Mapping[int, bool] | None = None,
+                   into: Mapping[int, np.ndarray] | None = None) -> dict[int, Posted]:
+        """This round's receive from each peer rank in ``nbytes`` (its size), in its order:
+        posted ahead last round, or posted now - those together, one batch for each run
+        of ranks alike in ``remembered`` (see ``_receive_policy``; True by default), so
+        that a size's receives share one plan (``Endpoint.receive_many``); ``into``: where
+        each posted now lands, if not in a buffer of its own."""
+        taken: dict[int, Posted] = {}
+        run: dict[int, int] = {}
+        run_remembered = True
+
+        def post_run() -> None:
+            taken.update(self._post_many(
+                run, bucket, phase, round_id, run_remembered,
+                None if into is None else {r: into[r] for r in run}))
+            run.clear()
+
+        for peer_rank, size in nbytes.items():
+            alike = True if remembered is None else remembered[peer_rank]
+            pending = self._posted_ahead(peer_rank, bucket, phase, round_id, size, alike)
+            if pending is not None:
+                taken[peer_rank] = pending
+                continue
+            if run and alike != run_remembered:
+                post_run()
+            run[peer_rank], run_remembered = size, alike
+        if run:
+            post_run()
+        return {r: taken[r] for r in nbytes}
+
+    def _posted_ahead(self, peer_rank: int, bucket: int, phase: int, round_id: int,
+                      nbytes: int, remembered: bool) -> Posted | None:
+        """The receive posted ahead last round for this one from ``peer_rank``, if it
+        will do; None where one must be posted now."""
         pending = self._pending.pop((bucket, phase, peer_rank), None)
-        if pending is not None:
-            same = pending.round_id == round_id and pending.nbytes == nbytes
-            if same and pending.policy is self._receive_policy(bucket, phase, remembered)[0]:
-                return pending
-            # Posted for another round or size (DDP rebuilds its buckets after the first
-            # iteration), or under a policy the loss guard has since changed (its state
-            # loaded between rounds) or that no longer fits the memory (a checkpoint
-            # without it loaded): cancel it - silently, the peer's probe finds the new
-            # one - unless it had closed already.
-            self.endpoint.cancel(pending.future)
-            if same and pending.future.result(self._timeout).close_reason != (
-                    CloseReason.CANCELLED):
-                return pending  # it had closed already: the peer will not send it again
-        return self._post(peer_rank, bucket, phase, round_id, nbytes, remembered, into)
+        if pending is None:
+            return None
+        same = pending.round_id == round_id and pending.nbytes == nbytes
+        if same and pending.policy is self._receive_policy(bucket, phase, remembered)[0]:
+            return pending
+        # Posted for another round or size (DDP rebuilds its buckets after the first
+        # iteration), or under a policy the loss guard has since changed (its state
+        # loaded between rounds) or that no longer fits the memory (a checkpoint
+        # without it loaded): cancel it - silently, the peer's probe finds the new
+        # one - unless it had closed already.
+        self.endpoint.cancel(pending.future)
+        if same and pending.future.result(self._timeout).close_reason != (
+                CloseReason.CANCELLED):
+            return pending  # it had closed already: the peer will not send it again
+        return None
 
     def _post_ahead(self, nbytes: dict[int, int], bucket: int, phase: int,
                     round_id: int, into: dict[int, np.ndarray] | None = None) -> None:

@@ -65,7 +65,7 @@ class ParameterServer(Collective):
 
     def _serve(self, coded: np.ndarray, round_id: int, bucket: int, tally: Tally) -> np.ndarray:
         workers = [r for r in range(self.world_size) if r != self.server]
-        pushes = {w: self._take(w, bucket, PUSH, round_id, coded.nbytes) for w in workers}
+        pushes = self._take_many(dict.fromkeys(workers, coded.nbytes), bucket, PUSH, round_id)
         agg = self._reduce(coded, pushes, round_id, bucket, "push", tally, (bucket, "aggregate"))
         self._settle_broadcasts(bucket, before=round_id - 1)
         # (``agg`` is never written again: it is safe to send from in the background)

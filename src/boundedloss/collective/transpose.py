@@ -134,7 +134,8 @@ class TransposeAllreduce(Collective):
     def _take_contributions(self, bucket: int, round_id: int, nbytes: int,
                             ranks: Iterable[int] | None = None) -> dict[int, Posted]:
         """This round's receives of my shard from every other rank (of ``ranks``)."""
-        return {r: self._take(r, bucket, PUSH, round_id, nbytes) for r in self._others(ranks)}
+        return self._take_many(dict.fromkeys(self._others(ranks), nbytes), bucket, PUSH,
+                               round_id)
 
     def _take_shards(self, bounds: Bounds, bucket: int, round_id: int, itemsize: int,
                      check_memory: bool = False, role: str = "gather",
@@ -144,11 +145,14 @@ class TransposeAllreduce(Collective):
         round gathers them into, which those posted now write into in place where
         results are (``_in_place``)."""
         into = into if self._in_place() else None
-        return {r: self._take(r, bucket, PULL, round_id, (hi - lo) * itemsize,
-                              remembered=not check_memory or self._remembered(
-                                  (bucket, f"{role}{r}"), (hi - lo,)) is not None,
-                              into=None if into is None else into[lo:hi])
-                for r, (lo, hi) in bounds.items() if r != self.rank}
+        others = {r: b for r, b in bounds.items() if r != self.rank}
+        return self._take_many(
+            {r: (hi - lo) * itemsize for r, (lo, hi) in others.items()}, bucket, PULL,
+            round_id,
+            {r: not check_memory or self._remembered((bucket, f"{role}{r}"),
+                                                     (hi - lo,)) is not None
+             for r, (lo, hi) in others.items()},
+            None if into is None else {r: into[lo:hi] for r, (lo, hi) in others.items()})
 
     def _send_each(self, payloads: Mapping[int, np.ndarray | memoryview], bucket: int, phase: int,
                    round_id: int) -> list[tuple[int, Future]]:
