@@ -103,7 +103,10 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def plan(self, info: MessageInfo) -> ClosePlan:
-        """The close rule for one message, fixed when its receive opens."""
+        """The close rule for one message, fixed when its receive opens: a function of
+        ``info`` and of the policy's state. Receives posted together of one size share
+        the plan asked for the first of them, unless the policy learns (``observe``):
+        its state moves only between rounds then (protocol.receiver.ReceiveBatch)."""
 
     def observe(self, outcome: Outcome) -> None:  # noqa: B027 - optional hook
         """Called once per closed receive; the default learns nothing."""
