@@ -141,11 +141,12 @@ class ReceiveGeometry:
     Receives posted together - one message from many peers at one instant - share one
     per size (``ReceiveBatch``)."""
 
-    __slots__ = ("ack", "ack_every", "count", "header", "info", "plan", "policy")
+    __slots__ = ("ack", "ack_every", "config", "count", "header", "info", "plan", "policy")
 
     def __init__(self, receiver: MessageReceiver, count: int, nbytes: int,
                  critical_count: int):
         cb, config = receiver.chunk_bytes, receiver.config
+        self.config = config
         self.count = count
         self.ack_every = config.ack_every_for(count)
         self.info = MessageInfo(receiver.round_id, receiver.message_id, count, nbytes, cb,
@@ -180,7 +181,8 @@ class ReceiveBatch:
         key = (receiver.session, receiver.round_id, receiver.message_id, nbytes,
                receiver.chunk_bytes, receiver.grants is not None)
         shared = self._by_key.get(key)
-        if shared is None or shared.policy is not receiver.policy:
+        if (shared is None or shared.policy is not receiver.policy
+                or shared.config is not receiver.config):
             shared = self._by_key[key] = ReceiveGeometry(receiver, count, nbytes, 0)
         return shared
 
