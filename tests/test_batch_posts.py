@@ -41,8 +41,8 @@ def _exchange(batched: bool, policy) -> tuple[list[bytes], list, list]:
     """A hub posting a receive from each peer and a send to each, batched or one by one;
     the peers doing the same the other way; every datagram delivered but each 5th DATA
     to the hub and those in LOST_FROM_HUB from it (so PROBEs, BITMAPs and
-    retransmissions run), timers fired on a virtual clock. What
-    the hub sent, in order, and the hub's receive and send results."""
+    retransmissions run), timers fired on a virtual clock. What the hub sent, in order,
+    and the hub's receive and send results."""
     hub = TransferMux(SESSION, CFG)
     peers = {name: TransferMux(SESSION, CFG) for name in PEERS}
     now = 0.0
