@@ -10,7 +10,6 @@ from boundedloss.policy import ClosePlan, MessageInfo, Policy
 from boundedloss.protocol import CloseReason, MessageReceiver, TransportConfig
 from boundedloss.protocol.receiver import (
     _TRANSITIONS,
-    ReceiveCounts,
     ReceiveEvent,
     ReceiveState,
 )
@@ -126,18 +125,3 @@ def test_an_event_with_no_transition_is_a_loud_error():
     rx = _receiver(HalfAfter())
     with pytest.raises(AssertionError, match="no transition"):
         rx._transition(ReceiveEvent.SIZED)  # noqa: SLF001 - (sized twice)
-
-
-def test_shared_counters_carry_what_was_counted_and_take_over():
-    """share_counts: the compiled path's counters start from the receive's, and from
-    then on the receive reads and writes them."""
-    rx = _receiver(HalfAfter())
-    out: list = []
-    _data(rx, 0, 0.1, out)
-    _final_probe(rx, 0.2, out)
-    shared = ReceiveCounts()
-    rx.share_counts(shared)
-    assert rx.counts is shared
-    assert (shared.delivered_count, shared.datagrams, shared.early_stop) == (1, 1, True)
-    _data(rx, 1, 0.3, out)
-    assert shared.delivered_count == 2

@@ -82,14 +82,11 @@ class NativeDataPath:
         return None if self.address(peer) is None else self._native.Receive()
 
     def receive_opened(self, receiver: MessageReceiver) -> None:
-        address = self.address(receiver.peer)
-        if address is None:
-            return  # not an IPv4 peer: the Python core takes its DATA
-        dest, delivered, critical = receiver.buffers()
         shared: Any = receiver.counts
-        if type(shared) is not self._native.Receive:  # (counted in Python so far)
-            shared = self._native.Receive()
-            receiver.share_counts(shared)
+        address = self.address(receiver.peer)
+        if address is None or type(shared) is not self._native.Receive:
+            return  # not an IPv4 peer (new_counts gave it none): the Python core takes its DATA
+        dest, delivered, critical = receiver.buffers()
         shared.bind(receiver.peer, address[0], address[1], receiver.round_id,
                     receiver.message_id, receiver.count, receiver.nbytes, receiver.chunk_bytes,
                     receiver.ack_every, dest, delivered, critical,

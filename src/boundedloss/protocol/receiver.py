@@ -11,7 +11,7 @@ The receiver's state (``ReceiveState``, every transition in ``_TRANSITIONS``) sa
 may close it: before the sender has sent everything once a met bound waits for the rest
 of the first pass; once the sender says so (a FINAL PROBE), or the acceptance deadline
 passes, a met bound closes it. The per-datagram counters (``ReceiveCounts``) live apart,
-since the compiled data path shares them (:meth:`MessageReceiver.share_counts`).
+since the compiled data path shares them (a receive keeps them in its ``Receive``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ReceiveCounts:
     message, and the facts its close check and its PROBE answers need.
 
     The compiled data path (``boundedloss._native.Receive``) has the same fields; a
-    receive whose DATA it takes shares its counters (:meth:`MessageReceiver.share_counts`),
+    receive whose DATA it takes keeps its counters in one from the start (``counts=``),
     and both sides then read and write one set. ``early_stop`` and ``final_seen`` mirror
     the receive's state (``_EARLY_STOP``; the first FINAL PROBE came) for the compiled
     path, which reads no Python object."""
@@ -109,10 +109,6 @@ class ReceiveCounts:
         #: under credit: what the latest ACK granted the sender, which its ACKs keep
         #: pace with (credit.ack_cadence; -1: none yet - the first DATA is ACKed at once)
         self.granted = -1
-
-    def copy_into(self, other) -> None:
-        for name in self.__slots__:
-            setattr(other, name, getattr(self, name))
 
 
 @functools.lru_cache(maxsize=16)
@@ -178,8 +174,8 @@ class ReceiveBatch:
     def geometry(self, receiver: MessageReceiver, count: int, nbytes: int) -> ReceiveGeometry:
         """The geometry of ``receiver``'s size (one with no critical mask, of a policy
         that does not learn), shared with the batch's others of that size."""
-        key = (receiver.session, receiver.round_id, receiver.message_id, nbytes,
-               receiver.chunk_bytes, receiver.grants is not None)
+        # (one config: one chunk size, credit or not)
+        key = (receiver.session, receiver.round_id, receiver.message_id, nbytes)
         shared = self._by_key.get(key)
         if (shared is None or shared.policy is not receiver.policy
                 or shared.config is not receiver.config):
@@ -224,8 +220,8 @@ class MessageReceiver:
         batch: ReceiveBatch | None = None,
     ):
         """``counts``: a fresh object with ``ReceiveCounts``' fields and initial values to
-        keep them in (a compiled data path's ``Receive``, which then needs no copy of
-        them: ``share_counts``); a ReceiveCounts by default. ``batch``: the receives
+        keep them in (a compiled data path's ``Receive``, which takes the receive's DATA
+        with them); a ReceiveCounts by default. ``batch``: the receives
         posted with this one, whose geometry and plan it shares (``ReceiveBatch``)."""
         self.peer = peer
         self.path = path if path is not None else PeerPath(peer)
@@ -282,13 +278,6 @@ class MessageReceiver:
             raise AssertionError(f"receive: no transition from {self._state} on {event}") \
                 from None
         self.counts.early_stop = self._state in _EARLY_STOP
-
-    def share_counts(self, shared) -> None:
-        """Read and write the per-datagram counters in ``shared`` from now on (the
-        compiled data path's ``Receive``, which takes this receive's DATA): what was
-        counted so far is copied into it first."""
-        self.counts.copy_into(shared)
-        self.counts = shared
 
     # ---------------------------------------------------------------- geometry
     def _open(self, nbytes: int, batch: ReceiveBatch | None = None) -> None:
