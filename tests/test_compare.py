@@ -296,6 +296,8 @@ def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint)
       "{dir}/k.json"], "--credit 16384"),
     (["sim", "--mtu", "9000", "--credit", "16k"], "--credit 16384"),
     (["sim", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
+    (["sim", "--cpu-interference", "20"], "'20': give RATE,MEAN_MS"),
+    (["sim", "--cpu-interference", "-1,3"], "finite rate and mean duration"),
     (["train", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
     (["bench", "fairness", "--congestion", "off,bbr", "--json", "{dir}/f.json"],
      "'bbr': choose from off, delay"),

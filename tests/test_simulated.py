@@ -314,6 +314,77 @@ def test_cores_place_work_in_the_first_gap_long_enough_on_the_core_free_first():
         Cores(0)
 
 
+def test_interference_takes_its_share_of_a_core_and_is_the_same_for_the_same_seed():
+    from boundedloss.net.cpu import Cores, Interference
+
+    spec = Interference(rate_hz=20.0, mean_s=5e-3)  # 9.1% of a core in the long run
+
+    def back_to_back(seed: tuple[int, ...], pieces: int = 20_000) -> list[float]:
+        cores, t, ends = Cores(1, spec, seed=seed), 0.0, []
+        for _ in range(pieces):  # 1 ms pieces of work, each ready when the last is done
+            t = cores.run(t, 1e-3, now=t)
+            ends.append(t)
+        assert cores.charged == pytest.approx(pieces * 1e-3)  # (lost time is not charged)
+        return ends
+
+    ends = back_to_back((1,))
+    # 20 s of work takes 20 s / (1 - share), give or take the draw (about 0.7% here)
+    assert ends[-1] == pytest.approx(20.0 / (1 - spec.share), rel=0.03)
+    assert back_to_back((1,)) == ends
+    assert back_to_back((2,)) != ends
+    # none, or a rate of 0, loses nothing
+    for off in (None, Interference(0.0, 0.0), Interference.parse("off")):
+        cores = Cores(1, off)
+        assert cores.run(0.0, 5.0, now=0.0) == 5.0 and cores.interfered == 0.0
+
+
+def test_work_on_shared_cores_goes_to_the_core_that_interference_leaves_free():
+    from boundedloss.net.cpu import Cores, Interference
+
+    spec = Interference(rate_hz=20.0, mean_s=5e-3)
+    cores = Cores(2, spec, seed=(7,))
+    t = 0.0
+    for _ in range(20_000):  # one thread's work, on whichever core is free first
+        t = cores.run(t, 1e-3, now=t)
+    # a spell holds one core at a time: the other takes the work (a spell on both at
+    # once, or one in the middle of a piece, is what it still loses)
+    assert 20.0 < t < 20.0 / (1 - spec.share ** 2 * 4)
+    assert cores.interfered > 1.0
+
+
+@pytest.mark.parametrize("text", ["20", "20,3,1", "a,b", "-1,3", "20,inf", ""])
+def test_interference_refuses_what_is_not_a_rate_and_a_mean(text):
+    from boundedloss.net.cpu import Interference
+
+    with pytest.raises(ValueError):
+        Interference.parse(text)
+
+
+def test_a_job_s_rounds_spread_with_interference_and_stay_the_same_for_a_seed():
+    """A lossless job on shared cores: with interference its rounds take longer and
+    spread further (100 spells of 2 ms a second: 17% of each core) - the same for the
+    same seed."""
+    from boundedloss.net.cpu import Interference
+    from boundedloss.sim import CPU_PRESETS, SimJob, run_job
+
+    job = SimJob(workers=4, system="reliable", topology="allreduce", loss=0.0,
+                 elements=50_000, rounds=40, mtu=1500, cpu="this-machine",
+                 cpu_interference=Interference(0.0, 0.0))
+    flat = run_job(job)
+    assert flat.cpu_interference == ""
+    noisy = dataclasses.replace(job, cpu_interference=Interference(100.0, 2e-3))
+    a, b = run_job(noisy), run_job(noisy)
+    assert a.cpu_interference == "100/s x 2 ms"
+    assert a.p50_ms > 1.1 * flat.p50_ms and a.p99_ms > flat.p99_ms + 2.0
+    assert (a.p50_ms, a.p99_ms, a.mean_ms) == (b.p50_ms, b.p99_ms, b.mean_ms)
+    # the same CPU charged: interference takes time, not work
+    assert a.cpu_ms_per_round == flat.cpu_ms_per_round
+    # the preset's, unless the job says otherwise; a preset without (cluster-node) has none
+    preset = dataclasses.replace(job, cpu_interference=None)
+    assert preset.interference() == CPU_PRESETS["this-machine"].interference
+    assert dataclasses.replace(preset, cpu="cluster-node").interference() is None
+
+
 def test_a_host_s_cpu_costs_set_its_pace_and_shared_cores_slow_every_host():
 
     costs = CpuCosts(byte_out=1e-9, byte_in=1e-9, message_main=1e-3, message_io=1e-3)

@@ -14,13 +14,19 @@
    and again with the Python core's handling folded into the per-message cost, as the
    model read it before charging each handed datagram (``datagram_core``).
 
+The cores lose time to what the simulation does not run as the preset's
+``Interference`` says (``--interference``: another, or ``off``); ``--fit-interference``
+(with ``--again``) draws a grid of them over the fitted rows and keeps the one whose p50s
+and p99s come nearest the testbed's.
+
 Prints testbed and simulated p50/p99 side by side with their ratios, and writes every
 figure (``--json``). Rows other than reliable's lossless allreduce and gloo's lossless
-ring are settings the costs were not measured on.
+ring are settings the costs (and a fitted interference) were not measured on.
 
     python tools/sim_calibrate.py --json calibration.json
     python tools/sim_calibrate.py --mtu 9000 --json calibration-9000.json
     python tools/sim_calibrate.py --again calibration.json   # simulate its rows again
+    python tools/sim_calibrate.py --again calibration.json --fit-interference
 
 (root, or a user namespace of its own, as ``boundedloss testbed``.)
 """
@@ -28,8 +34,12 @@ ring are settings the costs were not measured on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import math
+import multiprocessing
 import subprocess
 import sys
 import tempfile
@@ -61,9 +71,11 @@ def measure_tcp_costs(a: argparse.Namespace, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None) -> list[dict]:
+def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None,
+             interference=None) -> list[dict]:
     """The testbed's rows simulated with ``costs`` (and the TCP baselines' hosts with
-    ``tcp_costs``; None: the preset's): each row's figures side by side."""
+    ``tcp_costs``; None: the preset's) and ``interference`` (None: the preset's): each
+    row's figures side by side."""
     from boundedloss.sim import run_job
     from boundedloss.sim.calibration import P50_TOLERANCE, job_for_testbed_row
 
@@ -73,7 +85,8 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None) 
     for t in testbed:
         s = run_job(job_for_testbed_row(t["system"], t["topology"], t["loss"],
                                         elements=a.elements, rounds=a.rounds, mtu=a.mtu,
-                                        costs=costs, tcp_costs=tcp_costs))
+                                        costs=costs, tcp_costs=tcp_costs,
+                                        interference=interference))
         row = {"system": t["system"], "topology": t["topology"], "loss": t["loss"],
                "testbed_p50_ms": t["p50_ms"], "sim_p50_ms": s.p50_ms,
                "p50_ratio": round(s.p50_ms / t["p50_ms"], 3),
@@ -85,9 +98,48 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None) 
               f"{row['testbed_p50_ms']:11.1f} {row['sim_p50_ms']:8.1f} {row['p50_ratio']:6.2f} | "
               f"{row['testbed_p99_ms']:11.1f} {row['sim_p99_ms']:8.1f} {row['p99_ratio']:6.2f}"
               + ("  (fitted)" if row["fitted"] else ""))
-    within = sum(abs(r["p50_ratio"] - 1) <= P50_TOLERANCE for r in rows)
-    print(f"p50 within {P50_TOLERANCE:.0%}: {within} of {len(rows)}")
+    for q in ("p50", "p99"):
+        within = sum(abs(r[f"{q}_ratio"] - 1) <= P50_TOLERANCE for r in rows)
+        print(f"{q} within {P50_TOLERANCE:.0%}: {within} of {len(rows)}")
     return rows
+
+
+#: the grid ``--fit-interference`` draws: spells a second on each core, and their mean
+#: length (seconds)
+FIT_RATES = (5.0, 10.0, 20.0, 40.0)
+FIT_MEANS = (1e-3, 2e-3, 3e-3, 4e-3, 6e-3)
+
+
+def fit_interference(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs):
+    """Of the grid, the interference whose fitted rows' p50s and p99s lie nearest the
+    testbed's (the largest ratio away from 1, either way, the least); printed. (Virtual
+    time: the grid's points run side by side, ``--fit-jobs`` at once.)"""
+    from boundedloss.net.cpu import Interference
+
+    fitted = [t for t in testbed
+              if t["loss"] == 0 and (t["system"], t["topology"]) in FITTED]
+    grid = [Interference(rate, mean) for rate in FIT_RATES for mean in FIT_MEANS]
+    with multiprocessing.get_context("spawn").Pool(a.fit_jobs) as pool:
+        results = pool.starmap(_simulate_quietly,
+                               [(fitted, costs, a, tcp_costs, spec) for spec in grid])
+    best, best_off = None, math.inf
+    for spec, rows in zip(grid, results):
+        off = max(abs(math.log(r[f"{q}_ratio"])) for r in rows for q in ("p50", "p99"))
+        print(f"{spec.describe():>14} (a core's {spec.share:4.1%}): "
+              + "  ".join(f"{r['system']} {r['topology']} p50 {r['p50_ratio']:.2f} "
+                          f"p99 {r['p99_ratio']:.2f}" for r in rows)
+              + f"  | farthest {math.exp(off) - 1:+.1%}")
+        if off < best_off:
+            best, best_off = spec, off
+    assert best is not None
+    print(f"fitted: {best.describe()}, every fitted p50 and p99 within "
+          f"{math.exp(best_off) - 1:.1%} of the testbed's")
+    return best
+
+
+def _simulate_quietly(*args) -> list[dict]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return simulate(*args)
 
 
 def mean_costs(measured: list, what: str):
@@ -114,6 +166,22 @@ def folded(costs):
                                datagram_core=0.0)
 
 
+def parse_interference(text: str):
+    """``RATE,MEAN_MS``, ``off``, or ``preset`` (None: the preset's)."""
+    from boundedloss.net.cpu import Interference
+
+    return None if text == "preset" else Interference.parse(text)
+
+
+def describe(spec) -> str:
+    """What interference the rows were simulated with (None: the preset's)."""
+    from boundedloss.sim.job import CPU_PRESETS, LIKE_TESTBED
+
+    if spec is None:
+        spec = CPU_PRESETS[LIKE_TESTBED["cpu"]].interference
+    return "none" if spec is None or not spec.active else spec.describe()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default="gloo,tcp-ps,reliable,dblp")
@@ -130,7 +198,17 @@ def main() -> None:
     ap.add_argument("--again", type=Path, metavar="JSON",
                     help="measure nothing: simulate a calibration's testbed rows again with "
                          "its costs (this model's rows, then the per-message reading's)")
+    ap.add_argument("--interference", default="preset", type=parse_interference,
+                    metavar="RATE,MEAN_MS|off|preset",
+                    help="the time the simulated cores lose to work not simulated")
+    ap.add_argument("--fit-interference", action="store_true",
+                    help="(with --again) fit it to the fitted rows first, then simulate "
+                         "every row with it")
+    ap.add_argument("--fit-jobs", type=int, default=2,
+                    help="grid points simulated at once (processes)")
     a = ap.parse_args()
+    if a.fit_interference and a.again is None:
+        ap.error("--fit-interference reads the testbed's rows from --again's calibration")
 
     from boundedloss.net.cpu import CpuCosts
     from boundedloss.sim.job import costs_from_round_cpu
@@ -143,9 +221,15 @@ def main() -> None:
                    for r in done["rows"]]
         costs = CpuCosts(**done["costs"])
         tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
-        simulate(testbed, costs, a, tcp_costs)
+        spec = (fit_interference(testbed, costs, a, tcp_costs) if a.fit_interference
+                else a.interference)
+        rows = simulate(testbed, costs, a, tcp_costs, spec)
         print("the core's handling folded into the per-message cost:")
-        simulate(testbed, folded(costs), a, tcp_costs)
+        rows_folded = simulate(testbed, folded(costs), a, tcp_costs, spec)
+        if a.json:
+            a.json.write_text(json.dumps({
+                **done, "interference": describe(spec),
+                "rows": rows, "rows_folded": rows_folded}, indent=2) + "\n")
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -164,11 +248,12 @@ def main() -> None:
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
 
-    rows = simulate(testbed, costs, a, tcp_costs)
-    rows_folded = simulate(testbed, folded(costs), a, tcp_costs)
+    rows = simulate(testbed, costs, a, tcp_costs, a.interference)
+    rows_folded = simulate(testbed, folded(costs), a, tcp_costs, a.interference)
     if a.json:
         a.json.write_text(json.dumps({
             "mtu": a.mtu, "rounds": a.rounds, "elements": a.elements,
+            "interference": describe(a.interference),
             "costs": dataclasses.asdict(costs),
             "costs_measured": [dataclasses.asdict(c) for c in measured],
             "round_cpu": [before, after],  # (what the costs were read from)

@@ -56,6 +56,18 @@ def _json_file(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
+def _interference(ctx: click.Context, param: click.Parameter, value: str):
+    """--cpu-interference parsed once, here (None: the preset's)."""
+    from .net.cpu import Interference
+
+    if value == "preset":
+        return None
+    try:
+        return Interference.parse(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """An output file must be writable before a run starts, not after it ends."""
     if value is not None:
@@ -1095,6 +1107,12 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
               type=click.Choice(["none", "this-machine", "cluster-node"]),
               help="What computing costs: nothing; this machine's measured costs with "
                    "every rank on its 2 cores; the same costs with a core per rank.")
+@click.option("--cpu-interference", default="preset", show_default=True,
+              metavar="RATE,MEAN_MS|off|preset", callback=_interference,
+              help="The time the cores lose to work not simulated: spells a second on "
+                   "each core and their mean length (ms), e.g. 5,4 (this-machine's, fitted "
+                   "to the kernel testbed); preset: the --cpu preset's (none but "
+                   "this-machine has one); off: none.")
 @click.option("--like-testbed", is_flag=True,
               help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
                    "--delay-us, --queue-datagrams and --cpu), to compare row by row.")
@@ -1111,8 +1129,8 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
         delay_us, queue_datagrams, queue_bytes, shared_buffer, bottleneck, backgrounds, mtu,
-        racks, oversubscription, auth, credit, congestion, cpu, like_testbed, seed,
-        processes, json_path, plot_path) -> None:
+        racks, oversubscription, auth, credit, congestion, cpu, cpu_interference,
+        like_testbed, seed, processes, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .net.background import parse_background
@@ -1172,7 +1190,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
                      queue_bytes=queue_bytes,
                      shared_buffer_bytes=shared_buffer, congestion=congestion,
-                     bottleneck=bottleneck)
+                     bottleneck=bottleneck, cpu_interference=cpu_interference)
     short = shortfall(jobs)
     if short is not None:
         raise click.UsageError(short.message())

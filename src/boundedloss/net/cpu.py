@@ -5,13 +5,18 @@ threads, as a rank does: its I/O thread (taking in each datagram, sending each o
 and its main thread (posting and finishing each message). Each thread does one thing
 at a time; both run on cores that the host has to itself or shares with other hosts
 (:class:`Cores`: on a machine with fewer cores than ranks, the ranks wait for each
-other's work). Without costs a host computes in no time.
+other's work). Without costs a host computes in no time. Cores may also lose time to
+what the simulation does not run (:class:`Interference`): other processes, the
+kernel's own work, the scheduler's slices.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -48,18 +53,109 @@ class CpuCosts:
         return self.datagram_out + nbytes * self.byte_out
 
 
+@dataclass(frozen=True)
+class Interference:
+    """Time each core loses to work the simulation does not run: spells of it arrive at
+    random (a Poisson process, ``rate_hz`` a second on each core) and each lasts a random
+    time (exponential, ``mean_s`` on average). On a machine that runs a job's every rank
+    on a few cores, round times spread even where nothing is random (a bare loop with no
+    Python spreads as much); this is the simulation's stand-in for that spread."""
+
+    rate_hz: float
+    mean_s: float
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rate_hz < math.inf and 0 <= self.mean_s < math.inf):
+            raise ValueError(f"interference needs a finite rate and mean duration, 0 or "
+                             f"more, not {self.rate_hz} Hz and {self.mean_s} s")
+
+    @property
+    def active(self) -> bool:
+        return self.rate_hz > 0 and self.mean_s > 0
+
+    @classmethod
+    def parse(cls, text: str) -> Interference:
+        """``RATE,MEAN_MS`` (spells a second on each core, their mean length in ms), or
+        ``off``."""
+        if text.strip() == "off":
+            return cls(0.0, 0.0)
+        parts = text.split(",")
+        try:
+            rate, mean_ms = (float(v) for v in parts)
+        except ValueError:
+            raise ValueError(f"{text!r}: give RATE,MEAN_MS (spells a second on each core, "
+                             "their mean length in ms), e.g. 5,4, or off") from None
+        return cls(rate, mean_ms * 1e-3)
+
+    def describe(self) -> str:
+        return f"{self.rate_hz:g}/s x {self.mean_s * 1e3:g} ms"
+
+    @property
+    def share(self) -> float:
+        """The share of a core's time it takes, in the long run."""
+        return self.rate_hz * self.mean_s / (1 + self.rate_hz * self.mean_s)
+
+
+#: how far ahead of the work placed a core's interference is drawn (virtual seconds):
+#: drawn in steps, so that what is placed never reaches past what was drawn
+_DRAW_AHEAD = 0.05
+#: (in the seed of the cores' own random stream, apart from the network's)
+_STREAM = 0xC0E5
+
+
 class Cores:
     """``count`` cores, each with the intervals it is busy: a piece of work runs on
     the core where it can start first once ready, in the first idle gap long enough
-    (work is placed in the order the simulation meets it; a piece is not split)."""
+    (work is placed in the order the simulation meets it; a piece is not split).
+    ``interference``: spells the cores lose, drawn from a random stream of their own
+    (seeded with ``seed``), so that they change nothing else a simulation draws."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, interference: Interference | None = None,
+                 seed: Sequence[int] = ()):
         if count < 1:
             raise ValueError(f"a host needs at least one core, not {count}")
         # per core, its busy intervals (start, end), in order, none touching another
         self._busy: list[list[tuple[float, float]]] = [[] for _ in range(count)]
         #: seconds of work run on these cores so far (all of them together)
         self.charged = 0.0
+        self._interference = interference if interference and interference.active else None
+        # per core, up to when its interference has been drawn (every spell drawn ends
+        # by then, and no work placed ends after it)
+        self._drawn = [0.0] * count
+        # (a stream per core: what a core loses does not depend on the work placed)
+        self._rngs = ([np.random.default_rng([*seed, count, _STREAM, core])
+                       for core in range(count)] if self._interference else [])
+        #: seconds the cores have lost to interference, of what has been drawn
+        self.interfered = 0.0
+
+    def _draw(self, core: int, until: float) -> None:
+        """Draw ``core``'s interference to ``until`` and beyond (a step ahead)."""
+        spec, rng = self._interference, self._rngs[core]
+        assert spec is not None
+        busy, t = self._busy[core], self._drawn[core]
+        until += _DRAW_AHEAD
+        while t < until:
+            t += rng.exponential(1 / spec.rate_hz)
+            lasts = rng.exponential(spec.mean_s)
+            busy.append((t, t + lasts))  # (after all placed so far, which end by _drawn)
+            self.interfered += lasts
+            t += lasts
+        self._drawn[core] = t
+
+    def _first_gap(self, core: int, ready: float, seconds: float) -> tuple[float, int]:
+        """Where on ``core`` work of ``seconds`` ready at ``ready`` would start, and the
+        index of the interval it would go before."""
+        busy = self._busy[core]
+        while True:
+            start, at = ready, len(busy)
+            for i, (s, e) in enumerate(busy):
+                if start + seconds <= s:
+                    at = i
+                    break
+                start = max(start, e)
+            if self._interference is None or start + seconds <= self._drawn[core]:
+                return start, at
+            self._draw(core, start + seconds)
 
     def run(self, ready: float, seconds: float, now: float) -> float:
         """Run ``seconds`` of work that is ready at ``ready`` (>= ``now``, the virtual
@@ -68,12 +164,7 @@ class Cores:
         for core, busy in enumerate(self._busy):
             while busy and busy[0][1] <= now:
                 busy.pop(0)
-            start, at = ready, len(busy)
-            for i, (s, e) in enumerate(busy):
-                if start + seconds <= s:
-                    at = i
-                    break
-                start = max(start, e)
+            start, at = self._first_gap(core, ready, seconds)
             if start < best_start:
                 best, best_start, best_at = core, start, at
         self.charged += seconds

@@ -41,7 +41,7 @@ import numpy as np
 from .. import wire
 from ..protocol.mux import TransferMux
 from .buffer import SharedBuffer
-from .cpu import Cores, CpuCosts
+from .cpu import Cores, CpuCosts, Interference
 from .fabric import Fabric
 from .loss import LossModel
 
@@ -168,11 +168,16 @@ class FakeNetwork:
     POLL_BATCH = 64
 
     def __init__(self, seed: int = 0, path: PathProfile | None = None,
-                 route: Route | None = None, shared_cores: int | None = None):
+                 route: Route | None = None, shared_cores: int | None = None,
+                 interference: Interference | None = None):
         """``shared_cores``: the hosts with CPU costs share this many cores (one
-        machine running every rank); None: each such host has a core of its own."""
+        machine running every rank); None: each such host has a core of its own.
+        ``interference``: the time those cores lose to work not simulated."""
         self.now = 0.0
-        self._shared = None if shared_cores is None else Cores(shared_cores)
+        self._seed = seed
+        self._interference = interference
+        self._shared = (None if shared_cores is None
+                        else Cores(shared_cores, interference, seed=(seed,)))
         self._cores: list[Cores] = [] if self._shared is None else [self._shared]
         self._rng = np.random.default_rng(seed)
         self._nodes: dict = {}
@@ -212,7 +217,8 @@ class FakeNetwork:
         if node.profile.cpu is not None:
             node.cores = self._shared
             if node.cores is None:
-                node.cores = Cores(1)
+                node.cores = Cores(1, self._interference,
+                                   seed=(self._seed, len(self._cores)))
                 self._cores.append(node.cores)
         return mux
 

@@ -5,7 +5,7 @@ simulates it, and how near its p50 should come."""
 from __future__ import annotations
 
 from ..experiments.compare import SCENARIOS
-from ..net.cpu import CpuCosts
+from ..net.cpu import CpuCosts, Interference
 from .job import LIKE_TESTBED, LIKE_TESTBED_MTU, SimJob
 
 #: how far a simulated round's p50 may lie from the testbed's, as a share of the testbed's
@@ -20,14 +20,16 @@ INCAST_ELEMENTS = 85_002
 
 def job_for_testbed_row(system: str, topology: str, loss: float, *, elements: int,
                         rounds: int, mtu: int, costs: CpuCosts,
-                        tcp_costs: CpuCosts | None = None) -> SimJob:
+                        tcp_costs: CpuCosts | None = None,
+                        interference: Interference | None = None) -> SimJob:
     """The job that simulates one of ``bench kernel-loss``'s rows (4 ranks, as the
     calibration runs it) on the testbed's network and cores, charging ``costs`` (a
-    calibration's own measurement) instead of the preset's, and the TCP baselines'
-    hosts ``tcp_costs`` (None: the preset's)."""
+    calibration's own measurement) instead of the preset's, the TCP baselines'
+    hosts ``tcp_costs`` (None: the preset's), and the cores losing ``interference``
+    (None: the preset's)."""
     return SimJob(workers=4, system=system, topology=topology, loss=loss, elements=elements,
                   rounds=rounds, mtu=mtu, cpu_costs=costs, tcp_costs=tcp_costs,
-                  **LIKE_TESTBED)
+                  cpu_interference=interference, **LIKE_TESTBED)
 
 
 def job_for_incast(system: str, *, rounds: int, credit_bytes: int | None) -> SimJob:

@@ -38,7 +38,7 @@ from ..collective import TOPOLOGIES
 from ..emulate import qdisc
 from ..net.background import BackgroundTraffic, start_background
 from ..net.buffer import SharedBuffer
-from ..net.cpu import CpuCosts
+from ..net.cpu import CpuCosts, Interference
 from ..net.fabric import Fabric, FabricProfile
 from ..net.fake import FakeNetwork, NodeProfile, PathProfile
 from ..net.loss import (
@@ -73,6 +73,8 @@ class CpuPreset:
     #: the TCP baselines' hosts' (gloo, tcp-ps): the kernel's TCP path per byte, and
     #: per message the caller's
     tcp_costs: CpuCosts | None = None
+    #: the time the cores lose to work the simulation does not run (None: none)
+    interference: Interference | None = None
 
 
 #: What a rank's CPU spends on this machine (2 cores): the mean of the two pairs of
@@ -135,11 +137,20 @@ def costs_from_round_cpu(*figures: dict) -> CpuCosts:
 MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
                               message_main=56.75e-6)
 
+#: The time this machine's cores lose to work a simulation does not run, beside a job's
+#: ranks (net.cpu.Interference): of a grid of spell rates and lengths, the one whose
+#: simulated p50s and p99s came nearest the testbed's on the rows the costs were measured
+#: on (gloo's lossless ring, reliable's lossless allreduce; within 11.4%):
+#: ``python tools/sim_calibrate.py --again benchmarks/sim-calibration-1500.json
+#: --fit-interference``. (An idle-machine probe, ``tools/cpu_gaps.c``, reads the same
+#: order: 1-2% of a core, spells of 1-4 ms once or twice a second.)
+MEASURED_INTERFERENCE = Interference(rate_hz=5.0, mean_s=4e-3)
+
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
     "none": CpuPreset(None, None),
     #: every rank on this machine's 2 cores, as the kernel testbed runs them
-    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS),
+    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS, MEASURED_INTERFERENCE),
     #: a cluster node: a rank to itself on a core as fast as this machine's
     "cluster-node": CpuPreset(MEASURED_COSTS, None, MEASURED_TCP_COSTS),
 }
@@ -190,6 +201,9 @@ class SimJob:
     #: and the TCP baselines'
     cpu_costs: CpuCosts | None = None
     tcp_costs: CpuCosts | None = None
+    #: the cores' interference, in place of the preset's (None: the preset's;
+    #: ``Interference(0, 0)``: none)
+    cpu_interference: Interference | None = None
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
@@ -215,6 +229,11 @@ class SimJob:
         """What our systems' hosts are charged (None: computing takes no time): the
         job's own costs, or its preset's."""
         return self.cpu_costs or CPU_PRESETS[self.cpu].costs
+
+    def interference(self) -> Interference | None:
+        """The time the hosts' cores lose (None: none): the job's own, or its preset's."""
+        spec = self.cpu_interference or CPU_PRESETS[self.cpu].interference
+        return spec if spec is not None and spec.active else None
 
     def posts_ahead_in_last_round(self) -> bool:
         """Whether the last round posts a next round's receives, which nothing uses:
@@ -291,6 +310,9 @@ class SimRow:
     #: of our sends, the share whose last DATA carried their first PROBE (on warm paths
     #: that lose nothing: ``Recovery.may_carry_probe``); None for the TCP baselines
     probes_carried_fraction: float | None = None
+    #: the time the cores lost to work not simulated, as spells a second on each core
+    #: and their mean length ("": none)
+    cpu_interference: str = ""
 
 
 class _Barrier:
@@ -325,8 +347,10 @@ def run_job(job: SimJob) -> SimRow:
     if job.system in EXCHANGES:  # (a baseline's hosts run TCP)
         costs = job.tcp_costs or cpu.tcp_costs
     on_paths, at_node = job_losses(job)
+    interference = job.interference() if costs is not None else None
     net = FakeNetwork(seed=job.seed, path=PathProfile(
-        delay=job.delay_us * 1e-6, loss=on_paths), shared_cores=cpu.shared_cores)
+        delay=job.delay_us * 1e-6, loss=on_paths), shared_cores=cpu.shared_cores,
+        interference=interference)
     net.carries_payload = carries_payload
     if job.shared_buffer_bytes is not None:
         net.shared_buffer = SharedBuffer(job.shared_buffer_bytes)
@@ -458,7 +482,8 @@ def run_job(job: SimJob) -> SimRow:
         tcp_retrans_segs_per_round=tcp_per_round("retransmits"),
         cpu_ms_per_round=(None if costs is None
                           else round(net.cpu_charged * 1e3 / job.rounds, 3)),
-        probes_carried_fraction=round(carried / sends, 5) if sends else None)
+        probes_carried_fraction=round(carried / sends, 5) if sends else None,
+        cpu_interference="" if interference is None else interference.describe())
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
