@@ -142,8 +142,9 @@ MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
 #: simulated p50s and p99s came nearest the testbed's on the rows the costs were measured
 #: on (gloo's lossless ring, reliable's lossless allreduce; within 11.4%):
 #: ``python tools/sim_calibrate.py --again benchmarks/sim-calibration-1500.json
-#: --fit-interference``. (An idle-machine probe, ``tools/cpu_gaps.c``, reads the same
-#: order: 1-2% of a core, spells of 1-4 ms once or twice a second.)
+#: --fit-interference``. (A probe of the idle machine, ``tools/cpu_gaps.c``, reads the
+#: same order: 1.1% and 2.0% of its two cores lost in 30 s, spells of 1 ms or more 1.6 a
+#: second on one of them, 4.7 ms on average - benchmarks/cpu-gaps-idle.json.)
 MEASURED_INTERFERENCE = Interference(rate_hz=5.0, mean_s=4e-3)
 
 CPU_PRESETS = {
