@@ -8,7 +8,7 @@ bottleneck's drops, recorded in ``benchmarks/compare-incast-testbed-*.json``, ag
 a rank's CPU costs on this machine (ours, and TCP's for gloo's hosts), and ``bench
 kernel-loss``'s rounds on the testbed (4 ranks, 4 MB, MTU 1,500). Here some of those
 rows are simulated again with those costs - in virtual time, with no testbed - and each
-round's p50 must lie within ``P50_TOLERANCE`` of the testbed's (and for two rows, the
+round's p50 must lie within ``P50_TOLERANCE`` of the testbed's (and for one row, the
 p99: the cores losing the preset's interference). A change to the
 simulator's network, CPU or protocol model that moves it off the testbed fails here; a
 new calibration (``sim_calibrate.py --json``) rewrites the figures.
@@ -42,8 +42,9 @@ ROUNDS = 10
 #: - the parameter servers under loss: reliable's at 1% (0.83), DBLP's at 1% and 5%
 #:   (0.77, 0.85) - the simulator is fast there; what the testbed spends that the model
 #:   does not charge is not known
+#: (DBLP's allreduce at 1% is held at 60 rounds, its p99 too, below.)
 ROWS = [("gloo", "gloo", 0.0), ("reliable", "ps", 0.0), ("dblp", "ps", 0.0),
-        ("reliable", "allreduce", 0.01), ("dblp", "allreduce", 0.01),
+        ("reliable", "allreduce", 0.01),
         ("reliable", "ps", 0.05), ("dblp", "allreduce", 0.05)]
 
 
@@ -64,25 +65,22 @@ def test_a_simulated_round_s_p50_is_the_kernel_testbed_s_within_the_tolerance(
     assert run_job(job).p50_ms == pytest.approx(testbed["testbed_p50_ms"], rel=P50_TOLERANCE)
 
 
-#: Rows the interference (the preset's, fitted to gloo's and reliable's lossless rows)
-#: was not fitted to, whose p99 lies within the tolerance of the testbed's at its 60
-#: rounds (at fewer the p99 is a round's own luck): DBLP's lossless parameter server
-#: (1.01) and its allreduce at 1% (0.94). Without the interference they were 0.82 and
-#: 0.77 (BENCHMARKS.md "Calibration against the kernel testbed").
-P99_ROWS = [("dblp", "ps", 0.0), ("dblp", "allreduce", 0.01)]
-
-
-@pytest.mark.parametrize(("system", "topology", "loss"), P99_ROWS)
-def test_a_simulated_round_s_p99_is_the_kernel_testbed_s_within_the_tolerance(
-        calibration, system, topology, loss):
+def test_a_simulated_round_s_p99_is_the_kernel_testbed_s_within_the_tolerance(calibration):
+    """DBLP's transpose allreduce at 1%, a row the interference (the preset's, fitted to
+    gloo's and reliable's lossless rows) was not fitted on, at the testbed's 60 rounds (at
+    fewer a p99 is one round's luck): its p99 (0.94 of the testbed's; 0.77 without the
+    interference, BENCHMARKS.md "The cores' interference") and its p50 (0.93) within the
+    tolerance."""
     testbed = next(r for r in calibration["rows"]
-                   if (r["system"], r["topology"], r["loss"]) == (system, topology, loss))
-    job = job_for_testbed_row(system, topology, loss, elements=calibration["elements"],
+                   if (r["system"], r["topology"], r["loss"]) == ("dblp", "allreduce", 0.01))
+    job = job_for_testbed_row("dblp", "allreduce", 0.01, elements=calibration["elements"],
                               rounds=calibration["rounds"], mtu=calibration["mtu"],
                               costs=CpuCosts(**calibration["costs"]),
                               tcp_costs=CpuCosts(**calibration["tcp_costs"]))
     assert job.interference() is not None  # (the preset's)
-    assert run_job(job).p99_ms == pytest.approx(testbed["testbed_p99_ms"], rel=P50_TOLERANCE)
+    row = run_job(job)
+    assert row.p99_ms == pytest.approx(testbed["testbed_p99_ms"], rel=P50_TOLERANCE)
+    assert row.p50_ms == pytest.approx(testbed["testbed_p50_ms"], rel=P50_TOLERANCE)
 
 
 INCAST_RUNS = {48 * 1024: "compare-incast-testbed-credit48k.json",
