@@ -443,7 +443,7 @@ def bench_kernel_loss(json_path, losses, systems, elements, rounds, topologies, 
     for r in rows:
         t.add_row(r.system, r.topology, r.auth,
                   str(CreditSetting(r.credit_bytes, r.credit_adaptive)),
-                  f"{r.loss:.0%}", f"{r.p50_ms:.1f}",
+                  f"{r.loss * 100:g}%", f"{r.p50_ms:.1f}",
                   f"{r.p99_ms:.1f}", f"{r.max_ms:.1f}", f"{r.mean_ms:.1f}",
                   f"{r.delivered_fraction:.4f}")
     console.print(t)
@@ -1221,7 +1221,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
         ratio = r.burst_over_normal_round
         burst_cells = ((f"{r.burst_rounds:,}", "-" if ratio is None else f"{ratio:.2f}x")
                        if burst_cols else ())
-        t.add_row(str(r.workers), r.system, r.topology, r.loss_model or f"{r.loss:.1%}",
+        t.add_row(str(r.workers), r.system, r.topology, r.loss_model or f"{r.loss * 100:g}%",
                   *background_cells, f"{r.p50_ms:.2f}",
                   f"{r.p99_ms:.2f}", f"{r.mean_ms:.2f}", *burst_cells,
                   f"{r.sim_datagrams:,}", f"{r.queue_drops + r.fabric_drops:,}",

@@ -283,14 +283,14 @@ def _run_arm(tb, arm: Arm, loss: float, port: int, elements: int, rounds: int,
             except subprocess.TimeoutExpired:  # a hung rank must not hang us
                 for q in procs:
                     q.kill()
-                raise RuntimeError(f"{system} at {loss:.0%} loss did not finish "
+                raise RuntimeError(f"{system} at {loss * 100:g}% loss did not finish "
                                    "within 600 s") from None
         for f in logs:
             f.close()
         if any(p.returncode for p in procs):
             bad = next(r for r, p in enumerate(procs) if p.returncode)
             tail = Path(tmp, f"rank{bad}.log").read_text().strip().splitlines()[-3:]
-            raise RuntimeError(f"{system} at {loss:.0%} loss: rank {bad} failed "
+            raise RuntimeError(f"{system} at {loss * 100:g}% loss: rank {bad} failed "
                                f"(exit {procs[bad].returncode}): {' | '.join(tail)}")
         ranks_logs = [json.loads(Path(tmp, f"rank{r}.json").read_text())
                       for r in range(world)]
@@ -359,7 +359,7 @@ def run_kernel_loss_bench(
                 tcp[arm].update(counted)
                 if progress:
                     p50 = _percentile(round_latencies_ms(runs[arm][-1]), 0.5)
-                    progress(f"{arm[0]} ({arm[1]}) at {loss:.0%} loss, run {len(runs[arm])} "
+                    progress(f"{arm[0]} ({arm[1]}) at {loss * 100:g}% loss, run {len(runs[arm])} "
                              f"of {repeats}: p50 {p50:.1f} ms")
             for arm, logs in runs.items():
                 system, topology, _, credit = arm
