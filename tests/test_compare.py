@@ -298,6 +298,8 @@ def test_every_command_reads_a_policy_the_same_way(tmp_path, capsys, argv, hint)
     (["sim", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
     (["sim", "--cpu-interference", "20"], "'20': give RATE,MEAN_MS"),
     (["sim", "--cpu-interference", "-1,3"], "finite rate and mean duration"),
+    (["sim", "--cpu-wake", "-1"], "'-1': give a time in ms"),
+    (["sim", "--cpu-wake", "soon"], "'soon': give a time in ms"),
     (["train", "--congestion", "bbr"], "'bbr' is not one of 'off', 'delay'"),
     (["bench", "fairness", "--congestion", "off,bbr", "--json", "{dir}/f.json"],
      "'bbr': choose from off, delay"),

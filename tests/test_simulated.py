@@ -385,6 +385,37 @@ def test_a_job_s_rounds_spread_with_interference_and_stay_the_same_for_a_seed():
     assert dataclasses.replace(preset, cpu="cluster-node").interference() is None
 
 
+def test_cores_say_when_every_one_of_them_is_busy():
+    from boundedloss.net.cpu import Cores
+
+    cores = Cores(2)
+    cores.run(0.0, 1.0, now=0.0)  # core 0: [0, 1]
+    assert not cores.all_busy(0.5)
+    cores.run(0.5, 1.0, now=0.0)  # core 1: [0.5, 1.5]
+    assert cores.all_busy(0.5) and cores.all_busy(0.99)
+    assert not cores.all_busy(0.25) and not cores.all_busy(1.0) and not cores.all_busy(2.0)
+
+
+def test_our_hosts_woken_on_busy_cores_run_later_and_tcp_hosts_take_no_notice():
+    """``wake_s``: a rank's I/O thread, asleep when a datagram arrives on busy cores,
+    runs that much later - a loss's recovery waits on such wakes. A TCP host's kernel
+    takes its segments itself: its rows do not move."""
+    from boundedloss.sim import SimJob, run_job
+
+    def row(system: str, wake_s: float | None):
+        return run_job(SimJob(workers=4, system=system, topology="allreduce", loss=0.01,
+                              elements=50_000, rounds=10, mtu=1500, cpu="this-machine",
+                              cpu_wake_s=wake_s))
+
+    prompt, woken = row("reliable", 0.0), row("reliable", 2e-3)
+    assert woken.p50_ms > prompt.p50_ms + 1.0 and woken.cpu_wake_ms == 2.0
+    assert prompt.cpu_wake_ms == 0.0
+    assert row("reliable", None).cpu_wake_ms == 1.5  # (the preset's)
+    gloo = row("gloo", 0.0)
+    assert dataclasses.replace(row("gloo", 2e-3), wall_s=0) == dataclasses.replace(gloo, wall_s=0)
+    assert gloo.cpu_wake_ms == 0.0
+
+
 def test_a_host_s_cpu_costs_set_its_pace_and_shared_cores_slow_every_host():
 
     costs = CpuCosts(byte_out=1e-9, byte_in=1e-9, message_main=1e-3, message_io=1e-3)

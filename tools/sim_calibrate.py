@@ -15,9 +15,11 @@
    model read it before charging each handed datagram (``datagram_core``).
 
 The cores lose time to what the simulation does not run as the preset's
-``Interference`` says (``--interference``: another, or ``off``); ``--fit-interference``
-(with ``--again``) draws a grid of them over the fitted rows and keeps the one whose p50s
-and p99s come nearest the testbed's.
+``Interference`` says (``--interference``: another, or ``off``), and our hosts' I/O
+thread, woken on busy cores, runs after the preset's wake (``--wake``);
+``--fit-interference`` (with ``--again``) draws a grid of interference over the fitted
+rows and keeps the one whose p50s and p99s come nearest the testbed's, ``--fit-wake`` a
+grid of wakes over reliable's allreduce at 1% (after the interference).
 
 Prints testbed and simulated p50/p99 side by side with their ratios, and writes every
 figure (``--json``). Rows other than reliable's lossless allreduce and gloo's lossless
@@ -26,7 +28,7 @@ ring are settings the costs (and a fitted interference) were not measured on.
     python tools/sim_calibrate.py --json calibration.json
     python tools/sim_calibrate.py --mtu 9000 --json calibration-9000.json
     python tools/sim_calibrate.py --again calibration.json   # simulate its rows again
-    python tools/sim_calibrate.py --again calibration.json --fit-interference
+    python tools/sim_calibrate.py --again calibration.json --fit-interference --fit-wake
 
 (root, or a user namespace of its own, as ``boundedloss testbed``.)
 """
@@ -72,10 +74,11 @@ def measure_tcp_costs(a: argparse.Namespace, out: Path) -> dict:
 
 
 def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None,
-             interference=None) -> list[dict]:
+             machine: dict | None = None) -> list[dict]:
     """The testbed's rows simulated with ``costs`` (and the TCP baselines' hosts with
-    ``tcp_costs``; None: the preset's) and ``interference`` (None: the preset's): each
-    row's figures side by side."""
+    ``tcp_costs``; None: the preset's) and the machine's scheduling as ``machine`` says
+    (``interference``, ``wake_s``; None, or left out: the preset's): each row's figures
+    side by side."""
     from boundedloss.sim import run_job
     from boundedloss.sim.calibration import P50_TOLERANCE, job_for_testbed_row
 
@@ -86,7 +89,7 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None,
         s = run_job(job_for_testbed_row(t["system"], t["topology"], t["loss"],
                                         elements=a.elements, rounds=a.rounds, mtu=a.mtu,
                                         costs=costs, tcp_costs=tcp_costs,
-                                        interference=interference))
+                                        **(machine or {})))
         row = {"system": t["system"], "topology": t["topology"], "loss": t["loss"],
                "testbed_p50_ms": t["p50_ms"], "sim_p50_ms": s.p50_ms,
                "p50_ratio": round(s.p50_ms / t["p50_ms"], 3),
@@ -108,33 +111,53 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None,
 #: length (seconds)
 FIT_RATES = (5.0, 10.0, 20.0, 40.0)
 FIT_MEANS = (1e-3, 2e-3, 3e-3, 4e-3, 6e-3)
+#: the grid ``--fit-wake`` draws (seconds), and the row it is fitted on: where a round's
+#: replies wait for a woken thread (a loss's recovery), as the costs' row is lossless
+FIT_WAKES = (0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1.5e-3, 2e-3)
+WAKE_ROW = ("reliable", "allreduce", 0.01)
 
 
-def fit_interference(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs):
-    """Of the grid, the interference whose fitted rows' p50s and p99s lie nearest the
-    testbed's (the largest ratio away from 1, either way, the least); printed. (Virtual
-    time: the grid's points run side by side, ``--fit-jobs`` at once.)"""
-    from boundedloss.net.cpu import Interference
-
-    fitted = [t for t in testbed
-              if t["loss"] == 0 and (t["system"], t["topology"]) in FITTED]
-    grid = [Interference(rate, mean) for rate in FIT_RATES for mean in FIT_MEANS]
+def fit(what: str, rows: list[dict], grid: list[dict], costs, a: argparse.Namespace,
+        tcp_costs, machine: dict) -> dict:
+    """Of ``grid`` (each point a ``machine`` setting, over ``machine``'s others), the one
+    whose ``rows``' p50s and p99s lie nearest the testbed's (the largest ratio away from
+    1, either way, the least); printed. (Virtual time: the grid's points run side by
+    side, ``--fit-jobs`` at once.)"""
+    points = [{**machine, **point} for point in grid]
     with multiprocessing.get_context("spawn").Pool(a.fit_jobs) as pool:
         results = pool.starmap(_simulate_quietly,
-                               [(fitted, costs, a, tcp_costs, spec) for spec in grid])
-    best, best_off = None, math.inf
-    for spec, rows in zip(grid, results):
-        off = max(abs(math.log(r[f"{q}_ratio"])) for r in rows for q in ("p50", "p99"))
-        print(f"{spec.describe():>14} (a core's {spec.share:4.1%}): "
-              + "  ".join(f"{r['system']} {r['topology']} p50 {r['p50_ratio']:.2f} "
-                          f"p99 {r['p99_ratio']:.2f}" for r in rows)
+                               [(rows, costs, a, tcp_costs, point) for point in points])
+    best, best_off = points[0], math.inf
+    for point, simulated in zip(points, results):
+        off = max(abs(math.log(r[f"{q}_ratio"])) for r in simulated for q in ("p50", "p99"))
+        print(f"{describe(point):>34}: "
+              + "  ".join(f"{r['system']} {r['topology']} {r['loss']:.0%} p50 "
+                          f"{r['p50_ratio']:.2f} p99 {r['p99_ratio']:.2f}" for r in simulated)
               + f"  | farthest {math.exp(off) - 1:+.1%}")
         if off < best_off:
-            best, best_off = spec, off
-    assert best is not None
-    print(f"fitted: {best.describe()}, every fitted p50 and p99 within "
+            best, best_off = point, off
+    print(f"fitted {what}: {describe(best)}, its rows' p50s and p99s within "
           f"{math.exp(best_off) - 1:.1%} of the testbed's")
     return best
+
+
+def fit_machine(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs) -> dict:
+    """``--fit-interference`` (on the rows the costs were measured on) and ``--fit-wake``
+    (on ``WAKE_ROW``, with the interference found), as asked; the others as given."""
+    from boundedloss.net.cpu import Interference
+
+    machine = {"interference": a.interference, "wake_s": a.wake}
+    if a.fit_interference:
+        rows = [t for t in testbed if t["loss"] == 0 and (t["system"], t["topology"]) in FITTED]
+        machine = fit("interference", rows,
+                      [{"interference": Interference(rate, mean)}
+                       for rate in FIT_RATES for mean in FIT_MEANS],
+                      costs, a, tcp_costs, machine)
+    if a.fit_wake:
+        rows = [t for t in testbed if (t["system"], t["topology"], t["loss"]) == WAKE_ROW]
+        machine = fit("wake", rows, [{"wake_s": w} for w in FIT_WAKES],
+                      costs, a, tcp_costs, machine)
+    return machine
 
 
 def _simulate_quietly(*args) -> list[dict]:
@@ -173,13 +196,21 @@ def parse_interference(text: str):
     return None if text == "preset" else Interference.parse(text)
 
 
-def describe(spec) -> str:
-    """What interference the rows were simulated with (None: the preset's)."""
+def parse_wake(text: str) -> float | None:
+    """``MS`` or ``preset`` (None: the preset's)."""
+    return None if text == "preset" else float(text) * 1e-3
+
+
+def describe(machine: dict) -> str:
+    """The machine's scheduling the rows were simulated with (None: the preset's)."""
     from boundedloss.sim.job import CPU_PRESETS, LIKE_TESTBED
 
-    if spec is None:
-        spec = CPU_PRESETS[LIKE_TESTBED["cpu"]].interference
-    return "none" if spec is None or not spec.active else spec.describe()
+    preset = CPU_PRESETS[LIKE_TESTBED["cpu"]]
+    spec = machine.get("interference") or preset.interference
+    wake = machine.get("wake_s")
+    wake = preset.wake_s if wake is None else wake
+    return (f"interference {'none' if spec is None or not spec.active else spec.describe()}, "
+            f"wake {wake * 1e3:g} ms")
 
 
 def main() -> None:
@@ -204,11 +235,18 @@ def main() -> None:
     ap.add_argument("--fit-interference", action="store_true",
                     help="(with --again) fit it to the fitted rows first, then simulate "
                          "every row with it")
+    ap.add_argument("--wake", default="preset", type=parse_wake, metavar="MS|preset",
+                    help="how long our hosts' I/O thread takes to run once woken on busy "
+                         "cores")
+    ap.add_argument("--fit-wake", action="store_true",
+                    help=f"(with --again) fit it to {' '.join(map(str, WAKE_ROW))} first "
+                         "(after the interference, if that is fitted too)")
     ap.add_argument("--fit-jobs", type=int, default=2,
                     help="grid points simulated at once (processes)")
     a = ap.parse_args()
-    if a.fit_interference and a.again is None:
-        ap.error("--fit-interference reads the testbed's rows from --again's calibration")
+    if (a.fit_interference or a.fit_wake) and a.again is None:
+        ap.error("--fit-interference and --fit-wake read the testbed's rows from --again's "
+                 "calibration")
 
     from boundedloss.net.cpu import CpuCosts
     from boundedloss.sim.job import costs_from_round_cpu
@@ -221,14 +259,13 @@ def main() -> None:
                    for r in done["rows"]]
         costs = CpuCosts(**done["costs"])
         tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
-        spec = (fit_interference(testbed, costs, a, tcp_costs) if a.fit_interference
-                else a.interference)
-        rows = simulate(testbed, costs, a, tcp_costs, spec)
+        machine = fit_machine(testbed, costs, a, tcp_costs)
+        rows = simulate(testbed, costs, a, tcp_costs, machine)
         print("the core's handling folded into the per-message cost:")
-        rows_folded = simulate(testbed, folded(costs), a, tcp_costs, spec)
+        rows_folded = simulate(testbed, folded(costs), a, tcp_costs, machine)
         if a.json:
             a.json.write_text(json.dumps({
-                **done, "interference": describe(spec),
+                **done, "machine": describe(machine),
                 "rows": rows, "rows_folded": rows_folded}, indent=2) + "\n")
         return
 
@@ -248,12 +285,13 @@ def main() -> None:
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
 
-    rows = simulate(testbed, costs, a, tcp_costs, a.interference)
-    rows_folded = simulate(testbed, folded(costs), a, tcp_costs, a.interference)
+    machine = {"interference": a.interference, "wake_s": a.wake}
+    rows = simulate(testbed, costs, a, tcp_costs, machine)
+    rows_folded = simulate(testbed, folded(costs), a, tcp_costs, machine)
     if a.json:
         a.json.write_text(json.dumps({
             "mtu": a.mtu, "rounds": a.rounds, "elements": a.elements,
-            "interference": describe(a.interference),
+            "machine": describe(machine),
             "costs": dataclasses.asdict(costs),
             "costs_measured": [dataclasses.asdict(c) for c in measured],
             "round_cpu": [before, after],  # (what the costs were read from)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any
@@ -66,6 +67,19 @@ def _interference(ctx: click.Context, param: click.Parameter, value: str):
         return Interference.parse(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def _wake(ctx: click.Context, param: click.Parameter, value: str) -> float | None:
+    """--cpu-wake parsed once, here: seconds (None: the preset's)."""
+    if value == "preset":
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not 0 <= ms < math.inf:
+        raise click.BadParameter(f"{value!r}: give a time in ms, 0 or more, or preset")
+    return ms * 1e-3
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -1113,6 +1127,11 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
                    "each core and their mean length (ms), e.g. 5,4 (this-machine's, fitted "
                    "to the kernel testbed); preset: the --cpu preset's (none but "
                    "this-machine has one); off: none.")
+@click.option("--cpu-wake", default="preset", show_default=True, metavar="MS|preset",
+              callback=_wake,
+              help="How long our hosts' I/O thread, woken by a datagram while every core "
+                   "is busy, takes to run (ms; this-machine's 1.5, fitted to the kernel "
+                   "testbed; preset: the --cpu preset's). TCP hosts take no notice.")
 @click.option("--like-testbed", is_flag=True,
               help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
                    "--delay-us, --queue-datagrams and --cpu), to compare row by row.")
@@ -1129,7 +1148,7 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.pass_context
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
         delay_us, queue_datagrams, queue_bytes, shared_buffer, bottleneck, backgrounds, mtu,
-        racks, oversubscription, auth, credit, congestion, cpu, cpu_interference,
+        racks, oversubscription, auth, credit, congestion, cpu, cpu_interference, cpu_wake,
         like_testbed, seed, processes, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
@@ -1190,7 +1209,8 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      credit_bytes=credit.budget_bytes, credit_adaptive=credit.adaptive,
                      queue_bytes=queue_bytes,
                      shared_buffer_bytes=shared_buffer, congestion=congestion,
-                     bottleneck=bottleneck, cpu_interference=cpu_interference)
+                     bottleneck=bottleneck, cpu_interference=cpu_interference,
+                     cpu_wake_s=cpu_wake)
     short = shortfall(jobs)
     if short is not None:
         raise click.UsageError(short.message())

@@ -157,6 +157,19 @@ class Cores:
                 return start, at
             self._draw(core, start + seconds)
 
+    def all_busy(self, t: float) -> bool:
+        """Whether every core is busy at ``t`` (with work, or with interference drawn by
+        then)."""
+        for busy in self._busy:
+            for s, e in busy:
+                if s > t:
+                    return False
+                if t < e:
+                    break
+            else:
+                return False
+        return True
+
     def run(self, ready: float, seconds: float, now: float) -> float:
         """Run ``seconds`` of work that is ready at ``ready`` (>= ``now``, the virtual
         clock, before which nothing is placed any more); when it is done."""

@@ -60,6 +60,11 @@ class NodeProfile:
     #: spell up to this many go at once (0: a link that carries each in turn at
     #: ``down_bps``)
     down_burst_bytes: int = 0
+    #: (with costs) how long the host's I/O thread takes to run once woken - a datagram
+    #: arriving while it sleeps - when every core is busy: a scheduler runs a woken
+    #: thread at its next turn, not at the first idle microsecond (0: at once, as for a
+    #: host whose kernel takes its packets itself, TCP's)
+    wake_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -394,7 +399,10 @@ class FakeNetwork:
                 node.receive(data, src, t)
                 self._service(node)
             else:  # its I/O thread takes it in once free, and is busy that long
-                node.io_free = node.cores.run(max(t, node.io_free), cpu.receive(len(data)), t)
+                ready = max(t, node.io_free)
+                if node.io_free < t and node.profile.wake_s and node.cores.all_busy(t):
+                    ready = t + node.profile.wake_s  # (asleep: woken on busy cores)
+                node.io_free = node.cores.run(ready, cpu.receive(len(data)), t)
                 self._push(node.io_free, _TAKE, node, src, data)
         elif kind == _TAKE:
             mux = node.mux

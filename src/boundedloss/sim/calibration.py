@@ -21,15 +21,16 @@ INCAST_ELEMENTS = 85_002
 def job_for_testbed_row(system: str, topology: str, loss: float, *, elements: int,
                         rounds: int, mtu: int, costs: CpuCosts,
                         tcp_costs: CpuCosts | None = None,
-                        interference: Interference | None = None) -> SimJob:
+                        interference: Interference | None = None,
+                        wake_s: float | None = None) -> SimJob:
     """The job that simulates one of ``bench kernel-loss``'s rows (4 ranks, as the
     calibration runs it) on the testbed's network and cores, charging ``costs`` (a
     calibration's own measurement) instead of the preset's, the TCP baselines'
-    hosts ``tcp_costs`` (None: the preset's), and the cores losing ``interference``
-    (None: the preset's)."""
+    hosts ``tcp_costs`` (None: the preset's), the cores losing ``interference`` and our
+    hosts' I/O thread woken on busy cores after ``wake_s`` (None: the preset's)."""
     return SimJob(workers=4, system=system, topology=topology, loss=loss, elements=elements,
                   rounds=rounds, mtu=mtu, cpu_costs=costs, tcp_costs=tcp_costs,
-                  cpu_interference=interference, **LIKE_TESTBED)
+                  cpu_interference=interference, cpu_wake_s=wake_s, **LIKE_TESTBED)
 
 
 def job_for_incast(system: str, *, rounds: int, credit_bytes: int | None) -> SimJob:

@@ -75,6 +75,9 @@ class CpuPreset:
     tcp_costs: CpuCosts | None = None
     #: the time the cores lose to work the simulation does not run (None: none)
     interference: Interference | None = None
+    #: how long our hosts' I/O thread takes to run once woken on busy cores
+    #: (NodeProfile.wake_s)
+    wake_s: float = 0.0
 
 
 #: What a rank's CPU spends on this machine (2 cores): the mean of the two pairs of
@@ -147,11 +150,21 @@ MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
 #: second on one of them, 4.7 ms on average - benchmarks/cpu-gaps-idle.json.)
 MEASURED_INTERFERENCE = Interference(rate_hz=5.0, mean_s=4e-3)
 
+#: How long a rank's I/O thread, woken by a datagram while every core is busy, takes to
+#: run on this machine (NodeProfile.wake_s): of a grid of 0.25-2 ms, the one whose
+#: simulated p50 and p99 came nearest the testbed's on reliable's allreduce at 1% (where
+#: a round's replies wait on woken threads; within 1.8%), with the interference above:
+#: ``python tools/sim_calibrate.py --again benchmarks/sim-calibration-1500.json
+#: --fit-wake``. (The kernel's scheduler here, EEVDF, slices 0.75 ms scaled by
+#: 1 + log2 of the CPUs by default: 1.5 ms on 2.)
+MEASURED_WAKE_S = 1.5e-3
+
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
     "none": CpuPreset(None, None),
     #: every rank on this machine's 2 cores, as the kernel testbed runs them
-    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS, MEASURED_INTERFERENCE),
+    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS, MEASURED_INTERFERENCE,
+                              MEASURED_WAKE_S),
     #: a cluster node: a rank to itself on a core as fast as this machine's
     "cluster-node": CpuPreset(MEASURED_COSTS, None, MEASURED_TCP_COSTS),
 }
@@ -205,6 +218,9 @@ class SimJob:
     #: the cores' interference, in place of the preset's (None: the preset's;
     #: ``Interference(0, 0)``: none)
     cpu_interference: Interference | None = None
+    #: our hosts' I/O thread's wake on busy cores, seconds, in place of the preset's
+    #: (None: the preset's)
+    cpu_wake_s: float | None = None
     #: our systems' receiver-driven credit budget per receiver, bytes (None: no credit;
     #: TransportConfig.credit_bytes)
     credit_bytes: int | None = None
@@ -235,6 +251,11 @@ class SimJob:
         """The time the hosts' cores lose (None: none): the job's own, or its preset's."""
         spec = self.cpu_interference or CPU_PRESETS[self.cpu].interference
         return spec if spec is not None and spec.active else None
+
+    def wake_s(self) -> float:
+        """How long our hosts' I/O thread takes to run once woken on busy cores: the
+        job's own, or its preset's."""
+        return CPU_PRESETS[self.cpu].wake_s if self.cpu_wake_s is None else self.cpu_wake_s
 
     def posts_ahead_in_last_round(self) -> bool:
         """Whether the last round posts a next round's receives, which nothing uses:
@@ -314,6 +335,8 @@ class SimRow:
     #: the time the cores lost to work not simulated, as spells a second on each core
     #: and their mean length ("": none)
     cpu_interference: str = ""
+    #: our hosts' I/O thread's wake on busy cores, ms (0: none)
+    cpu_wake_ms: float = 0.0
 
 
 class _Barrier:
@@ -369,9 +392,11 @@ def run_job(job: SimJob) -> SimRow:
                              credit_bytes=job.credit_bytes,
                              credit_adaptive=job.credit_adaptive, congestion=job.congestion)
     peers = [(f"10.{r >> 16 & 255}.{r >> 8 & 255}.{r & 255}", 9000) for r in range(job.workers)]
+    # (a TCP host's kernel takes its segments as they come: no thread to wake)
+    wake_s = job.wake_s() if costs is not None and job.system not in EXCHANGES else 0.0
     profile = NodeProfile(up_bps=bps, down_bps=bps, queue_datagrams=job.queue_datagrams,
                           queue_bytes=job.queue_bytes,
-                          cpu=costs)
+                          cpu=costs, wake_s=wake_s)
     profiles = [dataclasses.replace(profile, loss=at_node[r]) if r in at_node else profile
                 for r in range(job.workers)]
     if job.bottleneck is not None:
@@ -484,7 +509,8 @@ def run_job(job: SimJob) -> SimRow:
         cpu_ms_per_round=(None if costs is None
                           else round(net.cpu_charged * 1e3 / job.rounds, 3)),
         probes_carried_fraction=round(carried / sends, 5) if sends else None,
-        cpu_interference="" if interference is None else interference.describe())
+        cpu_interference="" if interference is None else interference.describe(),
+        cpu_wake_ms=round(wake_s * 1e3, 6))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
