@@ -1130,8 +1130,9 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 @click.option("--cpu-wake", default="preset", show_default=True, metavar="MS|preset",
               callback=_wake,
               help="How long our hosts' I/O thread, woken by a datagram while every core "
-                   "is busy, takes to run (ms; this-machine's 1.5, fitted to the kernel "
-                   "testbed; preset: the --cpu preset's). TCP hosts take no notice.")
+                   "is busy, takes to run (ms; preset: the --cpu preset's, none; 1.5 fits "
+                   "the kernel testbed's rows at MTU 1,500, not at 9,000). TCP hosts take "
+                   "no notice.")
 @click.option("--like-testbed", is_flag=True,
               help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
                    "--delay-us, --queue-datagrams and --cpu), to compare row by row.")

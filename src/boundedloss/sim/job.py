@@ -76,7 +76,8 @@ class CpuPreset:
     #: the time the cores lose to work the simulation does not run (None: none)
     interference: Interference | None = None
     #: how long our hosts' I/O thread takes to run once woken on busy cores
-    #: (NodeProfile.wake_s)
+    #: (NodeProfile.wake_s; none of the presets has one: BENCHMARKS.md, "A woken
+    #: thread's wait")
     wake_s: float = 0.0
 
 
@@ -150,21 +151,12 @@ MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
 #: second on one of them, 4.7 ms on average - benchmarks/cpu-gaps-idle.json.)
 MEASURED_INTERFERENCE = Interference(rate_hz=5.0, mean_s=4e-3)
 
-#: How long a rank's I/O thread, woken by a datagram while every core is busy, takes to
-#: run on this machine (NodeProfile.wake_s): of a grid of 0.25-2 ms, the one whose
-#: simulated p50 and p99 came nearest the testbed's on reliable's allreduce at 1% (where
-#: a round's replies wait on woken threads; within 1.8%), with the interference above:
-#: ``python tools/sim_calibrate.py --again benchmarks/sim-calibration-1500.json
-#: --fit-wake``. (The kernel's scheduler here, EEVDF, slices 0.75 ms scaled by
-#: 1 + log2 of the CPUs by default: 1.5 ms on 2.)
-MEASURED_WAKE_S = 1.5e-3
 
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
     "none": CpuPreset(None, None),
     #: every rank on this machine's 2 cores, as the kernel testbed runs them
-    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS, MEASURED_INTERFERENCE,
-                              MEASURED_WAKE_S),
+    "this-machine": CpuPreset(MEASURED_COSTS, 2, MEASURED_TCP_COSTS, MEASURED_INTERFERENCE),
     #: a cluster node: a rank to itself on a core as fast as this machine's
     "cluster-node": CpuPreset(MEASURED_COSTS, None, MEASURED_TCP_COSTS),
 }
