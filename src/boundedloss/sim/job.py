@@ -151,7 +151,6 @@ MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
 #: second on one of them, 4.7 ms on average - benchmarks/cpu-gaps-idle.json.)
 MEASURED_INTERFERENCE = Interference(rate_hz=5.0, mean_s=4e-3)
 
-
 CPU_PRESETS = {
     #: computing takes no time: the network's and the protocol's figures alone
     "none": CpuPreset(None, None),
