@@ -124,12 +124,13 @@ def run(system: str, a: argparse.Namespace, tmp: Path) -> dict:
         ["perf", "record", "-a", "-F", str(FREQUENCY), "-o", str(data), "--",
          sys.executable, "-c", RUN, "bench", "kernel-loss", "--json", str(rows),
          "--systems", system, "--topology", a.topology, "--losses", "0",
-         "--rounds", str(a.rounds), "--ranks", str(a.ranks), "--auth", a.auth, "--no-bare"],
+         "--rounds", str(a.rounds), "--ranks", str(a.ranks), "--auth", a.auth, "--no-bare",
+         "--mtu", str(a.mtu)],
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     row = json.loads(rows.read_text())[0]
     ms, window, n = per_round(read_samples(data), a.rounds, row["mean_ms"])
     return {"system": system, "topology": row.get("topology", a.topology), "ranks": a.ranks,
-            "auth": a.auth, "rounds": a.rounds, "p50_ms": row["p50_ms"],
+            "mtu": a.mtu, "auth": a.auth, "rounds": a.rounds, "p50_ms": row["p50_ms"],
             "mean_ms": row["mean_ms"], "window_s_before_end": window, "window_samples": n,
             "cpu_ms_per_round": ms,
             "busy_ms_per_round": sum(v for c, v in ms.items() if c != "idle")}
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--auth", default="on", choices=["on", "off"])
     ap.add_argument("--rounds", type=int, default=600)
+    ap.add_argument("--mtu", type=int, default=1500, help="the testbed links' (as bench's)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
     if shutil.which("perf") is None:
