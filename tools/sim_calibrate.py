@@ -198,7 +198,9 @@ def parse_interference(text: str):
 
 def parse_wake(text: str) -> float | None:
     """``MS`` or ``preset`` (None: the preset's)."""
-    return None if text == "preset" else float(text) * 1e-3
+    from boundedloss.net.cpu import parse_wake_ms
+
+    return None if text == "preset" else parse_wake_ms(text)
 
 
 def describe(machine: dict) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Any
@@ -71,15 +70,14 @@ def _interference(ctx: click.Context, param: click.Parameter, value: str):
 
 def _wake(ctx: click.Context, param: click.Parameter, value: str) -> float | None:
     """--cpu-wake parsed once, here: seconds (None: the preset's)."""
+    from .net.cpu import parse_wake_ms
+
     if value == "preset":
         return None
     try:
-        ms = float(value)
-    except ValueError:
-        ms = math.nan
-    if not 0 <= ms < math.inf:
-        raise click.BadParameter(f"{value!r}: give a time in ms, 0 or more, or preset")
-    return ms * 1e-3
+        return parse_wake_ms(value)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}, or preset") from None
 
 
 def _output_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -96,6 +96,17 @@ class Interference:
         return self.rate_hz * self.mean_s / (1 + self.rate_hz * self.mean_s)
 
 
+def parse_wake_ms(text: str) -> float:
+    """A woken thread's wait (``NodeProfile.wake_s``) given in ms, as seconds."""
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = math.nan
+    if not 0 <= ms < math.inf:
+        raise ValueError(f"{text!r}: give a time in ms, 0 or more")
+    return ms * 1e-3
+
+
 #: how far ahead of the work placed a core's interference is drawn (virtual seconds):
 #: drawn in steps, so that what is placed never reaches past what was drawn
 _DRAW_AHEAD = 0.05
