@@ -861,6 +861,23 @@ def test_a_kernel_loss_round_runs_from_the_last_rank_in_to_the_last_rank_out():
     assert round_latencies_ms([on_time, late]) == pytest.approx([50.0, 50.0])
 
 
+def test_kernel_loss_rows_time_the_barrier_between_rounds_and_the_ranks_cpu():
+    """Between rounds runs from the last rank out of one to the last rank into the
+    next; the ranks' CPU a round from entering the barrier to leaving the round, all
+    ranks together, and of it the barrier's part."""
+    from boundedloss.bench.kernel_loss import between_rounds_ms, ranks_cpu_ms
+
+    # (process CPU marks per round: at the barrier, at the start, at the end)
+    a = {"start": [1.0, 1.1], "end": [1.05, 1.16], "cpu": [(0.0, 0.001, 0.011),
+                                                        (0.011, 0.013, 0.023)]}
+    b = {"start": [1.01, 1.12], "end": [1.06, 1.15], "cpu": [(0.0, 0.002, 0.006),
+                                                         (0.006, 0.007, 0.011)]}
+    assert between_rounds_ms([a, b]) == pytest.approx([60.0])  # 1.12 - 1.06
+    whole, barrier = ranks_cpu_ms([a, b])
+    assert whole == pytest.approx((11 + 12 + 6 + 5) / 2)
+    assert barrier == pytest.approx((1 + 2 + 2 + 1) / 2)
+
+
 def test_kernel_loss_repeats_interleave_every_arm_alike():
     """With repeats each arm runs once per repeat, every other repeat in reverse order:
     each arm's runs sit at mirrored places in the sequence, so a steady drift in the

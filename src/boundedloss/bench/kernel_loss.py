@@ -105,6 +105,16 @@ class KernelLossRow:
     #: of our sends (warm-up round included), the share whose last DATA carried their
     #: first PROBE (on warm paths that lose nothing); None for gloo, tcp-ps, bare-udp
     probes_carried_fraction: float | None = None
+    #: between rounds (p50, ms): from when the last rank left a round to when the last
+    #: entered the next - the Gloo barrier's time, during which the ranks' threads
+    #: finish what a round left them
+    between_rounds_ms: float = 0.0
+    #: the ranks' processes' CPU a round (every thread, user and system; ms, all ranks
+    #: together): from entering the round's barrier to leaving the round - what ``sim``
+    #: rows' ``cpu_ms_per_round`` is charged as - and of it the barrier's part. (The
+    #: kernel's work outside the ranks' system calls, the switch's softirqs, is not in it.)
+    cpu_ms_per_round: float = 0.0
+    barrier_cpu_ms_per_round: float = 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -143,6 +153,8 @@ def rank_main(argv: list[str] | None = None) -> None:
                             timeout=timedelta(seconds=120))
     x = np.random.default_rng(a.rank).standard_normal(a.elements).astype(np.float32)
     starts, ends, fractions = [], [], []
+    # (this process's CPU, every thread, at each round's barrier, start and end)
+    cpu_marks: list[tuple[float, float, float]] = []
     spec = None if a.system == BARE_UDP else parse_policy(a.system)
     coll: Collective | None = None
     endpoint: UdpEndpoint | None = None
@@ -192,8 +204,10 @@ def rank_main(argv: list[str] | None = None) -> None:
     tensor = torch.from_numpy(x.copy())
     freeze_heap()  # (every system alike: no full collection of torch's objects mid-round)
     for t in range(a.rounds + 1):  # round 0 warms up (connections, first receives)
+        cpu_barrier = time.process_time()
         dist.barrier()
         t0 = time.monotonic()
+        cpu_start = time.process_time()
         if loop is not None:
             frac = loop.exchange(t)
         elif coll is None:
@@ -210,10 +224,12 @@ def rank_main(argv: list[str] | None = None) -> None:
             starts.append(t0)
             ends.append(time.monotonic())
             fractions.append(frac)
+            cpu_marks.append((cpu_barrier, cpu_start, time.process_time()))
     # (our sends: how many finished, and how many carried their first PROBE)
     counted = {} if endpoint is None else endpoint.counters()
     Path(a.out, f"rank{a.rank}.json").write_text(
-        json.dumps({"start": starts, "end": ends, "frac": fractions, "auth": auth,
+        json.dumps({"start": starts, "end": ends, "frac": fractions, "cpu": cpu_marks,
+                    "auth": auth,
                     "sends": counted.get("sends_finished", 0),
                     "probes_carried": counted.get("probes_carried", 0)}))
     dist.barrier()
@@ -232,6 +248,24 @@ def round_latencies_ms(per_rank: list[dict]) -> list[float]:
     rounds = len(per_rank[0]["start"])
     return [(max(rk["end"][i] for rk in per_rank) - max(rk["start"][i] for rk in per_rank))
             * 1e3 for i in range(rounds)]
+
+
+def between_rounds_ms(per_rank: list[dict]) -> list[float]:
+    """The time (ms) from when the last rank left each round to when the last rank
+    entered the next: the barrier's, as the rounds see it."""
+    rounds = len(per_rank[0]["start"])
+    return [(max(rk["start"][i + 1] for rk in per_rank) - max(rk["end"][i] for rk in per_rank))
+            * 1e3 for i in range(rounds - 1)]
+
+
+def ranks_cpu_ms(per_rank: list[dict]) -> tuple[float, float]:
+    """The ranks' processes' CPU (every thread, user and system; ms, all ranks
+    together, the mean a round): from entering a round's barrier to leaving the round,
+    and of that the part in the barrier."""
+    rounds = len(per_rank[0]["cpu"])
+    whole = sum(rk["cpu"][i][2] - rk["cpu"][i][0] for rk in per_rank for i in range(rounds))
+    barrier = sum(rk["cpu"][i][1] - rk["cpu"][i][0] for rk in per_rank for i in range(rounds))
+    return 1e3 * whole / rounds, 1e3 * barrier / rounds
 
 
 # ------------------------------------------------------------------- driver (root)
@@ -367,6 +401,8 @@ def run_kernel_loss_bench(
                 lat = [ms for per_rank in logs for ms in round_latencies_ms(per_rank)]
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
+                gaps = [ms for per_rank in logs for ms in between_rounds_ms(per_rank)]
+                cpu = [ranks_cpu_ms(per_rank) for per_rank in logs]
                 sends = sum(rk.get("sends", 0) for per_rank in logs for rk in per_rank)
                 carried = sum(rk.get("probes_carried", 0) for per_rank in logs for rk in per_rank)
                 rows.append(KernelLossRow(
@@ -384,6 +420,9 @@ def run_kernel_loss_bench(
                         tcp[arm]["tcp_retrans_segs"] / run_rounds, 4),
                     tcp_dsack_segs_per_round=round(tcp[arm]["tcp_dsack_segs"] / run_rounds, 4),
                     probes_carried_fraction=round(carried / sends, 4) if sends else None,
+                    between_rounds_ms=round(_percentile(gaps, 0.5), 2) if gaps else 0.0,
+                    cpu_ms_per_round=round(statistics.mean(c for c, _ in cpu), 2),
+                    barrier_cpu_ms_per_round=round(statistics.mean(b for _, b in cpu), 2),
                 ))
     return rows
 
