@@ -1064,3 +1064,56 @@ def test_a_row_says_what_share_of_the_sends_carried_their_first_probe():
     assert 6 / 12 <= lossless.probes_carried_fraction <= 9 / 12
     assert row("reliable", 0.05, 2).probes_carried_fraction == 0.0
     assert row("gloo", 0.0, 1).probes_carried_fraction is None
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_gloo_s_barrier_lets_no_rank_go_before_the_last_arrives(world):
+    """Gloo's dissemination barrier over the TCP model: ranks arriving one by one leave
+    only after the last has arrived, and a few path delays later (its messages cross the
+    network: ceil(log2 N) steps), whatever the world's size."""
+    import math
+
+    from boundedloss.sim.barrier import GlooBarrier
+
+    _, rt, tcp = _tcp_world(world)
+    barrier = GlooBarrier(tcp)
+    left = [0.0] * world
+    last_in = 1e-3 * (world - 1)
+
+    def rank(r: int) -> None:
+        rt.sleep_until(1e-3 * r)  # (rank r arrives at r ms)
+        barrier.wait(r)
+        left[r] = rt.now
+
+    for r in range(world):
+        rt.spawn(functools.partial(rank, r))
+    rt.run()
+    steps = math.ceil(math.log2(world))
+    assert min(left) > last_in + 5e-6  # (one path's delay at least)
+    assert max(left) < last_in + steps * 1e-3  # (and not a timeout's wait)
+
+
+def test_rows_say_what_their_ranks_waited_at_and_for_how_long():
+    """The same job with an instant barrier and with Gloo's: the rows say which, and
+    how long the ranks waited between rounds - none, or Gloo's messages' time, in which
+    each rank's CPU (on the testbed's shared cores) goes on with what its round left."""
+    from boundedloss.sim import SimJob, run_job
+    from boundedloss.sim.job import LIKE_TESTBED
+
+    def row(barrier: str):
+        return run_job(SimJob(workers=4, system="reliable", topology="allreduce", loss=0.0,
+                              elements=1 << 16, rounds=4, mtu=1500, barrier=barrier,
+                              **LIKE_TESTBED))
+
+    instant, gloo = row("instant"), row("gloo")
+    assert (instant.barrier, gloo.barrier) == ("instant", "gloo")
+    assert instant.between_rounds_ms == 0.0 < gloo.between_rounds_ms < instant.p50_ms
+    # (the barrier's own messages are charged to the hosts too)
+    assert gloo.cpu_ms_per_round > instant.cpu_ms_per_round
+
+
+def test_the_sim_command_s_barriers_are_the_simulator_s():
+    from boundedloss.cli import SIM_BARRIERS
+    from boundedloss.sim.barrier import BARRIERS
+
+    assert tuple(BARRIERS) == SIM_BARRIERS

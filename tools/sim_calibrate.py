@@ -146,7 +146,8 @@ def fit_machine(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs) ->
     (on ``WAKE_ROW``, with the interference found), as asked; the others as given."""
     from boundedloss.net.cpu import Interference
 
-    machine = {"interference": a.interference, "wake_s": a.wake}
+    machine = {"interference": a.interference, "wake_s": a.wake, "barrier": a.barrier,
+               "seed": a.seed}
     if a.fit_interference:
         rows = [t for t in testbed if t["loss"] == 0 and (t["system"], t["topology"]) in FITTED]
         machine = fit("interference", rows,
@@ -211,8 +212,9 @@ def describe(machine: dict) -> str:
     spec = machine.get("interference") or preset.interference
     wake = machine.get("wake_s")
     wake = preset.wake_s if wake is None else wake
+    barrier = machine.get("barrier", "instant")
     return (f"interference {'none' if spec is None or not spec.active else spec.describe()}, "
-            f"wake {wake * 1e3:g} ms")
+            f"wake {wake * 1e3:g} ms, barrier {barrier}, seed {machine.get('seed', 0)}")
 
 
 def main() -> None:
@@ -243,6 +245,12 @@ def main() -> None:
     ap.add_argument("--fit-wake", action="store_true",
                     help=f"(with --again) fit it to {' '.join(map(str, WAKE_ROW))} first "
                          "(after the interference, if that is fitted too)")
+    ap.add_argument("--barrier", default="instant", choices=["instant", "gloo"],
+                    help="what the simulated ranks wait at before each round")
+    ap.add_argument("--seed", type=int, default=0, help="the simulations' seed")
+    ap.add_argument("--no-folded", action="store_true",
+                    help="(with --again) simulate the rows once, not again with the "
+                         "core's handling folded into the per-message cost")
     ap.add_argument("--fit-jobs", type=int, default=2,
                     help="grid points simulated at once (processes)")
     a = ap.parse_args()
@@ -263,8 +271,10 @@ def main() -> None:
         tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
         machine = fit_machine(testbed, costs, a, tcp_costs)
         rows = simulate(testbed, costs, a, tcp_costs, machine)
-        print("the core's handling folded into the per-message cost:")
-        rows_folded = simulate(testbed, folded(costs), a, tcp_costs, machine)
+        rows_folded = None
+        if not a.no_folded:
+            print("the core's handling folded into the per-message cost:")
+            rows_folded = simulate(testbed, folded(costs), a, tcp_costs, machine)
         if a.json:
             a.json.write_text(json.dumps({
                 **done, "machine": describe(machine),
@@ -287,7 +297,8 @@ def main() -> None:
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
 
-    machine = {"interference": a.interference, "wake_s": a.wake}
+    machine = {"interference": a.interference, "wake_s": a.wake, "barrier": a.barrier,
+               "seed": a.seed}
     rows = simulate(testbed, costs, a, tcp_costs, machine)
     rows_folded = simulate(testbed, folded(costs), a, tcp_costs, machine)
     if a.json:

@@ -1059,6 +1059,8 @@ def compare(scenario, policies, json_path, out_dir, repeats, epochs, workers, se
 
 #: the systems a simulation can run: our policies, and the baselines over its TCP model
 SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
+#: what a simulation's ranks can wait at before each round (sim.barrier.BARRIERS' names)
+SIM_BARRIERS = ("instant", "gloo")
 
 
 @cli.command("sim")
@@ -1131,6 +1133,12 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
                    "is busy, takes to run (ms; preset: the --cpu preset's, none; 1.5 fits "
                    "the kernel testbed's rows at MTU 1,500, not at 9,000). TCP hosts take "
                    "no notice.")
+@click.option("--barrier", default="instant", show_default=True,
+              type=click.Choice(SIM_BARRIERS),
+              help="What the ranks wait at before each round: nothing that takes time, or "
+                   "Gloo's barrier over the TCP model, as bench kernel-loss's ranks do (the "
+                   "work a round leaves its hosts is then done while they wait). Rows say "
+                   "barrier and between_rounds_ms.")
 @click.option("--like-testbed", is_flag=True,
               help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
                    "--delay-us, --queue-datagrams and --cpu), to compare row by row.")
@@ -1148,7 +1156,7 @@ SIM_SYSTEMS = ("gloo", "tcp-ps", "reliable", "mlt", "ltp", "dblp")
 def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds, link_gbps,
         delay_us, queue_datagrams, queue_bytes, shared_buffer, bottleneck, backgrounds, mtu,
         racks, oversubscription, auth, credit, congestion, cpu, cpu_interference, cpu_wake,
-        like_testbed, seed, processes, json_path, plot_path) -> None:
+        barrier, like_testbed, seed, processes, json_path, plot_path) -> None:
     """Simulate a gradient exchange among many workers - the product's own core and
     collectives over a simulated network, in virtual time."""
     from .net.background import parse_background
@@ -1209,7 +1217,7 @@ def sim(ctx, workers, systems, topologies, losses, loss_models, elements, rounds
                      queue_bytes=queue_bytes,
                      shared_buffer_bytes=shared_buffer, congestion=congestion,
                      bottleneck=bottleneck, cpu_interference=cpu_interference,
-                     cpu_wake_s=cpu_wake)
+                     cpu_wake_s=cpu_wake, barrier=barrier)
     short = shortfall(jobs)
     if short is not None:
         raise click.UsageError(short.message())

@@ -22,15 +22,18 @@ def job_for_testbed_row(system: str, topology: str, loss: float, *, elements: in
                         rounds: int, mtu: int, costs: CpuCosts,
                         tcp_costs: CpuCosts | None = None,
                         interference: Interference | None = None,
-                        wake_s: float | None = None) -> SimJob:
+                        wake_s: float | None = None, barrier: str = "instant",
+                        seed: int = 0) -> SimJob:
     """The job that simulates one of ``bench kernel-loss``'s rows (4 ranks, as the
     calibration runs it) on the testbed's network and cores, charging ``costs`` (a
     calibration's own measurement) instead of the preset's, the TCP baselines'
     hosts ``tcp_costs`` (None: the preset's), the cores losing ``interference`` and our
-    hosts' I/O thread woken on busy cores after ``wake_s`` (None: the preset's)."""
+    hosts' I/O thread woken on busy cores after ``wake_s`` (None: the preset's), the
+    ranks waiting at ``barrier`` before each round (``sim.barrier.BARRIERS``)."""
     return SimJob(workers=4, system=system, topology=topology, loss=loss, elements=elements,
                   rounds=rounds, mtu=mtu, cpu_costs=costs, tcp_costs=tcp_costs,
-                  cpu_interference=interference, cpu_wake_s=wake_s, **LIKE_TESTBED)
+                  cpu_interference=interference, cpu_wake_s=wake_s, barrier=barrier,
+                  seed=seed, **LIKE_TESTBED)
 
 
 def job_for_incast(system: str, *, rounds: int, credit_bytes: int | None) -> SimJob:

@@ -50,11 +50,12 @@ from ..net.loss import (
     components,
     parse_loss_spec,
 )
-from ..net.simulated import SimEndpoint, SimFuture, SimRuntime
+from ..net.simulated import SimEndpoint, SimRuntime
 from ..net.udp import IPV4_UDP_OVERHEAD, largest_chunk
 from ..policy import parse_policy
 from ..protocol import TransportConfig
 from ..protocol.auth import TRAILER_BYTES
+from .barrier import make_barrier
 from .baselines import EXCHANGES, SimTcp
 from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
 from .tcp import is_data_segment
@@ -173,7 +174,9 @@ class KernelTestbedSettings(TypedDict):
 #: ``boundedloss sim --like-testbed``: the kernel testbed as ``bench kernel-loss`` runs
 #: it - veths with no rate limit (the CPU is the limit: the preset's costs include the
 #: kernel's forwarding), the switch ports' pfifo of 1,000 packets, every rank on this
-#: machine's 2 cores (and, unless --mtu says otherwise, its MTU of 1,500)
+#: machine's 2 cores (and, unless --mtu says otherwise, its MTU of 1,500). (Not its
+#: Gloo barrier between rounds: ``barrier="gloo"`` models it, and moves the calibrated
+#: rows no nearer the testbed's - BENCHMARKS.md, "The barrier between rounds".)
 LIKE_TESTBED: KernelTestbedSettings = {"link_gbps": 100.0, "delay_us": 10.0,
                                        "queue_datagrams": 1000, "cpu": "this-machine"}
 LIKE_TESTBED_MTU = 1500
@@ -232,6 +235,9 @@ class SimJob:
     #: testbed's incast puts a tbf on the switch port into it; its queue is the tbf's
     #: limit in bytes (None: a link like the others)
     bottleneck: qdisc.Bottleneck | None = None
+    #: what the ranks wait at before each round (sim/barrier.py: ``instant``, or
+    #: ``gloo``'s over the TCP model, as bench kernel-loss's ranks do)
+    barrier: str = "instant"
 
     def host_costs(self) -> CpuCosts | None:
         """What our systems' hosts are charged (None: computing takes no time): the
@@ -328,25 +334,11 @@ class SimRow:
     cpu_interference: str = ""
     #: our hosts' I/O thread's wake on busy cores, ms (0: none)
     cpu_wake_ms: float = 0.0
-
-
-class _Barrier:
-    """Every program waits until all ``parties`` have arrived (virtual time stands)."""
-
-    def __init__(self, runtime: SimRuntime, parties: int):
-        self._runtime = runtime
-        self._parties = parties
-        self._arrived = 0
-        self._open: SimFuture = SimFuture(runtime)
-
-    def wait(self) -> None:
-        gate = self._open
-        self._arrived += 1
-        if self._arrived == self._parties:
-            self._arrived = 0
-            self._open = SimFuture(self._runtime)
-            gate.set_result(None)
-        gate.result()
+    #: what the ranks waited at before each round (SimJob.barrier), and the time between
+    #: rounds (p50, ms): from when the last rank left one to when the last entered the
+    #: next, as bench kernel-loss rows have it
+    barrier: str = "instant"
+    between_rounds_ms: float = 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -399,7 +391,6 @@ def run_job(job: SimJob) -> SimRow:
         for r, peer in enumerate(peers):
             net.fabric.place(peer, r * job.racks // job.workers)
     background = job.background if job.background and job.background.rate > 0 else None
-    barrier = _Barrier(runtime, job.workers)
     starts = np.zeros((job.workers, job.rounds))
     ends = np.zeros((job.workers, job.rounds))
     endpoints: list[SimEndpoint] = []
@@ -408,10 +399,11 @@ def run_job(job: SimJob) -> SimRow:
     if job.system in EXCHANGES:  # a baseline, over the TCP model
         tcp = [SimTcp(runtime, peer, job.mtu, profiles[r]) for r, peer in enumerate(peers)]
         exchange = EXCHANGES[job.system]
+        barrier = make_barrier(job.barrier, runtime, peers, job.mtu, profiles, tcp)
 
         def rank_main(r: int) -> None:
             for t in range(job.rounds):
-                barrier.wait()
+                barrier.wait(r)
                 starts[r, t] = runtime.now
                 exchange(tcp, r, 4 * job.elements)
                 ends[r, t] = runtime.now
@@ -419,6 +411,11 @@ def run_job(job: SimJob) -> SimRow:
         endpoints = [SimEndpoint(runtime, peer, session=SESSION, config=config,
                                  auth_key=KEY if job.auth else None, profile=profiles[r])
                      for r, peer in enumerate(peers)]
+        # (a rank's barrier runs over TCP on its host, as Gloo's does beside our socket)
+        tcp_costs = None if costs is None else job.tcp_costs or cpu.tcp_costs
+        barrier = make_barrier(job.barrier, runtime, peers, job.mtu,
+                               [dataclasses.replace(p, cpu=tcp_costs, wake_s=0.0)
+                                for p in profiles], None)
         collective = TOPOLOGIES[job.topology]
         # One gradient, read-only, for every rank: the rows are times, which the values
         # do not move, and a draw a rank cost a 1,024-worker job 4 GB and seconds.
@@ -439,7 +436,7 @@ def run_job(job: SimJob) -> SimRow:
                     # uses, are left out where posting costs no virtual time (the rows
                     # the same): a one-round job then posts half the receives.
                     coll.post_ahead = t + 1 < job.rounds or job.posts_ahead_in_last_round()
-                    barrier.wait()
+                    barrier.wait(r)
                     starts[r, t] = runtime.now
                     coll.allreduce_mean(x, t)
                     ends[r, t] = runtime.now
@@ -459,6 +456,7 @@ def run_job(job: SimJob) -> SimRow:
         for ep in endpoints:
             ep.close()
     latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
+    between = list((starts.max(axis=0)[1:] - ends.max(axis=0)[:-1]) * 1e3)
     # (read after close: a send cancelled at the end is finished too, carrying or not)
     sends = sum(ep.mux.sends_finished for ep in endpoints)
     carried = sum(ep.mux.probes_carried for ep in endpoints)
@@ -501,7 +499,8 @@ def run_job(job: SimJob) -> SimRow:
                           else round(net.cpu_charged * 1e3 / job.rounds, 3)),
         probes_carried_fraction=round(carried / sends, 5) if sends else None,
         cpu_interference="" if interference is None else interference.describe(),
-        cpu_wake_ms=round(wake_s * 1e3, 6))
+        cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
+        between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0)
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
