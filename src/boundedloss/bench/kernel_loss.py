@@ -111,8 +111,10 @@ class KernelLossRow:
     between_rounds_ms: float = 0.0
     #: the ranks' processes' CPU a round (every thread, user and system; ms, all ranks
     #: together): from entering the round's barrier to leaving the round - what ``sim``
-    #: rows' ``cpu_ms_per_round`` is charged as - and of it the barrier's part. (The
-    #: kernel's work outside the ranks' system calls, the switch's softirqs, is not in it.)
+    #: rows' ``cpu_ms_per_round`` is charged as - and of it the barrier's part, each rank
+    #: from its own entry (a parameter server's server, which leaves its round once its
+    #: broadcast is posted, is still sending there). (The kernel's work outside the
+    #: ranks' system calls, the switch's softirqs, is not in it.)
     cpu_ms_per_round: float = 0.0
     barrier_cpu_ms_per_round: float = 0.0
 
