@@ -248,6 +248,11 @@ def main() -> None:
     ap.add_argument("--barrier", default="instant", choices=["instant", "gloo"],
                     help="what the simulated ranks wait at before each round")
     ap.add_argument("--seed", type=int, default=0, help="the simulations' seed")
+    ap.add_argument("--tcp-costs", type=Path, metavar="JSON",
+                    help="the TCP baselines' hosts' costs from tools/tcp_fit.py's JSON "
+                         "(fitted to what gloo's rounds cost the whole machine, at the "
+                         "calibration's MTU among others) in place of tools/tcp_cpu.py's "
+                         "(with --again: of the calibration's own)")
     ap.add_argument("--no-folded", action="store_true",
                     help="(with --again) simulate the rows once, not again with the "
                          "core's handling folded into the per-message cost")
@@ -257,6 +262,14 @@ def main() -> None:
     if (a.fit_interference or a.fit_wake) and a.again is None:
         ap.error("--fit-interference and --fit-wake read the testbed's rows from --again's "
                  "calibration")
+    fitted_tcp = None
+    if a.tcp_costs is not None:
+        fitted = json.loads(a.tcp_costs.read_text())
+        mtu = json.loads(a.again.read_text())["mtu"] if a.again is not None else a.mtu
+        if mtu not in fitted.get("mtus", [1500]):
+            ap.error(f"{a.tcp_costs} holds TCP's costs fitted at MTUs "
+                     f"{fitted.get('mtus', [1500])}, not at the calibration's {mtu}")
+        fitted_tcp = fitted["tcp_costs"]
 
     from boundedloss.net.cpu import CpuCosts
     from boundedloss.sim.job import costs_from_round_cpu
@@ -269,6 +282,8 @@ def main() -> None:
                    for r in done["rows"]]
         costs = CpuCosts(**done["costs"])
         tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
+        if fitted_tcp is not None:
+            tcp_costs = CpuCosts(**fitted_tcp)
         machine = fit_machine(testbed, costs, a, tcp_costs)
         rows = simulate(testbed, costs, a, tcp_costs, machine)
         rows_folded = None
@@ -278,12 +293,16 @@ def main() -> None:
         if a.json:
             a.json.write_text(json.dumps({
                 **done, "machine": describe(machine),
+                **({} if a.tcp_costs is None else {
+                    "tcp_costs": dataclasses.asdict(tcp_costs),
+                    "tcp_costs_from": str(a.tcp_costs)}),
                 "rows": rows, "rows_folded": rows_folded}, indent=2) + "\n")
         return
 
     with tempfile.TemporaryDirectory() as tmp:
         before = measure_costs(a, Path(tmp, "cpu1.json"))
-        tcp_before = measure_tcp_costs(a, Path(tmp, "tcp1.json"))
+        tcp_before = (measure_tcp_costs(a, Path(tmp, "tcp1.json")) if fitted_tcp is None
+                      else {"costs": fitted_tcp, "from": str(a.tcp_costs)})
         subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
                         "--losses", a.losses, "--rounds", str(a.rounds), "--mtu", str(a.mtu),
@@ -292,7 +311,8 @@ def main() -> None:
                        check=True, stdout=subprocess.DEVNULL)
         testbed = json.loads(Path(tmp, "testbed.json").read_text())
         after = measure_costs(a, Path(tmp, "cpu2.json"))
-        tcp_after = measure_tcp_costs(a, Path(tmp, "tcp2.json"))
+        tcp_after = (measure_tcp_costs(a, Path(tmp, "tcp2.json")) if fitted_tcp is None
+                     else tcp_before)
     measured = [costs_from_round_cpu(*f) for f in (before, after)]
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
