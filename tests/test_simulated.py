@@ -906,8 +906,8 @@ def test_this_machine_s_cpu_preset_is_the_calibration_s_measurement():
     from boundedloss.sim.job import MEASURED_COSTS, MEASURED_TCP_COSTS
 
     benchmarks = Path(__file__).parent.parent / "benchmarks"
-    calibration = json.loads((benchmarks / "sim-calibration-1500.json").read_text())
-    tcp_fit = json.loads((benchmarks / "tcp-costs-perf.json").read_text())
+    calibration = json.loads((benchmarks / "sim-calibration-1500-c.json").read_text())
+    tcp_fit = json.loads((benchmarks / "tcp-costs-perf-both.json").read_text())
     for preset, measured in ((MEASURED_COSTS, calibration["costs"]),
                              (MEASURED_TCP_COSTS, tcp_fit["tcp_costs"])):
         for name, value in dataclasses.asdict(preset).items():

@@ -85,12 +85,12 @@ class CpuPreset:
 #: What a rank's CPU spends on this machine (2 cores): the mean of the two pairs of
 #: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 and 16
 #: ranks, 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed
-#: run, through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500.json,
-#: "costs").
-MEASURED_COSTS = CpuCosts(byte_out=1.280e-9, byte_in=0.455e-9,
-                          message_io=59.0e-6, message_main=53.0e-6,
-                          post_io=269.9e-6, post_main=294.4e-6,
-                          datagram_core=49.7e-6)
+#: run, through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500-c.json,
+#: "costs"), the same day as the TCP costs below: a preset's two costs are one day's, as
+#: this machine's speed drifts by a fifth from day to day.
+MEASURED_COSTS = CpuCosts(byte_out=0.8124e-9, byte_in=0.7243e-9,
+                          message_io=39.63e-6, message_main=41.19e-6,
+                          post_io=296.0e-6, post_main=317.7e-6)
 
 
 def costs_from_round_cpu(*figures: dict) -> CpuCosts:
@@ -133,14 +133,16 @@ def costs_from_round_cpu(*figures: dict) -> CpuCosts:
 
 
 #: What a TCP baseline's host spends on this machine: fitted to what a round of gloo's
-#: ring (4 MB, MTU 1,500) cost the whole machine at 4, 8 and 16 ranks, every process
-#: together (``tools/round_perf.py``; the fit ``tools/tcp_fit.py``,
-#: benchmarks/tcp-costs-perf.json) - a byte out and a byte in split as one flow's bulk
-#: transfer splits them (``tools/tcp_cpu.py``). (One process's ``getrusage`` at 4 ranks
-#: alone, before, read 1.143 + 0.255 ns a byte and 119.6 us a message: 12% under the
-#: machine's CPU at 4 ranks and 11% over it at 16.)
-MEASURED_TCP_COSTS = CpuCosts(byte_out=1.3305e-9, byte_in=0.2974e-9,
-                              message_main=56.75e-6)
+#: ring (4 MB) cost the whole machine at 4, 8 and 16 ranks and at MTU 1,500 and 9,000,
+#: every process together (``tools/round_perf.py``; the fit ``tools/tcp_fit.py``,
+#: benchmarks/tcp-costs-perf-both.json): per byte, per segment (which the two MTUs tell
+#: apart) and per message, a byte and a segment out and in split as one flow's bulk
+#: transfer splits them (``tools/tcp_cpu.py``). (Fitted per byte and message at MTU
+#: 1,500 alone, before - 1.63 ns a byte, 56.7 us a message, another day - the ring's
+#: rounds at MTU 9,000 came out 1.5x the testbed's.)
+MEASURED_TCP_COSTS = CpuCosts(byte_out=0.8013e-9, byte_in=0.1791e-9,
+                              datagram_out=0.1990e-6, datagram_in=0.0445e-6,
+                              message_main=37.17e-6)
 
 #: The time this machine's cores lose to work a simulation does not run, beside a job's
 #: ranks (net.cpu.Interference): of a grid of spell rates and lengths, the one whose
