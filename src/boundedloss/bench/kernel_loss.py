@@ -106,8 +106,7 @@ class KernelLossRow:
     #: first PROBE (on warm paths that lose nothing); None for gloo, tcp-ps, bare-udp
     probes_carried_fraction: float | None = None
     #: between rounds (p50, ms): from when the last rank left a round to when the last
-    #: entered the next - the Gloo barrier's time, during which the ranks' threads
-    #: finish what a round left them
+    #: entered the next - the Gloo barrier's time
     between_rounds_ms: float = 0.0
     #: the ranks' processes' CPU a round (every thread, user and system; ms, all ranks
     #: together): from entering the round's barrier to leaving the round - what ``sim``

@@ -2,12 +2,14 @@
 kernel-loss``'s ranks wait at Gloo's.
 
 Where the barrier takes no time, whatever a round leaves its hosts to do - the last
-STOPs and ACKs, a send's result, the next round's receives - is done at the start of
-the next round. On the testbed it is done while the ranks wait at the barrier: Gloo's
-barrier is messages over TCP that cross the same links and queues and wait for the same
-busy cores, and a round is timed from when the last rank left it. So ``gloo`` runs that
-barrier over the simulator's TCP model (``tcp.py``); ``instant`` opens it at the
-virtual instant the last rank arrives.
+STOPs and ACKs, a send's result - is done at the start of the next round. On the
+testbed it is done while the ranks wait at the barrier: Gloo's barrier is messages over
+TCP that cross the same links and queues and wait for the same busy cores, and a round
+is timed from when the last rank left it. So ``gloo`` runs that barrier over the
+simulator's TCP model (``tcp.py``); ``instant`` opens it at the virtual instant the last
+rank arrives. (``sim --like-testbed`` keeps ``instant``: on the testbed our rounds leave
+little work to the barrier, about 0.7 ms of CPU a rank, and Gloo's barrier here moves
+the calibrated rows no nearer - BENCHMARKS.md, "The barrier between rounds".)
 """
 
 from __future__ import annotations
