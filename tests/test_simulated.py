@@ -906,7 +906,7 @@ def test_this_machine_s_cpu_preset_is_the_calibration_s_measurement():
     from boundedloss.sim.job import MEASURED_COSTS, MEASURED_TCP_COSTS
 
     benchmarks = Path(__file__).parent.parent / "benchmarks"
-    calibration = json.loads((benchmarks / "sim-calibration-1500-c.json").read_text())
+    calibration = json.loads((benchmarks / "sim-calibration-1500-d.json").read_text())
     tcp_fit = json.loads((benchmarks / "tcp-costs-perf-both.json").read_text())
     for preset, measured in ((MEASURED_COSTS, calibration["costs"]),
                              (MEASURED_TCP_COSTS, tcp_fit["tcp_costs"])):
@@ -1117,3 +1117,23 @@ def test_the_sim_command_s_barriers_are_the_simulator_s():
     from boundedloss.sim.barrier import BARRIERS
 
     assert tuple(BARRIERS) == SIM_BARRIERS
+
+
+def test_costs_from_round_cpu_count_each_datagram_that_reached_the_python_core():
+    """A datagram the compiled path took and handed the core the decision of (the DATA
+    that meets a plan, a STOP) costs the core as one handed back does, and the simulator
+    counts both (``TransferMux.core_datagrams``): its CPU is the core's, not the bytes'."""
+    from boundedloss.sim.job import costs_from_round_cpu
+
+    steps = {"I/O thread, all": 10.0, "receive (recvmmsg, take)": 4.0,
+             "    core: handed back": 0.3, "    core: handed back (plain)": 0.0,
+             "    core: a taken one's decision": 0.6, "send runs (tags, sendmsg)": 3.0,
+             "collective call": 2.0}
+    calls = {"    core: handed back": 3, "    core: a taken one's decision": 12,
+             "  post receives": 2, "  post sends": 2}
+    costs = costs_from_round_cpu({"topology": "allreduce", "ranks": 4, "elements": 1 << 20,
+                                  "steps_ms": steps, "calls": calls})
+    moved = 2 * 3 * 4 * (1 << 20) / 4
+    assert costs.datagram_core == pytest.approx(0.9e-3 / 15)
+    assert costs.byte_in == pytest.approx((4.0 - 0.9) * 1e-3 / moved)
+    assert costs.message_io == pytest.approx((10.0 - 3.1 - 3.0 - 0.9) * 1e-3 / 12)

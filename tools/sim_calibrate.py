@@ -253,6 +253,9 @@ def main() -> None:
                          "(fitted to what gloo's rounds cost the whole machine, at the "
                          "calibration's MTU among others) in place of tools/tcp_cpu.py's "
                          "(with --again: of the calibration's own)")
+    ap.add_argument("--recompute-costs", action="store_true",
+                    help="(with --again) read our costs again from the calibration's own "
+                         "round_cpu figures, as costs_from_round_cpu reads them now")
     ap.add_argument("--no-folded", action="store_true",
                     help="(with --again) simulate the rows once, not again with the "
                          "core's handling folded into the per-message cost")
@@ -281,6 +284,11 @@ def main() -> None:
                     "p50_ms": r["testbed_p50_ms"], "p99_ms": r["testbed_p99_ms"]}
                    for r in done["rows"]]
         costs = CpuCosts(**done["costs"])
+        if a.recompute_costs:
+            measured = [costs_from_round_cpu(*f) for f in done["round_cpu"]]
+            costs = mean_costs(measured, "costs")
+            done = {**done, "costs": dataclasses.asdict(costs),
+                    "costs_measured": [dataclasses.asdict(c) for c in measured]}
         tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
         if fitted_tcp is not None:
             tcp_costs = CpuCosts(**fitted_tcp)

@@ -85,12 +85,14 @@ class CpuPreset:
 #: What a rank's CPU spends on this machine (2 cores): the mean of the two pairs of
 #: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 and 16
 #: ranks, 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed
-#: run, through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500-c.json,
-#: "costs"), the same day as the TCP costs below: a preset's two costs are one day's, as
-#: this machine's speed drifts by a fifth from day to day.
-MEASURED_COSTS = CpuCosts(byte_out=0.8124e-9, byte_in=0.7243e-9,
+#: run, through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500-d.json,
+#: "costs": sim-calibration-1500-c.json's figures read again, ``sim_calibrate.py
+#: --recompute-costs``), the same day as the TCP costs below: a preset's two costs are
+#: one day's, as this machine's speed drifts by a fifth from day to day.
+MEASURED_COSTS = CpuCosts(byte_out=0.8124e-9, byte_in=0.5652e-9,
                           message_io=39.63e-6, message_main=41.19e-6,
-                          post_io=296.0e-6, post_main=317.7e-6)
+                          post_io=296.0e-6, post_main=317.7e-6,
+                          datagram_core=35.55e-6)
 
 
 def costs_from_round_cpu(*figures: dict) -> CpuCosts:
@@ -106,9 +108,13 @@ def costs_from_round_cpu(*figures: dict) -> CpuCosts:
     for f in figures:
         n, steps, calls = f["ranks"], f["steps_ms"], f["calls"]
         moved = 2 * (n - 1) * 4 * f["elements"] / n  # bytes out, and in, a rank-round
-        core = steps["    core: handed back"] + steps["    core: handed back (plain)"]
-        handed = (calls.get("    core: handed back", 0)
-                  + calls.get("    core: handed back (plain)", 0))
+        # (what reached the Python core: each datagram handed to it, and each one the
+        # compiled path took and handed it the decision of - as the simulator counts
+        # them, ``TransferMux.core_datagrams``)
+        core_steps = ("    core: handed back", "    core: handed back (plain)",
+                      "    core: a taken one's decision")
+        core = sum(steps.get(step, 0.0) for step in core_steps)
+        handed = sum(calls.get(step, 0) for step in core_steps)
         taking = steps["receive (recvmmsg, take)"] - core
         sending = steps["send runs (tags, sendmsg)"]
         per_byte.append((1e-3 * sending / moved, 1e-3 * taking / moved,
