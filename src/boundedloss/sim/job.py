@@ -144,8 +144,8 @@ def costs_from_round_cpu(*figures: dict) -> CpuCosts:
 #: benchmarks/tcp-costs-perf-both.json): per byte, per segment (which the two MTUs tell
 #: apart) and per message, a byte and a segment out and in split as one flow's bulk
 #: transfer splits them (``tools/tcp_cpu.py``). (Fitted per byte and message at MTU
-#: 1,500 alone, before - 1.63 ns a byte, 56.7 us a message, another day - the ring's
-#: rounds at MTU 9,000 came out 1.5x the testbed's.)
+#: 1,500 alone, before - 1.63 ns a byte, 56.7 us a message, another day - they charged
+#: the ring at MTU 9,000 about 1.3x more, against the testbed, than at 1,500.)
 MEASURED_TCP_COSTS = CpuCosts(byte_out=0.8013e-9, byte_in=0.1791e-9,
                               datagram_out=0.1990e-6, datagram_in=0.0445e-6,
                               message_main=37.17e-6)
