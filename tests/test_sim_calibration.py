@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from boundedloss.net.cpu import CpuCosts
-from boundedloss.sim import run_job
+from boundedloss.sim import SimJob, run_job
 from boundedloss.sim.calibration import P50_TOLERANCE, job_for_incast, job_for_testbed_row
 
 CALIBRATION = Path(__file__).parent.parent / "benchmarks" / "sim-calibration-1500.json"
@@ -53,15 +53,22 @@ def calibration() -> dict:
     return json.loads(CALIBRATION.read_text())
 
 
+def _row_and_job(calibration: dict, row: tuple[str, str, float],
+                        rounds: int) -> tuple[dict, SimJob]:
+    """A calibration's testbed row (system, topology, loss), and the job that simulates
+    it with the calibration's own costs for ``rounds`` rounds."""
+    testbed = next(r for r in calibration["rows"]
+                   if (r["system"], r["topology"], r["loss"]) == row)
+    return testbed, job_for_testbed_row(*row, elements=calibration["elements"],
+                                        rounds=rounds, mtu=calibration["mtu"],
+                                        costs=CpuCosts(**calibration["costs"]),
+                                        tcp_costs=CpuCosts(**calibration["tcp_costs"]))
+
+
 @pytest.mark.parametrize(("system", "topology", "loss"), ROWS)
 def test_a_simulated_round_s_p50_is_the_kernel_testbed_s_within_the_tolerance(
         calibration, system, topology, loss):
-    testbed = next(r for r in calibration["rows"]
-                   if (r["system"], r["topology"], r["loss"]) == (system, topology, loss))
-    job = job_for_testbed_row(system, topology, loss, elements=calibration["elements"],
-                              rounds=ROUNDS, mtu=calibration["mtu"],
-                              costs=CpuCosts(**calibration["costs"]),
-                              tcp_costs=CpuCosts(**calibration["tcp_costs"]))
+    testbed, job = _row_and_job(calibration, (system, topology, loss), ROUNDS)
     assert run_job(job).p50_ms == pytest.approx(testbed["testbed_p50_ms"], rel=P50_TOLERANCE)
 
 
@@ -71,12 +78,8 @@ def test_a_simulated_round_s_p99_is_the_kernel_testbed_s_within_the_tolerance(ca
     fewer a p99 is one round's luck): its p99 (0.94 of the testbed's; 0.77 without the
     interference, BENCHMARKS.md "The cores' interference") and its p50 (0.93) within the
     tolerance."""
-    testbed = next(r for r in calibration["rows"]
-                   if (r["system"], r["topology"], r["loss"]) == ("dblp", "allreduce", 0.01))
-    job = job_for_testbed_row("dblp", "allreduce", 0.01, elements=calibration["elements"],
-                              rounds=calibration["rounds"], mtu=calibration["mtu"],
-                              costs=CpuCosts(**calibration["costs"]),
-                              tcp_costs=CpuCosts(**calibration["tcp_costs"]))
+    testbed, job = _row_and_job(calibration, ("dblp", "allreduce", 0.01),
+                                       calibration["rounds"])
     assert job.interference() is not None  # (the preset's)
     row = run_job(job)
     assert row.p99_ms == pytest.approx(testbed["testbed_p99_ms"], rel=P50_TOLERANCE)
@@ -99,12 +102,7 @@ ROWS_9000 = [("gloo", "gloo", 0.0), ("tcp-ps", "ps", 0.0), ("gloo", "gloo", 0.01
 @pytest.mark.parametrize(("system", "topology", "loss"), ROWS_9000)
 def test_a_simulated_round_s_p50_at_mtu_9000_is_the_kernel_testbed_s(system, topology, loss):
     calibration = json.loads(CALIBRATION_9000.read_text())
-    testbed = next(r for r in calibration["rows"]
-                   if (r["system"], r["topology"], r["loss"]) == (system, topology, loss))
-    job = job_for_testbed_row(system, topology, loss, elements=calibration["elements"],
-                              rounds=ROUNDS, mtu=calibration["mtu"],
-                              costs=CpuCosts(**calibration["costs"]),
-                              tcp_costs=CpuCosts(**calibration["tcp_costs"]))
+    testbed, job = _row_and_job(calibration, (system, topology, loss), ROUNDS)
     assert run_job(job).p50_ms == pytest.approx(testbed["testbed_p50_ms"], rel=P50_TOLERANCE)
 
 
