@@ -77,8 +77,8 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None,
              machine: dict | None = None) -> list[dict]:
     """The testbed's rows simulated with ``costs`` (and the TCP baselines' hosts with
     ``tcp_costs``; None: the preset's) and the machine's scheduling as ``machine`` says
-    (``interference``, ``wake_s``; None, or left out: the preset's): each row's figures
-    side by side."""
+    (``interference``, ``wake_s``; None, or left out: the preset's; and the ``barrier``
+    and ``seed`` of ``job_for_testbed_row``): each row's figures side by side."""
     from boundedloss.sim import run_job
     from boundedloss.sim.calibration import P50_TOLERANCE, job_for_testbed_row
 
@@ -218,6 +218,8 @@ def describe(machine: dict) -> str:
 
 
 def main() -> None:
+    from boundedloss.sim.barrier import BARRIERS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default="gloo,tcp-ps,reliable,dblp")
     ap.add_argument("--losses", default="0,0.01,0.05")
@@ -245,7 +247,7 @@ def main() -> None:
     ap.add_argument("--fit-wake", action="store_true",
                     help=f"(with --again) fit it to {' '.join(map(str, WAKE_ROW))} first "
                          "(after the interference, if that is fitted too)")
-    ap.add_argument("--barrier", default="instant", choices=["instant", "gloo"],
+    ap.add_argument("--barrier", default="instant", choices=list(BARRIERS),
                     help="what the simulated ranks wait at before each round")
     ap.add_argument("--seed", type=int, default=0, help="the simulations' seed")
     ap.add_argument("--tcp-costs", type=Path, metavar="JSON",
