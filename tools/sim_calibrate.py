@@ -258,12 +258,18 @@ def main() -> None:
     ap.add_argument("--recompute-costs", action="store_true",
                     help="(with --again) read our costs again from the calibration's own "
                          "round_cpu figures, as costs_from_round_cpu reads them now")
+    ap.add_argument("--preset-costs", action="store_true",
+                    help="(with --again) our hosts' and TCP's costs from the simulator's "
+                         "this-machine preset (every MTU's) in place of the calibration's "
+                         "own")
     ap.add_argument("--no-folded", action="store_true",
                     help="(with --again) simulate the rows once, not again with the "
                          "core's handling folded into the per-message cost")
     ap.add_argument("--fit-jobs", type=int, default=2,
                     help="grid points simulated at once (processes)")
     a = ap.parse_args()
+    if a.preset_costs and (a.again is None or a.recompute_costs or a.tcp_costs):
+        ap.error("--preset-costs simulates --again's rows with the preset's costs alone")
     if (a.fit_interference or a.fit_wake) and a.again is None:
         ap.error("--fit-interference and --fit-wake read the testbed's rows from --again's "
                  "calibration")
@@ -294,6 +300,13 @@ def main() -> None:
         tcp_costs = CpuCosts(**done["tcp_costs"]) if "tcp_costs" in done else None
         if fitted_tcp is not None:
             tcp_costs = CpuCosts(**fitted_tcp)
+        if a.preset_costs:
+            from boundedloss.sim.job import MEASURED_COSTS, MEASURED_TCP_COSTS
+
+            costs, tcp_costs = MEASURED_COSTS, MEASURED_TCP_COSTS
+            done = {**done, "costs": dataclasses.asdict(costs),
+                    "tcp_costs": dataclasses.asdict(tcp_costs),
+                    "costs_from": "the this-machine preset"}
         machine = fit_machine(testbed, costs, a, tcp_costs)
         rows = simulate(testbed, costs, a, tcp_costs, machine)
         rows_folded = None

@@ -82,17 +82,50 @@ class CpuPreset:
     wake_s: float = 0.0
 
 
-#: What a rank's CPU spends on this machine (2 cores): the mean of the two pairs of
-#: ``tools/round_cpu.py`` runs (reliable, transpose allreduce, authenticated, 4 and 16
-#: ranks, 4 MB, MTU 1,500) that ``python tools/sim_calibrate.py`` made around its testbed
-#: run, through :func:`costs_from_round_cpu` (benchmarks/sim-calibration-1500-d.json,
-#: "costs": sim-calibration-1500-c.json's figures read again, ``sim_calibrate.py
-#: --recompute-costs``), the same day as the TCP costs below: a preset's two costs are
-#: one day's, as this machine's speed drifts by a fifth from day to day.
-MEASURED_COSTS = CpuCosts(byte_out=0.8124e-9, byte_in=0.5652e-9,
-                          message_io=39.63e-6, message_main=41.19e-6,
-                          post_io=296.0e-6, post_main=317.7e-6,
-                          datagram_core=35.55e-6)
+#: What a rank's CPU spends on this machine (2 cores), per datagram and per byte at
+#: any MTU: :func:`costs_across_mtus` of the costs two ``tools/round_cpu.py`` pairs
+#: measured at MTU 1,500 and 9,000 the same day (reliable, transpose allreduce,
+#: authenticated, 4 and 16 ranks, 4 MB; ``python tools/sim_calibrate.py``, read through
+#: :func:`costs_from_round_cpu`: benchmarks/sim-calibration-{1500,9000}-d.json), the
+#: same day as the TCP costs below - a preset's two costs are one day's, as this
+#: machine's speed drifts by a fifth from day to day. (One MTU's per-byte costs alone
+#: - 1,500's, before - charged a rank at 9,000 2.3x what it spent sending there.)
+MEASURED_COSTS = CpuCosts(datagram_out=0.7567e-6, byte_out=0.2587e-9,
+                          datagram_in=0.1966e-6, byte_in=0.4040e-9,
+                          message_io=38.17e-6, message_main=42.11e-6,
+                          post_io=231.8e-6, post_main=317.3e-6,
+                          datagram_core=36.04e-6)
+
+
+def costs_across_mtus(*measured: tuple[int, CpuCosts]) -> CpuCosts:
+    """One rank's costs for every MTU, from costs measured at two (``(mtu, costs)``, as
+    :func:`costs_from_round_cpu` reads them, authenticated): what sending and taking in
+    cost per byte of gradient at each splits into a cost per datagram and one per byte
+    of it, as the simulator charges them (a DATA datagram of the chunk the MTU allows:
+    a cost per gradient byte c = (datagram + length * byte) / chunk at each MTU - two
+    equations, two unknowns). What depends on no MTU (per message, per posting call,
+    per datagram the core handles) is the two measurements' mean."""
+    if len({mtu for mtu, _ in measured}) != 2 or len(measured) != 2:
+        raise ValueError("costs across MTUs come from two measurements at two MTUs")
+    chunks = [largest_chunk(mtu, TRAILER_BYTES) for mtu, _ in measured]
+    lengths = [mtu - IPV4_UDP_OVERHEAD for mtu, _ in measured]
+    a = np.array([[1.0 / c, n / c] for c, n in zip(chunks, lengths)])
+
+    def split(name: str) -> tuple[float, float]:
+        per_datagram, per_byte = np.linalg.solve(
+            a, np.array([getattr(costs, name) for _, costs in measured]))
+        return float(per_datagram), float(per_byte)
+
+    def mean(name: str) -> float:
+        return float(np.mean([getattr(costs, name) for _, costs in measured]))
+
+    datagram_out, byte_out = split("byte_out")
+    datagram_in, byte_in = split("byte_in")
+    return CpuCosts(datagram_out=datagram_out, byte_out=byte_out,
+                    datagram_in=datagram_in, byte_in=byte_in,
+                    **{name: mean(name) for name in (
+                        "message_io", "message_main", "post_io", "post_main",
+                        "datagram_core")})
 
 
 def costs_from_round_cpu(*figures: dict) -> CpuCosts:
