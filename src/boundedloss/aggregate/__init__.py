@@ -30,6 +30,7 @@ from .fill import (
     UnbiasedRescale,
     ZeroFill,
     apply_broadcast,
+    fill_holes,
     make_aggregator,
 )
 from .hadamard import Dispersed, HadamardDispersion, message_seed
@@ -55,6 +56,7 @@ __all__ = [
     "chunk_count",
     "chunk_mask_from_elements",
     "element_mask",
+    "fill_holes",
     "make_aggregator",
     "message_seed",
     "random_chunk_mask",

@@ -114,6 +114,14 @@ def _count_dtype(n: int) -> np.dtype:
     return np.dtype(np.uint8 if n < 256 else np.uint16 if n < 65536 else np.uint32)
 
 
+#: Hole runs a contribution may have in one cache block for the kernel to add around
+#: them (a slice each); with more - or with more than one element in
+#: ``DENSE_HOLES`` missing - its holes are zeroed bitwise instead, at a cost that does
+#: not depend on them.
+MAX_HOLE_RUNS = 8
+DENSE_HOLES = 32
+
+
 def masked_mean(
     p: Prepared, *, per_arrived: bool, fallback: np.ndarray | None = None
 ) -> tuple[np.ndarray, int]:
@@ -125,62 +133,136 @@ def masked_mean(
     ``s / N`` (``per_arrived=False``) or ``s / k`` (``per_arrived=True``); where k = 0 it
     is ``fallback`` if given, else 0. The estimate is flat and in the input dtype.
 
-    Holes are removed by bits, not arithmetic: the IEEE bits of each element are ANDed
-    with all-ones (arrived) or all-zeros (hole), so a hole becomes exactly +0.0 whatever
-    it held - NaN and Inf included - and never enters a sum. This is ~3x faster than a
-    masked ufunc (``np.add(..., where=)``), and a multiply by the mask would let
-    NaN * 0 = NaN through. A fully delivered contribution (common: the collective's own
-    one, and every contribution of a lossless round) is added as is.
+    A hole never enters a sum: it counts as exactly +0.0, whatever it held - NaN and
+    Inf included. The sum runs in contribution order, every element the same way, so
+    the result is one definite float whichever way a block was computed:
+
+    - a fully delivered contribution (common: the collective's own one, and every
+      contribution of a lossless round) is added as is;
+    - holes come whole chunks at a time, so where a contribution has a few runs of them
+      in a block it is added around them, slice by slice, and the runs say which
+      elements to divide by their own k (the rest by N) - a lossy round's
+      contributions cost about what a lossless round's do;
+    - where its holes are many or dense, they are zeroed bitwise first: the IEEE bits
+      of each element ANDed with all-ones (arrived) or all-zeros (hole), ~3x faster
+      than a masked ufunc (``np.add(..., where=)``), where a multiply by the mask would
+      let NaN * 0 = NaN through; that block's k is then counted element by element.
     """
     values, masks = p.values, p.masks
     n_workers, n = len(values), values[0].size
     acc = _accumulator_dtype(p.dtype)
-    word = np.dtype(f"u{p.dtype.itemsize}")
-    all_ones = word.type(np.iinfo(word).max)  # every bit set
     full = [bool(m.all()) for m in masks]
     count_needed = per_arrived and not all(full)
     block = max(1, int(CACHE_BLOCK))
+    word = np.dtype(f"u{p.dtype.itemsize}")
+    all_ones = word.type(np.iinfo(word).max)  # every bit set
 
     total = np.empty(n, dtype=acc)
-    count = np.empty(min(n, block), dtype=_count_dtype(n_workers)) if count_needed else None
-    wide = np.empty(min(n, block), dtype=word)  # the mask widened to the element's width
-    kept = np.empty(min(n, block), dtype=word)  # the element's bits, holes zeroed
+    size = min(n, block)
+    count = np.empty(size, dtype=_count_dtype(n_workers)) if count_needed else None
+    wide = kept = None  # (the bitwise zeroing's scratch: the mask at the element's
+    # width, the element's bits with holes zeroed)
     all_lost = 0
     for lo in range(0, n, block):
         hi = min(lo + block, n)
-        size = hi - lo
         tot = total[lo:hi]
+        holes: list[tuple[int, int]] = []  # (every contribution's runs, where known)
+        described = True  # (every hole of the block is in ``holes``)
         for i, (x, m, f) in enumerate(zip(values, masks, full)):
-            if f:
-                src = x[lo:hi]
-            else:
-                np.multiply(m[lo:hi], all_ones, out=wide[:size], casting="unsafe")
-                np.bitwise_and(x[lo:hi].view(word), wide[:size], out=kept[:size])
-                src = kept[:size].view(p.dtype)
+            src = x[lo:hi]
+            runs = () if f else _hole_runs(m[lo:hi])
+            if runs is None:
+                if wide is None or kept is None:
+                    wide, kept = np.empty(size, dtype=word), np.empty(size, dtype=word)
+                w, k = wide[:hi - lo], kept[:hi - lo]
+                np.multiply(m[lo:hi], all_ones, out=w, casting="unsafe")
+                np.bitwise_and(src.view(word), w, out=k)
+                src, runs, described = k.view(p.dtype), (), False
             if i == 0:
                 np.copyto(tot, src)
-            else:
+                for a, b in runs:
+                    tot[a:b] = 0
+            elif not runs:
                 np.add(tot, src, out=tot)
-            if count is not None:
-                cnt = count[:size]
+            else:
+                at = 0
+                for a, b in runs:
+                    if a > at:
+                        np.add(tot[at:a], src[at:a], out=tot[at:a])
+                    # (+0.0 added, as zeroed bits add it: a -0.0 sum becomes +0.0)
+                    np.add(tot[a:b], 0.0, out=tot[a:b])
+                    at = b
+                if at < hi - lo:
+                    np.add(tot[at:], src[at:], out=tot[at:])
+            holes.extend(runs)
+        if count is None or (described and not holes):
+            np.divide(tot, n_workers, out=tot)  # s / N (or s / k with k = N everywhere)
+        elif described:
+            all_lost += _divide_around(tot, holes, n_workers, fallback, lo)
+        else:
+            cnt = count[:hi - lo]
+            for i, (m, f) in enumerate(zip(masks, full)):
                 if i == 0:
                     np.copyto(cnt, m[lo:hi])
                 elif f:
                     np.add(cnt, 1, out=cnt)
                 else:
                     np.add(cnt, m[lo:hi], out=cnt)
-        if count is None:
-            np.divide(tot, n_workers, out=tot)  # s / N (or s / k with k = N everywhere)
-            continue
-        cnt = count[:size]
-        none = cnt == 0
-        lost_here = int(np.count_nonzero(none))
-        if lost_here:
-            all_lost += lost_here
-            np.maximum(cnt, 1, out=cnt)  # s = 0 there: 0 / 1 = 0, no masked divide
-        np.divide(tot, cnt, out=tot, dtype=acc)
-        if lost_here and fallback is not None:
-            np.copyto(tot, fallback[lo:hi], where=none, casting="same_kind")
+            none = cnt == 0
+            lost_here = int(np.count_nonzero(none))
+            if lost_here:
+                all_lost += lost_here
+                np.maximum(cnt, 1, out=cnt)  # s = 0 there: 0 / 1 = 0, no masked divide
+            np.divide(tot, cnt, out=tot, dtype=acc)
+            if lost_here and fallback is not None:
+                np.copyto(tot, fallback[lo:hi], where=none, casting="same_kind")
     if acc != p.dtype:
         total = total.astype(p.dtype)
     return total, all_lost
+
+
+def _hole_runs(mask: np.ndarray) -> list[tuple[int, int]] | None:
+    """The (start, stop) of each run of False in ``mask``, in order; None where they
+    are more than ``MAX_HOLE_RUNS`` or more than one element in ``DENSE_HOLES``."""
+    missing = mask.size - int(np.count_nonzero(mask))
+    if not missing:
+        return []
+    if missing * DENSE_HOLES > mask.size:
+        return None
+    edges = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+    if edges.size > 2 * MAX_HOLE_RUNS:
+        return None
+    bounds = [0, *edges.tolist(), mask.size]
+    first = 0 if not mask[0] else 1
+    return [(bounds[j], bounds[j + 1]) for j in range(first, len(bounds) - 1, 2)]
+
+
+def _divide_around(tot: np.ndarray, holes: list[tuple[int, int]], n_workers: int,
+                   fallback: np.ndarray | None, lo: int) -> int:
+    """``tot`` (a block's sums, from ``lo``) divided by k: N, but across ``holes`` (every
+    contribution's runs of them) N less the contributions missing there - ``fallback``
+    (else 0) where none arrived. Returns how many elements none arrived for."""
+    # (a sweep over the runs' ends: the stretches where the same contributions miss)
+    ends: dict[int, int] = {}
+    for a, b in holes:
+        ends[a] = ends.get(a, 0) + 1
+        ends[b] = ends.get(b, 0) - 1
+    lost = 0
+    at, missing = 0, 0
+    for x in sorted(ends):
+        if x > at:
+            piece = tot[at:x]
+            k = n_workers - missing
+            if k > 0:
+                np.divide(piece, k, out=piece)
+            else:
+                lost += x - at
+                if fallback is None:
+                    piece[:] = 0
+                else:
+                    np.copyto(piece, fallback[lo + at:lo + x], casting="same_kind")
+            at = x
+        missing += ends[x]
+    if at < tot.size:
+        np.divide(tot[at:], n_workers, out=tot[at:])
+    return lost

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..aggregate import Aggregator, HadamardDispersion, apply_broadcast, element_mask, message_seed
+from ..aggregate import Aggregator, HadamardDispersion, element_mask, fill_holes, message_seed
 from ..net.endpoint import Endpoint
 from ..policy.base import Policy
 from ..policy.reliable import ReliablePolicy
@@ -417,11 +417,8 @@ class Collective(abc.ABC):
         # (every chunk delivered: the shared all-true mask, not scanned again)
         if mask is self._full_masks.get(size) or mask.all():
             result = values  # (the receive's own buffer, which nothing writes any more)
-        else:
-            previous = self._remembered(memory_key, values.shape)
-            result = apply_broadcast(values, mask, previous if previous is not None
-                                     else np.zeros_like(values))
-            result = result.view(values.dtype)  # (np.where drops bfloat16's marking)
+        else:  # (the lost values filled in the receive's own buffer, as above)
+            result = fill_holes(values, mask, self._remembered(memory_key, values.shape))
         if self.stale_broadcast:  # (the only reader: a piece that did not arrive)
             self.memory[memory_key] = result
         return result
