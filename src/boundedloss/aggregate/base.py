@@ -115,11 +115,9 @@ def _count_dtype(n: int) -> np.dtype:
 
 
 #: Hole runs a contribution may have in one cache block for the kernel to add around
-#: them (a slice each); with more - or with more than one element in
-#: ``DENSE_HOLES`` missing - its holes are zeroed bitwise instead, at a cost that does
-#: not depend on them.
-MAX_HOLE_RUNS = 8
-DENSE_HOLES = 32
+#: them (a slice each); with more (holes scattered finely, not whole chunks at a time)
+#: its holes are zeroed bitwise instead, at a cost that does not depend on them.
+MAX_HOLE_RUNS = 24
 
 
 def masked_mean(
@@ -143,10 +141,15 @@ def masked_mean(
       in a block it is added around them, slice by slice, and the runs say which
       elements to divide by their own k (the rest by N) - a lossy round's
       contributions cost about what a lossless round's do;
-    - where its holes are many or dense, they are zeroed bitwise first: the IEEE bits
-      of each element ANDed with all-ones (arrived) or all-zeros (hole), ~3x faster
-      than a masked ufunc (``np.add(..., where=)``), where a multiply by the mask would
-      let NaN * 0 = NaN through; that block's k is then counted element by element.
+    - where its holes in a block are many runs, they are zeroed bitwise first: the
+      IEEE bits of each element ANDed with all-ones (arrived) or all-zeros (hole), ~3x
+      faster than a masked ufunc (``np.add(..., where=)``), where a multiply by the
+      mask would let NaN * 0 = NaN through; that block's k is then counted element by
+      element.
+
+    (``tools/aggregate_cost.py``: 4 MB of float32 from 4 workers, three of them with 1%
+    of their 8,948-byte chunks lost, in 1.55 ms against 3.26 element by element; at 30%,
+    2.52 against 3.32; lossless, 1.2 either way.)
     """
     values, masks = p.values, p.masks
     n_workers, n = len(values), values[0].size
@@ -163,30 +166,36 @@ def masked_mean(
     wide = kept = None  # (the bitwise zeroing's scratch: the mask at the element's
     # width, the element's bits with holes zeroed)
     all_lost = 0
+    dense = [0] * n_workers
     for lo in range(0, n, block):
         hi = min(lo + block, n)
         tot = total[lo:hi]
-        holes: list[tuple[int, int]] = []  # (every contribution's runs, where known)
-        described = True  # (every hole of the block is in ``holes``)
-        for i, (x, m, f) in enumerate(zip(values, masks, full)):
+        # (a contribution whose holes were too many in two blocks running is taken to
+        # be so in the rest: looking costs more than it finds)
+        runs = [() if f else None if dense[i] >= 2 else _hole_runs(m[lo:hi])
+                for i, (m, f) in enumerate(zip(masks, full))]
+        dense = [d + 1 if r is None else 0 for d, r in zip(dense, runs)]
+        described = all(r is not None for r in runs)  # (every hole of the block in runs)
+        cnt = None if count is None or described else count[:hi - lo]
+        holes: list[tuple[int, int]] = []  # (every contribution's runs, where described)
+        for i, (x, m, f, r) in enumerate(zip(values, masks, full, runs)):
             src = x[lo:hi]
-            runs = () if f else _hole_runs(m[lo:hi])
-            if runs is None:
+            if r is None:  # (many or dense: zeroed bitwise, then added as a whole)
                 if wide is None or kept is None:
                     wide, kept = np.empty(size, dtype=word), np.empty(size, dtype=word)
                 w, k = wide[:hi - lo], kept[:hi - lo]
                 np.multiply(m[lo:hi], all_ones, out=w, casting="unsafe")
                 np.bitwise_and(src.view(word), w, out=k)
-                src, runs, described = k.view(p.dtype), (), False
+                src, r = k.view(p.dtype), ()
             if i == 0:
                 np.copyto(tot, src)
-                for a, b in runs:
+                for a, b in r:
                     tot[a:b] = 0
-            elif not runs:
+            elif not r:
                 np.add(tot, src, out=tot)
             else:
                 at = 0
-                for a, b in runs:
+                for a, b in r:
                     if a > at:
                         np.add(tot[at:a], src[at:a], out=tot[at:a])
                     # (+0.0 added, as zeroed bits add it: a -0.0 sum becomes +0.0)
@@ -194,20 +203,19 @@ def masked_mean(
                     at = b
                 if at < hi - lo:
                     np.add(tot[at:], src[at:], out=tot[at:])
-            holes.extend(runs)
-        if count is None or (described and not holes):
-            np.divide(tot, n_workers, out=tot)  # s / N (or s / k with k = N everywhere)
-        elif described:
-            all_lost += _divide_around(tot, holes, n_workers, fallback, lo)
-        else:
-            cnt = count[:hi - lo]
-            for i, (m, f) in enumerate(zip(masks, full)):
+            if cnt is not None:  # (k element by element, while the mask is in cache)
                 if i == 0:
                     np.copyto(cnt, m[lo:hi])
                 elif f:
                     np.add(cnt, 1, out=cnt)
                 else:
                     np.add(cnt, m[lo:hi], out=cnt)
+            holes.extend(r)
+        if count is None or (described and not holes):
+            np.divide(tot, n_workers, out=tot)  # s / N (or s / k with k = N everywhere)
+        elif cnt is None:
+            all_lost += _divide_around(tot, holes, n_workers, fallback, lo)
+        else:
             none = cnt == 0
             lost_here = int(np.count_nonzero(none))
             if lost_here:
@@ -223,18 +231,29 @@ def masked_mean(
 
 def _hole_runs(mask: np.ndarray) -> list[tuple[int, int]] | None:
     """The (start, stop) of each run of False in ``mask``, in order; None where they
-    are more than ``MAX_HOLE_RUNS`` or more than one element in ``DENSE_HOLES``."""
-    missing = mask.size - int(np.count_nonzero(mask))
-    if not missing:
+    are more than ``MAX_HOLE_RUNS``. (Found run by run: a bool argmin or argmax stops at
+    the first element it looks for, so this reads the mask about once.)"""
+    if mask.all():
         return []
-    if missing * DENSE_HOLES > mask.size:
+    sample = mask[::64]  # (too many runs is seen in every 64th element, and cheaply)
+    if np.count_nonzero(sample[1:] != sample[:-1]) > 2 * MAX_HOLE_RUNS:
         return None
-    edges = np.flatnonzero(mask[1:] != mask[:-1]) + 1
-    if edges.size > 2 * MAX_HOLE_RUNS:
-        return None
-    bounds = [0, *edges.tolist(), mask.size]
-    first = 0 if not mask[0] else 1
-    return [(bounds[j], bounds[j + 1]) for j in range(first, len(bounds) - 1, 2)]
+    runs: list[tuple[int, int]] = []
+    at, size = 0, mask.size
+    while at < size:
+        rest = mask[at:]
+        a = int(rest.argmin())
+        if rest[a]:  # (no hole left)
+            break
+        if len(runs) == MAX_HOLE_RUNS:
+            return None
+        a += at
+        tail = mask[a:]
+        b = int(tail.argmax())
+        b = a + b if tail[b] else size
+        runs.append((a, b))
+        at = b
+    return runs
 
 
 def _divide_around(tot: np.ndarray, holes: list[tuple[int, int]], n_workers: int,
