@@ -180,7 +180,7 @@ def masked_mean(
         holes: list[tuple[int, int]] = []  # (every contribution's runs, where described)
         for i, (x, m, f, r) in enumerate(zip(values, masks, full, runs)):
             src = x[lo:hi]
-            if r is None:  # (many or dense: zeroed bitwise, then added as a whole)
+            if r is None:  # (many: zeroed bitwise, then added as a whole)
                 if wide is None or kept is None:
                     wide, kept = np.empty(size, dtype=word), np.empty(size, dtype=word)
                 w, k = wide[:hi - lo], kept[:hi - lo]
