@@ -863,9 +863,10 @@ def test_a_kernel_loss_round_runs_from_the_last_rank_in_to_the_last_rank_out():
 
 def test_kernel_loss_rows_time_the_barrier_between_rounds_and_the_ranks_cpu():
     """Between rounds runs from the last rank out of one to the last rank into the
-    next; the ranks' CPU a round from entering the barrier to leaving the round, all
+    next; the entry spread from the first rank into a round to the last; the ranks' CPU
+    a round from entering the barrier to leaving the round, all
     ranks together, and of it the barrier's part."""
-    from boundedloss.bench.kernel_loss import between_rounds_ms, ranks_cpu_ms
+    from boundedloss.bench.kernel_loss import between_rounds_ms, entry_spread_ms, ranks_cpu_ms
 
     # (process CPU marks per round: at the barrier, at the start, at the end)
     a = {"start": [1.0, 1.1], "end": [1.05, 1.16], "cpu": [(0.0, 0.001, 0.011),
@@ -873,6 +874,7 @@ def test_kernel_loss_rows_time_the_barrier_between_rounds_and_the_ranks_cpu():
     b = {"start": [1.01, 1.12], "end": [1.06, 1.15], "cpu": [(0.0, 0.002, 0.006),
                                                          (0.006, 0.007, 0.011)]}
     assert between_rounds_ms([a, b]) == pytest.approx([60.0])  # 1.12 - 1.06
+    assert entry_spread_ms([a, b]) == pytest.approx([10.0, 20.0])  # 1.01 - 1.0, 1.12 - 1.1
     whole, barrier = ranks_cpu_ms([a, b])
     assert whole == pytest.approx((11 + 12 + 6 + 5) / 2)
     assert barrier == pytest.approx((1 + 2 + 2 + 1) / 2)

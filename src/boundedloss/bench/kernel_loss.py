@@ -108,6 +108,9 @@ class KernelLossRow:
     #: between rounds (p50, ms): from when the last rank left a round to when the last
     #: entered the next - the Gloo barrier's time
     between_rounds_ms: float = 0.0
+    #: how far apart the ranks entered a round (p50, ms): the first one's head start on
+    #: the last, whose entry starts the round's time
+    entry_spread_ms: float = 0.0
     #: the ranks' processes' CPU a round (every thread, user and system; ms, all ranks
     #: together): from entering the round's barrier to leaving the round - what ``sim``
     #: rows' ``cpu_ms_per_round`` is charged as - and of it the barrier's part, each rank
@@ -259,6 +262,12 @@ def between_rounds_ms(per_rank: list[dict]) -> list[float]:
             * 1e3 for i in range(rounds - 1)]
 
 
+def entry_spread_ms(per_rank: list[dict]) -> list[float]:
+    """How far apart (ms) the ranks entered each round: the last entry less the first."""
+    return [(max(rk["start"][i] for rk in per_rank) - min(rk["start"][i] for rk in per_rank))
+            * 1e3 for i in range(len(per_rank[0]["start"]))]
+
+
 def ranks_cpu_ms(per_rank: list[dict]) -> tuple[float, float]:
     """The ranks' processes' CPU (every thread, user and system; ms, all ranks
     together, the mean a round): from entering a round's barrier to leaving the round,
@@ -403,6 +412,7 @@ def run_kernel_loss_bench(
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
                 gaps = [ms for per_rank in logs for ms in between_rounds_ms(per_rank)]
+                spreads = [ms for per_rank in logs for ms in entry_spread_ms(per_rank)]
                 cpu = [ranks_cpu_ms(per_rank) for per_rank in logs]
                 sends = sum(rk.get("sends", 0) for per_rank in logs for rk in per_rank)
                 carried = sum(rk.get("probes_carried", 0) for per_rank in logs for rk in per_rank)
@@ -422,6 +432,7 @@ def run_kernel_loss_bench(
                     tcp_dsack_segs_per_round=round(tcp[arm]["tcp_dsack_segs"] / run_rounds, 4),
                     probes_carried_fraction=round(carried / sends, 4) if sends else None,
                     between_rounds_ms=round(_percentile(gaps, 0.5), 2) if gaps else 0.0,
+                    entry_spread_ms=round(_percentile(spreads, 0.5), 2),
                     cpu_ms_per_round=round(statistics.mean(c for c, _ in cpu), 2),
                     barrier_cpu_ms_per_round=round(statistics.mean(b for _, b in cpu), 2),
                 ))
