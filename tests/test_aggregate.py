@@ -276,6 +276,9 @@ def test_the_kernel_gives_the_sequential_sum_bit_for_bit(workers, n, block, chun
         agg_base.CACHE_BLOCK = saved
 
 
+DIVIDE_AROUND = agg_base._divide_around  # noqa: SLF001 - (counted, then called)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_chunks_lost_as_a_network_loses_them_give_the_sequential_sum(seed, monkeypatch):
     """A job's geometry - 1,428-byte chunks of float32 (357 elements), the kernel's own
@@ -297,8 +300,6 @@ def test_chunks_lost_as_a_network_loses_them_give_the_sequential_sum(seed, monke
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert divided_around
 
-
-DIVIDE_AROUND = agg_base._divide_around  # noqa: SLF001 - (counted, then called)
 
 
 def test_a_hole_added_around_still_adds_its_plus_zero():
@@ -394,12 +395,14 @@ def test_bubble_fill_equals_unbiased_where_anything_arrived():
     np.testing.assert_array_equal(no_prev[k == 0], 0)
 
 
-def test_fill_holes_is_apply_broadcast_in_place():
+def test_fill_holes_keeps_what_arrived_and_the_previous_value_elsewhere_in_place():
     rng = np.random.default_rng(5)
     received = rng.standard_normal(1000).astype(np.float32)
     mask = np.repeat(rng.random(100) >= 0.2, 10)
     previous = rng.standard_normal(1000).astype(np.float32)
-    want = apply_broadcast(received, mask, previous)
+    want = np.where(mask, received, previous)
+    copied = apply_broadcast(received, mask, previous)
+    assert copied is not received and np.array_equal(copied, want)
     got = fill_holes(received, mask, previous)
     assert got is received and np.array_equal(got, want)
     fresh = rng.standard_normal(1000).astype(np.float32)

@@ -54,7 +54,7 @@ def calibration() -> dict:
 
 
 def _row_and_job(calibration: dict, row: tuple[str, str, float],
-                        rounds: int) -> tuple[dict, SimJob]:
+                 rounds: int) -> tuple[dict, SimJob]:
     """A calibration's testbed row (system, topology, loss), and the job that simulates
     it with the calibration's own costs for ``rounds`` rounds."""
     testbed = next(r for r in calibration["rows"]
@@ -79,7 +79,7 @@ def test_a_simulated_round_s_p99_is_the_kernel_testbed_s_within_the_tolerance(ca
     interference, BENCHMARKS.md "The cores' interference") and its p50 (0.93) within the
     tolerance."""
     testbed, job = _row_and_job(calibration, ("dblp", "allreduce", 0.01),
-                                       calibration["rounds"])
+                                calibration["rounds"])
     assert job.interference() is not None  # (the preset's)
     row = run_job(job)
     assert row.p99_ms == pytest.approx(testbed["testbed_p99_ms"], rel=P50_TOLERANCE)
