@@ -6,7 +6,11 @@ allreduce's rank, its shard of every rank's. Here: ``--workers`` contributions o
 of ``--chunk-bytes`` lost at the given rate, as the transport loses them), through
 ``masked_mean`` as the unbiased aggregator calls it. With ``--baseline SRC`` (another
 tree's ``src``) its kernel runs too, interleaved call by call, and every result is
-checked equal to the bit. Prints the median milliseconds a call; ``--json`` writes them.
+checked equal to the bit. Then a lossy broadcast's receiver at each loss: one message
+of ``--elements`` float32 whose holes take the previous round's values, filled in the
+receive's own buffer (``fill_holes``, as the collective does) against a new array
+(``np.where``, as it did before). Prints the median milliseconds a call; ``--json``
+writes them.
 
     python tools/aggregate_cost.py
     python tools/aggregate_cost.py --baseline /tmp/old/src --json benchmarks/aggregate-cost.json
@@ -26,6 +30,7 @@ from types import ModuleType
 import numpy as np
 
 from boundedloss.aggregate import base as current
+from boundedloss.aggregate import fill_holes
 from boundedloss.aggregate.masks import element_mask
 
 
@@ -84,9 +89,32 @@ def main() -> None:
             rows.append(row)
             print(f"chunk {chunk_bytes:>5} B, loss {loss:.2f}: " + ", ".join(
                 f"{name} {row[f'{name}_ms']:.2f} ms" for name in kernels))
+    broadcast = []
+    previous = rng.standard_normal(n).astype(np.float32)
+    for chunk_bytes in a.chunk_bytes:
+        chunks = -(-n * 4 // chunk_bytes)
+        for loss in [x for x in a.losses if x > 0]:
+            mask = element_mask(rng.random(chunks) >= loss, chunk_bytes, n, 4)
+            took = {"in_place": [], "new_array": []}
+            for _ in range(a.calls):
+                buffer = xs[0].copy()  # (a receive's buffer, written by the network)
+                t = time.perf_counter()
+                filled = fill_holes(buffer, mask, previous)
+                took["in_place"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                made = np.where(mask, xs[0], previous)
+                took["new_array"].append(time.perf_counter() - t)
+                if not np.array_equal(filled, made):
+                    raise SystemExit(f"chunk {chunk_bytes}, loss {loss}: the fills differ")
+            row = {"elements": n, "chunk_bytes": chunk_bytes, "loss": loss,
+                   **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in took.items()}}
+            broadcast.append(row)
+            print(f"broadcast, chunk {chunk_bytes:>5} B, loss {loss:.2f}: in place "
+                  f"{row['in_place_ms']:.2f} ms, a new array {row['new_array_ms']:.2f} ms")
     if a.json:
         a.json.write_text(json.dumps({"baseline": str(a.baseline) if a.baseline else None,
-                                      "rows": rows}, indent=2) + "\n")
+                                      "rows": rows, "broadcast": broadcast},
+                                     indent=2) + "\n")
 
 
 if __name__ == "__main__":

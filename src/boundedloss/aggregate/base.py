@@ -148,8 +148,8 @@ def masked_mean(
       element.
 
     (``tools/aggregate_cost.py``: 4 MB of float32 from 4 workers, three of them with 1%
-    of their 8,948-byte chunks lost, in 1.55 ms against 3.26 element by element; at 30%,
-    2.52 against 3.32; lossless, 1.2 either way.)
+    of their 8,948-byte chunks lost, in 1.74 ms against 3.66 element by element; at 30%,
+    2.65 against 3.59; lossless, 1.36 either way.)
     """
     values, masks = p.values, p.masks
     n_workers, n = len(values), values[0].size
