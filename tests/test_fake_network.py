@@ -659,3 +659,53 @@ def test_bench_burst_rejects_a_loss_rate_of_one_or_more(capsys, tmp_path):
     rc = main(["bench", "burst", "--json", str(tmp_path / "b.json"), "--rates", "0.8,1.5"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--rates" in err
+
+
+@settings(PROPERTY, max_examples=200)
+@given(st.lists(st.tuples(st.sampled_from(["pop", "heap", 0, 1, 2]),
+                          st.integers(0, 6)), max_size=120))
+def test_events_held_in_streams_come_in_the_order_one_heap_gives(ops) -> None:
+    """The network keeps what an uplink sends and what a downlink delivers in streams,
+    only each one's first in its event heap: events must still come in (time, order
+    pushed) order, whatever order each stream's are pushed in (one pushed earlier than
+    its stream's last goes into the heap itself) and however pushes and steps
+    interleave."""
+    from boundedloss.net import fake
+
+    net = FakeNetwork(seed=0)
+    streams = [fake._EventStream() for _ in range(3)]  # noqa: SLF001
+    came: list[int] = []
+    pushed: list[tuple[float, int]] = []  # (time, number): what one heap would give
+    number = 0
+    for op, tick in ops:
+        if op == "pop":
+            if net.next_time() is not None:
+                net.step()
+            continue
+        t = net.now + tick * 1e-6  # (ties in time are common: 0-6 us ahead)
+        fn = functools.partial(came.append, number)
+        if op == "heap":
+            net.call_at(t, fn)
+        else:
+            net._push_to(streams[op], t, fake._CALL, None, None, [fn])  # noqa: SLF001
+        pushed.append((t, number))
+        number += 1
+    net.run()
+    assert came == [n for _, n in sorted(pushed)], "the events came out of order"
+    assert not any(s.events for s in streams)
+
+
+def test_calls_cancelled_long_before_they_are_due_leave_the_heap() -> None:
+    """A simulated endpoint cancels a wait's timeout when the wait ends, seconds before
+    it is due: thousands of them must not make most of the event heap (each pop costs a
+    level of it), and the calls left must still come, in time order."""
+    net = FakeNetwork(seed=0)
+    times = [float(t) for t in np.random.default_rng(1).integers(1, 50, 5000)]
+    came: list[int] = []
+    handles = [net.call_at(t, functools.partial(came.append, i)) for i, t in enumerate(times)]
+    for h in handles[::3] + handles[1::3]:
+        net.cancel(h)
+    assert len(net._events) < 2500, "the cancelled calls stayed in the heap"  # noqa: SLF001
+    net.run()
+    kept = [i for i in range(5000) if i % 3 == 2]
+    assert came == sorted(kept, key=lambda i: (times[i], i))
