@@ -117,23 +117,6 @@ _ARRIVE, _DELIVER, _WAKE, _CALL, _TAKE, _SPINE_UP, _SPINE_DOWN = 0, 1, 2, 3, 4, 
 #: background traffic's events (every kind from _BG_EMIT on): a source's next datagram
 #: at its host's uplink, and one at the spine's links or at its destination's downlink
 _BG_EMIT, _BG_SPINE_UP, _BG_SPINE_DOWN, _BG_ARRIVE = 7, 8, 9, 10
-#: the head of an _EventStream (the heap holds only that)
-_STREAM = 11
-
-
-class _EventStream:
-    """Events that are mostly pushed in time order - what one uplink sends, what one
-    downlink delivers - held in a FIFO with only its first in the event heap. A heap of
-    every datagram in flight (a million at 1,024 workers) costs a cache miss a level to
-    pop; a heap of the streams' heads is a few per host. The order of events is the
-    same: each keeps the key (time, order) it was pushed with, a stream holds its
-    events in key order, and one pushed earlier than its stream's last goes into the
-    heap itself."""
-
-    __slots__ = ("events",)
-
-    def __init__(self) -> None:
-        self.events: deque[tuple] = deque()
 
 
 class TrafficSource(Protocol):
@@ -169,11 +152,6 @@ class _Node:
         self.cores: Cores | None = None  # where its CPU work runs (with costs)
         self.io_free = 0.0  # when its I/O thread is next free
         self.main_free = 0.0  # when its main thread is next free
-        #: the datagrams its uplink sent, each to arrive at the switch; those its
-        #: downlink delivers; those its I/O thread takes in
-        self.sent = _EventStream()
-        self.delivering = _EventStream()
-        self.taking = _EventStream()
 
 
 class FakeNetwork:
@@ -294,13 +272,6 @@ class FakeNetwork:
         if handle[0] is not None:
             handle[0] = None
             self._cancelled += 1
-            events = self._events
-            if self._cancelled > 1024 and 2 * self._cancelled > len(events):
-                # (waits' timeouts, cancelled long before they are due, would make most
-                # of the heap; the rest keep their keys, so their order)
-                events[:] = [e for e in events if e[2] != _CALL or e[5][0] is not None]
-                heapq.heapify(events)
-                self._cancelled = 0
 
     def add_background(self, address, source: TrafficSource) -> None:
         """Background traffic from the host at ``address``: ``source``'s datagrams, from
@@ -399,12 +370,6 @@ class FakeNetwork:
     def step(self) -> None:
         """Process the next event (there must be one)."""
         t, _, kind, node, src, data = heapq.heappop(self._events)
-        if kind == _STREAM:  # (its first event; the next one into the heap)
-            stream, queued = node, node.events
-            t, _, kind, node, src, data = queued.popleft()
-            if queued:
-                head = queued[0]
-                heapq.heappush(self._events, (head[0], head[1], _STREAM, stream, None, None))
         self.now = t
         if kind == _CALL:
             fn = data[0]
@@ -438,7 +403,7 @@ class FakeNetwork:
                 if node.io_free < t and node.profile.wake_s and node.cores.all_busy(t):
                     ready = t + node.profile.wake_s  # (asleep: woken on busy cores)
                 node.io_free = node.cores.run(ready, cpu.receive(len(data)), t)
-                self._push_to(node.taking, node.io_free, _TAKE, node, src, data)
+                self._push(node.io_free, _TAKE, node, src, data)
         elif kind == _TAKE:
             mux = node.mux
             before = mux.core_datagrams  # (what reaches the Python core counts there)
@@ -471,20 +436,6 @@ class FakeNetwork:
     # ----------------------------------------------------------------- internals
     def _push(self, t: float, kind: int, node: _Node | None, src=None, data=None) -> None:
         heapq.heappush(self._events, (t, next(self._order), kind, node, src, data))
-
-    def _push_to(self, stream: _EventStream, t: float, kind: int, node: _Node, src,
-                  data) -> None:
-        """An event at the end of ``stream`` - or into the heap, if it is due before
-        the stream's last (the stream stays in order)."""
-        event = (t, next(self._order), kind, node, src, data)
-        queued = stream.events
-        if not queued:
-            queued.append(event)
-            heapq.heappush(self._events, (t, event[1], _STREAM, stream, None, None))
-        elif t >= queued[-1][0]:
-            queued.append(event)
-        else:
-            heapq.heappush(self._events, event)
 
     def _service(self, node: _Node) -> None:
         """Send what the node's core has (as its uplink allows) and arm its timer."""
@@ -543,7 +494,7 @@ class FakeNetwork:
             if spine:  # (through its rack's uplink and the spine's downlink first)
                 self._push(depart, _SPINE_UP, dst, src.address, (data, delay))
             else:
-                self._push_to(src.sent, depart + delay, _ARRIVE, dst, src.address, data)
+                self._push(depart + delay, _ARRIVE, dst, src.address, data)
 
     def _cross_spine(self, kind: int, dst: _Node, src, data: bytes, delay: float) -> None:
         """A datagram at its rack's uplink (_SPINE_UP) or at the spine's downlink to the
@@ -585,7 +536,7 @@ class FakeNetwork:
             return
         t = self._enqueue(node, len(data))
         self.counts["delivered"] += 1
-        self._push_to(node.delivering, t, _DELIVER, node, src, data)
+        self._push(t, _DELIVER, node, src, data)
 
     def _drain(self, node: _Node) -> None:
         """What has crossed the node's downlink by now leaves its queue."""
