@@ -301,7 +301,6 @@ def test_chunks_lost_as_a_network_loses_them_give_the_sequential_sum(seed, monke
     assert divided_around
 
 
-
 def test_a_hole_added_around_still_adds_its_plus_zero():
     """A run of holes added around (a few whole chunks lost) leaves the sum where -0.0 +
     +0.0 would have left it: +0.0 - as the bitwise path, which adds the zeroed hole,

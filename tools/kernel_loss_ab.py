@@ -33,8 +33,8 @@ def run(src: Path | None, a: argparse.Namespace, out: Path) -> list[dict]:
         env["PYTHONPATH"] = str(src)
     subprocess.run([sys.executable, "-c", RUN, "bench", "kernel-loss", "--json", str(out),
                     "--systems", a.systems, "--topology", a.topology, "--losses", a.losses,
-                    "--rounds", str(a.rounds), "--ranks", str(a.ranks), "--mtu", str(a.mtu),
-                    "--no-bare"],
+                    "--rounds", str(a.rounds), "--ranks", str(a.ranks), "--no-bare",
+                    *(["--mtu", str(a.mtu)] if a.mtu is not None else [])],
                    env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--losses", default="0")
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--mtu", type=int, default=1500,
-                    help="the testbed links' (bench kernel-loss --mtu)")
+    ap.add_argument("--mtu", type=int, default=None,
+                    help="the testbed links' (bench kernel-loss --mtu; its default if not given)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if not (a.baseline / "boundedloss").is_dir():

@@ -147,9 +147,9 @@ def masked_mean(
       mask would let NaN * 0 = NaN through; that block's k is then counted element by
       element.
 
-    (``tools/aggregate_cost.py``: 4 MB of float32 from 4 workers, three of them with 1%
-    of their 8,948-byte chunks lost, in 1.74 ms against 3.66 element by element; at 30%,
-    2.65 against 3.59; lossless, 1.36 either way.)
+    (``tools/aggregate_cost.py`` times it by chunk size and loss against the element-by-
+    element kernel: ``benchmarks/aggregate-cost.json``, BENCHMARKS.md "A lossy round's
+    aggregation at a lossless one's cost".)
     """
     values, masks = p.values, p.masks
     n_workers, n = len(values), values[0].size
