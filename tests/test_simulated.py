@@ -1114,6 +1114,8 @@ def test_rows_say_what_their_ranks_waited_at_and_for_how_long():
     instant, gloo = row("instant"), row("gloo")
     assert (instant.barrier, gloo.barrier) == ("instant", "gloo")
     assert instant.between_rounds_ms == 0.0 < gloo.between_rounds_ms < instant.p50_ms
+    # (an instant barrier lets every rank in at once; Gloo's messages reach them in turn)
+    assert instant.entry_spread_ms == 0.0 < gloo.entry_spread_ms < gloo.between_rounds_ms
     # (the barrier's own messages are charged to the hosts too)
     assert gloo.cpu_ms_per_round > instant.cpu_ms_per_round
 

@@ -95,6 +95,10 @@ def simulate(testbed: list[dict], costs, a: argparse.Namespace, tcp_costs=None,
                "p50_ratio": round(s.p50_ms / t["p50_ms"], 3),
                "testbed_p99_ms": t["p99_ms"], "sim_p99_ms": s.p99_ms,
                "p99_ratio": round(s.p99_ms / t["p99_ms"], 3),
+               # (how far apart the ranks entered a round: the testbed's, where its rows
+               # have it, and the simulated barrier's)
+               "testbed_entry_spread_ms": t.get("entry_spread_ms"),
+               "sim_entry_spread_ms": s.entry_spread_ms,
                "fitted": t["loss"] == 0 and (t["system"], t["topology"]) in FITTED}
         rows.append(row)
         print(f"{row['system']:>9} {row['topology']:>9} {row['loss']:>5.0%} | "
@@ -289,7 +293,8 @@ def main() -> None:
         done = json.loads(a.again.read_text())
         a.mtu, a.rounds, a.elements = done["mtu"], done["rounds"], done["elements"]
         testbed = [{"system": r["system"], "topology": r["topology"], "loss": r["loss"],
-                    "p50_ms": r["testbed_p50_ms"], "p99_ms": r["testbed_p99_ms"]}
+                    "p50_ms": r["testbed_p50_ms"], "p99_ms": r["testbed_p99_ms"],
+                    "entry_spread_ms": r.get("testbed_entry_spread_ms")}
                    for r in done["rows"]]
         costs = CpuCosts(**done["costs"])
         if a.recompute_costs:

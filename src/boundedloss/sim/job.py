@@ -380,6 +380,9 @@ class SimRow:
     #: next, as bench kernel-loss rows have it
     barrier: str = "instant"
     between_rounds_ms: float = 0.0
+    #: how far apart the ranks entered a round (p50, ms): the last entry less the first,
+    #: as bench kernel-loss rows have it (0 with an instant barrier)
+    entry_spread_ms: float = 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -498,6 +501,7 @@ def run_job(job: SimJob) -> SimRow:
             ep.close()
     latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
     between = list((starts.max(axis=0)[1:] - ends.max(axis=0)[:-1]) * 1e3)
+    spreads = list((starts.max(axis=0) - starts.min(axis=0)) * 1e3)
     # (read after close: a send cancelled at the end is finished too, carrying or not)
     sends = sum(ep.mux.sends_finished for ep in endpoints)
     carried = sum(ep.mux.probes_carried for ep in endpoints)
@@ -541,7 +545,8 @@ def run_job(job: SimJob) -> SimRow:
         probes_carried_fraction=round(carried / sends, 5) if sends else None,
         cpu_interference="" if interference is None else interference.describe(),
         cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
-        between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0)
+        between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0,
+        entry_spread_ms=round(_percentile(spreads, 0.5), 3))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
