@@ -1116,8 +1116,24 @@ def test_rows_say_what_their_ranks_waited_at_and_for_how_long():
     assert instant.between_rounds_ms == 0.0 < gloo.between_rounds_ms < instant.p50_ms
     # (an instant barrier lets every rank in at once; Gloo's messages reach them in turn)
     assert instant.entry_spread_ms == 0.0 < gloo.entry_spread_ms < gloo.between_rounds_ms
+    assert instant.entry_order_ms == (0.0,) * 4
+    assert gloo.entry_order_ms[-1] == gloo.entry_spread_ms
     # (the barrier's own messages are charged to the hosts too)
     assert gloo.cpu_ms_per_round > instant.cpu_ms_per_round
+
+
+def test_sim_rows_order_the_ranks_entries_as_the_testbed_s_rows_do():
+    """The simulator's entry order (from its ranks' start times) is bench kernel-loss's
+    (from its ranks' logs) for the same times: in the order the ranks came, p50 each."""
+    from boundedloss.bench.kernel_loss import _percentile, entry_offsets_ms
+    from boundedloss.sim.job import entry_order_ms
+
+    starts = np.random.default_rng(3).uniform(0.0, 0.004, size=(4, 9)) + np.arange(9)
+    offsets = entry_offsets_ms([{"start": list(rank)} for rank in starts])
+    testbed = [_percentile([o[k] for o in offsets], 0.5) for k in range(4)]
+    simulated = entry_order_ms(starts)
+    assert simulated == pytest.approx(testbed, abs=1e-3)
+    assert simulated[0] == 0.0 < simulated[1] < simulated[2] < simulated[3]
 
 
 def test_the_sim_command_s_barriers_are_the_simulator_s():

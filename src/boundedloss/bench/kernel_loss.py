@@ -111,6 +111,9 @@ class KernelLossRow:
     #: how far apart the ranks entered a round (p50, ms): the first one's head start on
     #: the last, whose entry starts the round's time
     entry_spread_ms: float = 0.0
+    #: the ranks' entries into a round in the order they came (p50 of each, ms after the
+    #: first): the first is 0, the last the entry spread
+    entry_order_ms: tuple[float, ...] = ()
     #: the ranks' processes' CPU a round (every thread, user and system; ms, all ranks
     #: together): from entering the round's barrier to leaving the round - what ``sim``
     #: rows' ``cpu_ms_per_round`` is charged as - and of it the barrier's part, each rank
@@ -268,6 +271,15 @@ def entry_spread_ms(per_rank: list[dict]) -> list[float]:
             * 1e3 for i in range(len(per_rank[0]["start"]))]
 
 
+def entry_offsets_ms(per_rank: list[dict]) -> list[list[float]]:
+    """Each round's entries (ms after its first), in the order the ranks entered."""
+    offsets = []
+    for i in range(len(per_rank[0]["start"])):
+        first = min(rk["start"][i] for rk in per_rank)
+        offsets.append(sorted((rk["start"][i] - first) * 1e3 for rk in per_rank))
+    return offsets
+
+
 def ranks_cpu_ms(per_rank: list[dict]) -> tuple[float, float]:
     """The ranks' processes' CPU (every thread, user and system; ms, all ranks
     together, the mean a round): from entering a round's barrier to leaving the round,
@@ -413,6 +425,7 @@ def run_kernel_loss_bench(
                         for per_rank in logs for i in range(rounds)]
                 gaps = [ms for per_rank in logs for ms in between_rounds_ms(per_rank)]
                 spreads = [ms for per_rank in logs for ms in entry_spread_ms(per_rank)]
+                entries = [o for per_rank in logs for o in entry_offsets_ms(per_rank)]
                 cpu = [ranks_cpu_ms(per_rank) for per_rank in logs]
                 sends = sum(rk.get("sends", 0) for per_rank in logs for rk in per_rank)
                 carried = sum(rk.get("probes_carried", 0) for per_rank in logs for rk in per_rank)
@@ -433,6 +446,8 @@ def run_kernel_loss_bench(
                     probes_carried_fraction=round(carried / sends, 4) if sends else None,
                     between_rounds_ms=round(_percentile(gaps, 0.5), 2) if gaps else 0.0,
                     entry_spread_ms=round(_percentile(spreads, 0.5), 2),
+                    entry_order_ms=tuple(round(_percentile([o[k] for o in entries], 0.5), 2)
+                                         for k in range(ranks)),
                     cpu_ms_per_round=round(statistics.mean(c for c, _ in cpu), 2),
                     barrier_cpu_ms_per_round=round(statistics.mean(b for _, b in cpu), 2),
                 ))

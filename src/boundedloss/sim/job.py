@@ -383,11 +383,22 @@ class SimRow:
     #: how far apart the ranks entered a round (p50, ms): the last entry less the first,
     #: as bench kernel-loss rows have it (0 with an instant barrier)
     entry_spread_ms: float = 0.0
+    #: the ranks' entries into a round in the order they came (p50 of each, ms after the
+    #: first), as bench kernel-loss rows have them
+    entry_order_ms: tuple[float, ...] = ()
 
 
 def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return float(s[min(len(s) - 1, int(round(q * (len(s) - 1))))])
+
+
+def entry_order_ms(starts: np.ndarray) -> tuple[float, ...]:
+    """From each rank's entry into each round (``starts[rank, round]``, seconds): the
+    entries in the order the ranks came, p50 over the rounds of each, ms after the
+    first."""
+    offsets = np.sort(starts - starts.min(axis=0), axis=0) * 1e3
+    return tuple(round(_percentile(list(row), 0.5), 3) for row in offsets)
 
 
 def run_job(job: SimJob) -> SimRow:
@@ -546,7 +557,8 @@ def run_job(job: SimJob) -> SimRow:
         cpu_interference="" if interference is None else interference.describe(),
         cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
         between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0,
-        entry_spread_ms=round(_percentile(spreads, 0.5), 3))
+        entry_spread_ms=round(_percentile(spreads, 0.5), 3),
+        entry_order_ms=entry_order_ms(starts))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
