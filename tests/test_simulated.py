@@ -1122,6 +1122,23 @@ def test_rows_say_what_their_ranks_waited_at_and_for_how_long():
     assert gloo.cpu_ms_per_round > instant.cpu_ms_per_round
 
 
+def test_a_long_job_says_how_far_it_has_got_and_its_row_is_the_same():
+    from boundedloss.sim import SimJob, run_job
+
+    job = SimJob(workers=8, system="dblp", topology="allreduce", loss=0.01,
+                 elements=1 << 16, rounds=3, mtu=1500)
+    said: list[str] = []
+    told = dataclasses.asdict(run_job(job, said.append, progress_every_s=0.0))
+    quiet = dataclasses.asdict(run_job(job))
+    assert {k: v for k, v in told.items() if k != "wall_s"} == {
+        k: v for k, v in quiet.items() if k != "wall_s"}
+    assert said and all(m.startswith("round ") and " of 3, " in m and "datagrams" in m
+                        for m in said)
+    counts = [int(m.split(" ms simulated, ")[1].split(" datagrams")[0].replace(",", ""))
+              for m in said]
+    assert counts == sorted(counts) and counts[-1] <= told["sim_datagrams"]
+
+
 def test_sim_rows_order_the_ranks_entries_as_the_testbed_s_rows_do():
     """The simulator's entry order (from its ranks' start times) is bench kernel-loss's
     (from its ranks' logs) for the same times: in the order the ranks came, p50 each."""

@@ -11,6 +11,7 @@ by side may still need more than there is, as a single job may.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import pickle
 from collections.abc import Callable, Sequence
@@ -28,6 +29,10 @@ def describe(job: SimJob) -> str:
             f"{job.loss_model or f'{job.loss:.1%}'} loss{background}")
 
 
+def _say_within(progress: Callable[[str], None], job: str, how_far: str) -> None:
+    progress(f"{job} - {how_far}")
+
+
 def run_sweep(jobs: Sequence[SimJob], progress: Callable[[str], None] | None = None, *,
               processes: int = 1, available: int | None = None) -> list[SimRow]:
     """Each of ``jobs``' rows, in the jobs' order. ``processes``: how many run side by
@@ -38,9 +43,12 @@ def run_sweep(jobs: Sequence[SimJob], progress: Callable[[str], None] | None = N
     if processes == 1 or len(jobs) <= 1:
         rows = []
         for i, job in enumerate(jobs, 1):
-            if progress is not None:
-                progress(f"simulating {i}/{len(jobs)}: {describe(job)}")
-            rows.append(run_job(job))
+            said = f"simulating {i}/{len(jobs)}: {describe(job)}"
+            if progress is None:
+                rows.append(run_job(job))
+                continue
+            progress(said)
+            rows.append(run_job(job, functools.partial(_say_within, progress, said)))
         return rows
     if available is None:
         available = available_bytes()
