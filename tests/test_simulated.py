@@ -1123,6 +1123,8 @@ def test_rows_say_what_their_ranks_waited_at_and_for_how_long():
 
 
 def test_a_long_job_says_how_far_it_has_got_and_its_row_is_the_same():
+    """Told every few thousand events (no wall-clock wait): its round, the virtual time
+    and the datagrams so far, growing; and the row is the row of the job run quietly."""
     from boundedloss.sim import SimJob, run_job
 
     job = SimJob(workers=8, system="dblp", topology="allreduce", loss=0.01,
@@ -1143,12 +1145,12 @@ def test_sim_rows_order_the_ranks_entries_as_the_testbed_s_rows_do():
     """The simulator's entry order (from its ranks' start times) is bench kernel-loss's
     (from its ranks' logs) for the same times: in the order the ranks came, p50 each."""
     from boundedloss.bench.kernel_loss import _percentile, entry_offsets_ms
-    from boundedloss.sim.job import entry_order_ms
+    from boundedloss.sim.job import entries_in_order_ms
 
     starts = np.random.default_rng(3).uniform(0.0, 0.004, size=(4, 9)) + np.arange(9)
     offsets = entry_offsets_ms([{"start": list(rank)} for rank in starts])
     testbed = [_percentile([o[k] for o in offsets], 0.5) for k in range(4)]
-    simulated = entry_order_ms(starts)
+    simulated = entries_in_order_ms(starts)
     assert simulated == pytest.approx(testbed, abs=1e-3)
     assert simulated[0] == 0.0 < simulated[1] < simulated[2] < simulated[3]
 

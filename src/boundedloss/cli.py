@@ -1138,7 +1138,7 @@ SIM_BARRIERS = ("instant", "gloo")
               help="What the ranks wait at before each round: nothing that takes time, or "
                    "Gloo's barrier over the TCP model, as bench kernel-loss's ranks do (the "
                    "work a round leaves its hosts is then done while they wait). Rows say "
-                   "barrier, between_rounds_ms and entry_spread_ms.")
+                   "barrier, between_rounds_ms, entry_spread_ms and entry_order_ms.")
 @click.option("--like-testbed", is_flag=True,
               help="The network and CPU of bench kernel-loss's testbed (sets --link-gbps, "
                    "--delay-us, --queue-datagrams and --cpu), to compare row by row.")

@@ -393,7 +393,7 @@ def _percentile(values: list[float], q: float) -> float:
     return float(s[min(len(s) - 1, int(round(q * (len(s) - 1))))])
 
 
-def entry_order_ms(starts: np.ndarray) -> tuple[float, ...]:
+def entries_in_order_ms(starts: np.ndarray) -> tuple[float, ...]:
     """From each rank's entry into each round (``starts[rank, round]``, seconds): the
     entries in the order the ranks came, p50 over the rounds of each, ms after the
     first."""
@@ -570,7 +570,7 @@ def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
         cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
         between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0,
         entry_spread_ms=round(_percentile(spreads, 0.5), 3),
-        entry_order_ms=entry_order_ms(starts))
+        entry_order_ms=entries_in_order_ms(starts))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
