@@ -49,7 +49,8 @@ def rank_main(rank, world, port):
     transport = bl.hook_transport(chunk_bytes=1400, receive_deadline=10)
     burst = Microburst(0.5, rounds=range(4), seed=rank) if rank == 0 else None
     ddp = model()
-    state = bl.register(ddp, "mlt", p=0.05, transport=transport, loss=burst)
+    # (a parameter server's job, named: the default at 2 ranks is the transpose allreduce)
+    state = bl.register(ddp, "mlt", p=0.05, topology="ps", transport=transport, loss=burst)
     assert state.guard == bl.LossGuard(), state.guard  # on by default for a bounded policy
     g = torch.Generator().manual_seed(rank)
     for _ in range(ROUNDS):
@@ -79,7 +80,7 @@ def rank_main(rank, world, port):
     assert memory == ({0: {"aggregate"}} if rank == 0 else {}), memory
 
     twin = model()
-    again = bl.register(twin, "mlt", p=0.05, transport=transport)
+    again = bl.register(twin, "mlt", p=0.05, topology="ps", transport=transport)
     bad = dict(loaded, topology="allreduce")
     try:
         again.load_state_dict(bad)

@@ -26,6 +26,7 @@ from boundedloss.collective import (
     TransposeAllreduce,
     TwoLevelAllreduce,
     default_group_size,
+    default_topology,
     shard_bounds,
 )
 from boundedloss.net.fake import Datagram, FakeNetwork, NodeProfile, PathProfile
@@ -820,3 +821,33 @@ def test_with_stale_broadcast_the_gather_keeps_buffers_of_its_own(monkeypatch):
             assert not any(np.shares_memory(d, outputs[(r, t)]) for d in arrived[(r, t)])
         assert {role for _, role in outputs[("memory", r)]} == {
             "shard"} | {f"gather{q}" for q in range(3) if q != r}
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 9, 16, 17, 64, 1024])
+def test_the_default_topology_is_an_allreduce_in_as_few_messages_as_the_world_allows(world):
+    """Up to 8 ranks the transpose allreduce; above, two levels, whose ranks handle no
+    more messages than the transpose's 2(N - 1) (a prime world's two levels are one)."""
+    from boundedloss.collective.two_level import messages_per_round
+
+    topology = default_topology(world)
+    assert topology == ("allreduce" if world <= 8 else "two-level")
+    if topology == "two-level":
+        assert messages_per_round(world) <= 2 * (world - 1)
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_the_default_topology_is_faster_than_the_parameter_server_at_a_core_a_rank(world):
+    """What the default rests on, simulated with a core per rank and 4 MB rounds (a DDP
+    bucket is up to 25 MB): the parameter server's server takes every rank's whole
+    vector through its one link, so its round is several of the default's, and the
+    default's is no slower than the other allreduce's."""
+    from boundedloss.sim import SimJob, run_job
+
+    def p50(topology: str) -> float:
+        return run_job(SimJob(workers=world, system="dblp", topology=topology, loss=0.0,
+                              elements=1 << 20, rounds=2, cpu="cluster-node")).p50_ms
+
+    chosen = default_topology(world)
+    other = "two-level" if chosen == "allreduce" else "allreduce"
+    assert 2 * p50(chosen) < p50("ps")
+    assert p50(chosen) <= 1.1 * p50(other)

@@ -190,9 +190,12 @@ def test_a_run_killed_after_a_checkpoint_resumes_as_if_it_had_never_stopped(tmp_
         assert through[3]["round_counters"] == {"0": 16}
     assert len(_lines(out / "epochs.jsonl")) == 4
 
+    # (resumed without --topology: on its checkpoint's, not the world's default)
     summary = _run_training_in_a_process(
-        TrainConfig(**job, out=str(out), checkpoint_every=1, resume=str(out)))
+        TrainConfig(**{**job, "topology": None}, out=str(out), checkpoint_every=1,
+                    resume=str(out)))
     assert summary["resumed_from_epoch"] == 3 and summary["rounds"] == 24
+    assert summary["config"]["topology"] == "ps"
     resumed = _lines(out / "epochs.jsonl")
     assert [e["epoch"] for e in resumed] == list(range(6))
     assert [e["lr_changed"] for e in through] == [False, False, True, True, False, False]

@@ -647,8 +647,8 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
               help="gloo: DDP's own allreduce over TCP (the reliable baseline); baseline: "
                    "MLT at DBLP's P_low. " + POLICY_HELP.replace("Each NAME", "NAME"))
 @click.option("--topology", type=click.Choice(list(TOPOLOGIES)), default=None,
-              help="Parameter server (rank 0) or transpose allreduce (default: ps; not "
-                   "with --sharded).")
+              help="Parameter server (rank 0), transpose allreduce or two-level allreduce "
+                   "(default: allreduce up to 8 workers, two-level above; not with --sharded).")
 @click.option("--workers", default=TRAIN_DEFAULTS.workers, show_default=True,
               type=click.IntRange(2, 64), help="Local worker processes (ignored under torchrun).")
 @click.option("--model", type=click.Choice(list(MODELS)), default=TRAIN_DEFAULTS.model,

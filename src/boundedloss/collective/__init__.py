@@ -20,6 +20,19 @@ from .two_level import TwoLevelAllreduce, default_group_size
 TOPOLOGIES: dict[str, type[Collective]] = {
     "ps": ParameterServer, "allreduce": TransposeAllreduce, "two-level": TwoLevelAllreduce}
 
+#: the largest world the transpose allreduce is the default for; above it, two levels
+TRANSPOSE_UP_TO = 8
+
+
+def default_topology(world_size: int) -> str:
+    """The topology a job of ``world_size`` ranks takes unless it names one: the
+    transpose allreduce up to ``TRANSPOSE_UP_TO`` ranks, two levels above. (Not the
+    parameter server: its server takes every rank's whole gradient in through one link,
+    so its round grows with the world - simulated with a core per rank, 2x the
+    allreduce's at 4 ranks and 4.5-5.6x from 8 on; BENCHMARKS.md, "The default
+    topology".)"""
+    return "allreduce" if world_size <= TRANSPOSE_UP_TO else "two-level"
+
 __all__ = [
     "BFLOAT16",
     "narrow",
@@ -38,6 +51,7 @@ __all__ = [
     "TransposeAllreduce",
     "TwoLevelAllreduce",
     "default_group_size",
+    "default_topology",
     "message_id",
     "shard_bounds",
 ]

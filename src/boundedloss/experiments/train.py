@@ -47,7 +47,7 @@ import numpy as np
 
 from .. import native
 from ..aggregate import AGGREGATORS
-from ..collective import TOPOLOGIES
+from ..collective import TOPOLOGIES, default_topology
 from ..heap import freeze_heap
 from ..policy import TCP_PS, parse_policy
 from ..secret import secret_from_env
@@ -120,8 +120,9 @@ class TrainConfig:
             parse_policy(self.policy)
         except ValueError as e:
             raise ValueError(f"--policy: {e}") from None
+        if self.topology is not None and self.topology not in TOPOLOGIES:
+            raise ValueError(f"--topology must be one of {', '.join(TOPOLOGIES)}")
         for option, value, names in (("--model", self.model, MODELS),
-                                     ("--topology", self.topology or "ps", TOPOLOGIES),
                                      ("--aggregator", self.aggregator, AGGREGATORS),
                                      ("--device", self.device, DEVICES),
                                      ("--precision", self.precision, PRECISIONS)):
@@ -171,10 +172,12 @@ class TrainConfig:
 
     @property
     def topology_name(self) -> str:
-        """The collective the gradients take: ``fsdp`` under --sharded, else the topology."""
+        """The collective the gradients take: ``fsdp`` under --sharded, else the topology
+        (by default the one ``default_topology`` gives ``workers``; a job under torchrun,
+        or resumed, reads its own from the hook's state)."""
         if self.sharded:
             return "fsdp"
-        return "ps" if self.topology is None else self.topology
+        return default_topology(self.workers) if self.topology is None else self.topology
 
     def _check_data(self) -> None:
         if self.data is None:
@@ -519,9 +522,12 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
         loss = parse_loss_spec(cfg.loss, seed=cfg.seed * 100 + rank).for_rank(rank)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            # (topology, Hadamard, stale_broadcast: None where unset, the hook decides)
+            # (topology, Hadamard, stale_broadcast: None where unset, the hook decides -
+            # a resumed run's topology its checkpoint's)
+            topology = (cfg.topology if cfg.topology is not None or resumed is None
+                        else (resumed.get("hook") or {}).get("topology"))
             state = bl_torch.register(
-                ddp, spec.make(), aggregator=cfg.aggregator, topology=cfg.topology,
+                ddp, spec.make(), aggregator=cfg.aggregator, topology=topology,
                 transport=cfg.transport(), hadamard=cfg.hadamard,
                 stale_broadcast=cfg.stale_broadcast,
                 loss=None if loss.describe().startswith("none") else loss, guard=cfg.guard(),
@@ -558,7 +564,8 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
     mode = "a" if resumed is not None else "w"
     rounds_log: IO[str] = open(rounds_path, mode)
     epochs_log: IO[str] | None = open(out / "epochs.jsonl", mode) if rank == 0 else None
-    progress = _Progress(rank == 0, cfg, first_epoch)
+    progress = _Progress(rank == 0, cfg, first_epoch,
+                         cfg.topology_name if state is None else state.topology)
     t_start = time.perf_counter()
     metric = float("nan")
     try:
@@ -649,7 +656,7 @@ def train_rank(cfg: TrainConfig, rank: int, world: int, keep_alive: list | None 
             state.close()
     params = list(work.model.parameters())
     # (what the run resolved: its collective, and whether results crossed under the bound)
-    resolved = {"topology": cfg.topology_name,
+    resolved = {"topology": cfg.topology_name if state is None else state.topology,
                 "stale_broadcast": cfg.stale_broadcast if state is None else state.stale_broadcast}
     summary = {"config": {**asdict(cfg), "workers": world, **resolved},
                "sharded": cfg.sharded, "data": cfg.data_name,
@@ -679,7 +686,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class _Progress:
     """A rich progress bar on rank 0 (plain lines when not on a terminal)."""
 
-    def __init__(self, enabled: bool, cfg: TrainConfig, first_epoch: int = 0):
+    def __init__(self, enabled: bool, cfg: TrainConfig, first_epoch: int = 0,
+                 topology: str = ""):
         self.bar: tuple[Progress, TaskID] | None = None
         if not enabled:
             return
@@ -689,7 +697,7 @@ class _Progress:
                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                        transient=False)
         bar.start()
-        self.bar = bar, bar.add_task(f"{cfg.policy}/{cfg.topology_name}", total=cfg.epochs,
+        self.bar = bar, bar.add_task(f"{cfg.policy}/{topology}", total=cfg.epochs,
                                      completed=first_epoch, info="")
 
     def step(self, epoch: int, loss: float) -> None:

@@ -40,6 +40,7 @@ from ..collective import (
     MemoryKey,
     RoundStats,
     TwoLevelAllreduce,
+    default_topology,
     widen,
 )
 from ..collective.base import is_bfloat16
@@ -529,8 +530,10 @@ def register(
     ``fully_shard`` - exchange gradients (and an FSDP2 model's parameters) over the
     bounded-loss transport.
 
-    DDP: a comm hook averages each bucket over ``topology`` ("ps", the default, or
-    "allreduce"); the results travel back reliably unless ``stale_broadcast``. FSDP2:
+    DDP: a comm hook averages each bucket over ``topology`` ("ps", "allreduce" or
+    "two-level"; by default the one :func:`~boundedloss.collective.default_topology`
+    gives the world: the transpose allreduce up to 8 ranks, two levels above); the
+    results travel back reliably unless ``stale_broadcast``. FSDP2:
     every FSDP module in ``model`` gets a bounded-loss reduce-scatter (each shard's mean
     over the contributions that arrived) and all-gather (a missing piece of a parameter
     shard keeps its last value; ``stale_broadcast=False`` receives every shard
@@ -594,8 +597,7 @@ def register(
         topology = FSDP_TOPOLOGY
         stale_broadcast = True if stale_broadcast is None else stale_broadcast
     else:
-        topology = "ps" if topology is None else topology
-        if topology not in TOPOLOGIES:
+        if topology is not None and topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, "
                              f"got {topology!r}")
         if not hasattr(model, "register_comm_hook"):
@@ -621,7 +623,8 @@ def register(
         state = BoundedLossState(
             policy=the_policy,
             aggregator=make_aggregator(aggregator) if isinstance(aggregator, str) else aggregator,
-            topology=topology, transport=transport, stale_broadcast=stale_broadcast,
+            topology=default_topology(world) if topology is None else topology,
+            transport=transport, stale_broadcast=stale_broadcast,
             hadamard=hadamard, guard=default_guard(the_policy) if guard is None else guard,
         )
     else:
