@@ -1070,8 +1070,10 @@ SIM_BARRIERS = ("instant", "gloo")
               show_default=True,
               help=f"Comma-separated: {', '.join(SIM_SYSTEMS)} (gloo's ring allreduce and "
                    "tcp-ps over the simulator's TCP model), or a policy as NAME:VALUE.")
-@click.option("--topology", "topologies", default="ps,allreduce", show_default=True,
-              help=f"Collectives, comma-separated: {', '.join(TOPOLOGIES)}.")
+@click.option("--topology", "topologies", default=",".join(TOPOLOGIES), show_default=True,
+              help=f"Collectives, comma-separated: {', '.join(TOPOLOGIES)} (by default every "
+                   "one: a job that names none takes allreduce up to 8 ranks, two-level "
+                   "above).")
 @click.option("--losses", default="0,0.01", show_default=True,
               help="Random loss on every path, comma-separated rates in [0, 1).")
 @click.option("--loss-model", "loss_models", multiple=True,
