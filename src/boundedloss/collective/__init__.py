@@ -26,11 +26,10 @@ TRANSPOSE_UP_TO = 8
 
 def default_topology(world_size: int) -> str:
     """The topology a job of ``world_size`` ranks takes unless it names one: the
-    transpose allreduce up to ``TRANSPOSE_UP_TO`` ranks, two levels above. (Not the
-    parameter server: its server takes every rank's whole gradient in through one link,
-    so its round grows with the world - simulated with a core per rank, 2x the
-    allreduce's at 4 ranks and 4.5-5.6x from 8 on; BENCHMARKS.md, "The default
-    topology".)"""
+    transpose allreduce up to ``TRANSPOSE_UP_TO`` ranks, two levels above (fewer
+    messages a rank). Not the parameter server: its server takes every rank's whole
+    gradient in through one link, so its round grows with the world (BENCHMARKS.md,
+    "The default topology", and the test that holds this choice to the simulator)."""
     return "allreduce" if world_size <= TRANSPOSE_UP_TO else "two-level"
 
 __all__ = [
