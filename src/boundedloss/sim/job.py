@@ -34,6 +34,7 @@ import numpy as np
 
 from .. import wire
 from ..aggregate import make_aggregator
+from ..bench.kernel_loss import MAX_RANKS as TESTBED_MAX_RANKS
 from ..collective import TOPOLOGIES
 from ..emulate import qdisc
 from ..net.background import BackgroundTraffic, start_background
@@ -384,13 +385,19 @@ class SimRow:
     #: as bench kernel-loss rows have it (0 with an instant barrier)
     entry_spread_ms: float = 0.0
     #: the ranks' entries into a round in the order they came (p50 of each, ms after the
-    #: first), as bench kernel-loss rows have them
+    #: first), as bench kernel-loss rows have them - for worlds the testbed runs
+    #: (``ENTRY_ORDER_UP_TO`` ranks); () for larger ones, whose rows would hold a value
+    #: a rank
     entry_order_ms: tuple[float, ...] = ()
 
 
 def _percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     return float(s[min(len(s) - 1, int(round(q * (len(s) - 1))))])
+
+
+#: the largest world whose rows give ``entry_order_ms`` (bench kernel-loss's largest)
+ENTRY_ORDER_UP_TO = TESTBED_MAX_RANKS
 
 
 def entries_in_order_ms(starts: np.ndarray) -> tuple[float, ...]:
@@ -570,7 +577,8 @@ def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
         cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
         between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0,
         entry_spread_ms=round(_percentile(spreads, 0.5), 3),
-        entry_order_ms=entries_in_order_ms(starts))
+        entry_order_ms=(entries_in_order_ms(starts) if job.workers <= ENTRY_ORDER_UP_TO
+                        else ()))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
