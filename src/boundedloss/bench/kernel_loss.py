@@ -49,7 +49,7 @@ from ..aggregate import UnbiasedRescale
 from ..collective import TOPOLOGIES, Collective
 from ..heap import freeze_heap
 from ..net.udp import UdpEndpoint
-from ..policy import GLOO, TCP_PS, parse_policies, parse_policy
+from ..policy import TCP_PS, TCP_TOPOLOGIES, parse_policies, parse_policy
 from ..protocol.credit import CREDIT_OFF, CreditSetting
 from .bare_udp import BareExchange
 
@@ -61,10 +61,6 @@ DEFAULT_ROUNDS = 30
 DEFAULT_TOPOLOGIES = ("ps", "allreduce")  # the published topologies (two-level on request)
 DEFAULT_MTU = 1500  # Ethernet
 DEFAULT_AUTHS = (True,)  # as a training job runs
-#: the topology a gloo row reports: DDP's own allreduce, whatever --topology says
-GLOO_TOPOLOGY = "gloo"
-#: what each TCP system's row reports as its topology
-TCP_TOPOLOGIES = {GLOO: GLOO_TOPOLOGY, TCP_PS: "ps"}
 #: the machine's own limit (lossless only): the transpose allreduce's datagrams alone
 BARE_UDP = "bare-udp"
 

@@ -49,7 +49,7 @@ from .. import native
 from ..aggregate import AGGREGATORS
 from ..collective import TOPOLOGIES, default_topology
 from ..heap import freeze_heap
-from ..policy import TCP_PS, parse_policy
+from ..policy import TCP_PS, TCP_TOPOLOGIES, parse_policy
 from ..secret import secret_from_env
 from ..wire import DEFAULT_CHUNK_BYTES, DropReason
 
@@ -172,11 +172,15 @@ class TrainConfig:
 
     @property
     def topology_name(self) -> str:
-        """The collective the gradients take: ``fsdp`` under --sharded, else the topology
-        (by default the one ``default_topology`` gives ``workers``; a job under torchrun,
-        or resumed, reads its own from the hook's state)."""
+        """The collective the gradients take: ``fsdp`` under --sharded; a TCP baseline's
+        own (gloo's ring, tcp-ps's server); else the topology (by default the one
+        ``default_topology`` gives ``workers``; a job under torchrun, or resumed, reads
+        its own from the hook's state)."""
         if self.sharded:
             return "fsdp"
+        name = parse_policy(self.policy).name
+        if name in TCP_TOPOLOGIES:
+            return TCP_TOPOLOGIES[name]
         return default_topology(self.workers) if self.topology is None else self.topology
 
     def _check_data(self) -> None:

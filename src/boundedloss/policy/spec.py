@@ -34,6 +34,8 @@ GLOO = "gloo"
 TCP_PS = "tcp-ps"
 #: the systems that move gradients over TCP instead of our transport
 TCP_SYSTEMS = (GLOO, TCP_PS)
+#: the collective each of them runs, as rows name it (gloo's ring; a server at rank 0)
+TCP_TOPOLOGIES = {GLOO: "gloo", TCP_PS: "ps"}
 #: MLT with P fixed at DBLP's P_low
 BASELINE = "baseline"
 #: every name a command line accepts

@@ -8,11 +8,11 @@ from collections.abc import Hashable
 
 from ..net.fake import NodeProfile
 from ..net.simulated import SimFuture, SimRuntime
+from ..policy import GLOO, TCP_PS, TCP_TOPOLOGIES
 from .tcp import TcpHost
 
-GLOO, TCP_PS = "gloo", "tcp-ps"
 #: each baseline's topology, as bench kernel-loss names it in its rows
-TOPOLOGY = {GLOO: "gloo", TCP_PS: "ps"}
+TOPOLOGY = TCP_TOPOLOGIES
 
 
 class SimTcp:
