@@ -349,7 +349,8 @@ class Collective(abc.ABC):
             raise PeerFailure(
                 f"{what}: {res.stats.delivered} of {res.stats.chunks} chunks arrived within "
                 f"the {self.endpoint.config.receive_deadline:g} s receive deadline, and this "
-                "receive tolerates no loss - is the peer alive?"
+                "receive tolerates no loss - is the peer alive, and can the path carry it in "
+                "that time?"
             )
         return res
 
