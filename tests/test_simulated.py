@@ -1146,17 +1146,16 @@ def test_a_long_job_says_how_far_it_has_got_and_its_row_is_the_same():
 
 
 def test_sim_rows_order_the_ranks_entries_as_the_testbed_s_rows_do():
-    """The simulator's entry order (from its ranks' start times) is bench kernel-loss's
-    (from its ranks' logs) for the same times: in the order the ranks came, p50 each."""
-    from boundedloss.bench.kernel_loss import _percentile, entry_offsets_ms
-    from boundedloss.sim.job import entries_in_order_ms
+    """The simulator's entries (from its ranks' start times) are bench kernel-loss's (from
+    its ranks' logs) for the same times: each round's, in the order the ranks came."""
+    from boundedloss.bench import kernel_loss
+    from boundedloss.sim import job
 
     starts = np.random.default_rng(3).uniform(0.0, 0.004, size=(4, 9)) + np.arange(9)
-    offsets = entry_offsets_ms([{"start": list(rank)} for rank in starts])
-    testbed = [_percentile([o[k] for o in offsets], 0.5) for k in range(4)]
-    simulated = entries_in_order_ms(starts)
-    assert simulated == pytest.approx(testbed, abs=1e-3)
-    assert simulated[0] == 0.0 < simulated[1] < simulated[2] < simulated[3]
+    testbed = kernel_loss.entry_offsets_ms([{"start": list(rank)} for rank in starts])
+    simulated = job.entry_offsets_ms(starts)
+    assert np.allclose(simulated.T, np.array(testbed), rtol=0.0, atol=1e-9)
+    assert (simulated[0] == 0.0).all() and (np.diff(simulated, axis=0) > 0).all()
 
 
 def test_the_sim_command_s_barriers_are_the_simulator_s():

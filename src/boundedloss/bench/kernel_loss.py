@@ -261,12 +261,6 @@ def between_rounds_ms(per_rank: list[dict]) -> list[float]:
             * 1e3 for i in range(rounds - 1)]
 
 
-def entry_spread_ms(per_rank: list[dict]) -> list[float]:
-    """How far apart (ms) the ranks entered each round: the last entry less the first."""
-    return [(max(rk["start"][i] for rk in per_rank) - min(rk["start"][i] for rk in per_rank))
-            * 1e3 for i in range(len(per_rank[0]["start"]))]
-
-
 def entry_offsets_ms(per_rank: list[dict]) -> list[list[float]]:
     """Each round's entries (ms after its first), in the order the ranks entered."""
     offsets = []
@@ -274,6 +268,11 @@ def entry_offsets_ms(per_rank: list[dict]) -> list[list[float]]:
         first = min(rk["start"][i] for rk in per_rank)
         offsets.append(sorted((rk["start"][i] - first) * 1e3 for rk in per_rank))
     return offsets
+
+
+def entry_spread_ms(per_rank: list[dict]) -> list[float]:
+    """How far apart (ms) the ranks entered each round: the last entry less the first."""
+    return [entries[-1] for entries in entry_offsets_ms(per_rank)]
 
 
 def ranks_cpu_ms(per_rank: list[dict]) -> tuple[float, float]:
@@ -420,8 +419,8 @@ def run_kernel_loss_bench(
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
                 gaps = [ms for per_rank in logs for ms in between_rounds_ms(per_rank)]
-                spreads = [ms for per_rank in logs for ms in entry_spread_ms(per_rank)]
                 entries = [o for per_rank in logs for o in entry_offsets_ms(per_rank)]
+                spreads = [o[-1] for o in entries]
                 cpu = [ranks_cpu_ms(per_rank) for per_rank in logs]
                 sends = sum(rk.get("sends", 0) for per_rank in logs for rk in per_rank)
                 carried = sum(rk.get("probes_carried", 0) for per_rank in logs for rk in per_rank)

@@ -8,11 +8,8 @@ from collections.abc import Hashable
 
 from ..net.fake import NodeProfile
 from ..net.simulated import SimFuture, SimRuntime
-from ..policy import GLOO, TCP_PS, TCP_TOPOLOGIES
+from ..policy import GLOO, TCP_PS
 from .tcp import TcpHost
-
-#: each baseline's topology, as bench kernel-loss names it in its rows
-TOPOLOGY = TCP_TOPOLOGIES
 
 
 class SimTcp:

@@ -53,12 +53,11 @@ from ..net.loss import (
 )
 from ..net.simulated import SimEndpoint, SimRuntime
 from ..net.udp import IPV4_UDP_OVERHEAD, largest_chunk
-from ..policy import parse_policy
+from ..policy import TCP_TOPOLOGIES, parse_policy
 from ..protocol import TransportConfig
 from ..protocol.auth import TRAILER_BYTES
 from .barrier import make_barrier
 from .baselines import EXCHANGES, SimTcp
-from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
 from .tcp import is_data_segment
 
 #: the simulated job's session token and key (a simulation authenticates as a job does)
@@ -385,9 +384,8 @@ class SimRow:
     #: as bench kernel-loss rows have it (0 with an instant barrier)
     entry_spread_ms: float = 0.0
     #: the ranks' entries into a round in the order they came (p50 of each, ms after the
-    #: first), as bench kernel-loss rows have them - for worlds the testbed runs
-    #: (``ENTRY_ORDER_UP_TO`` ranks); () for larger ones, whose rows would hold a value
-    #: a rank
+    #: first), as bench kernel-loss rows have them - for worlds the testbed runs (16
+    #: ranks at most); () for larger ones, whose rows would hold a value a rank
     entry_order_ms: tuple[float, ...] = ()
 
 
@@ -396,16 +394,11 @@ def _percentile(values: list[float], q: float) -> float:
     return float(s[min(len(s) - 1, int(round(q * (len(s) - 1))))])
 
 
-#: the largest world whose rows give ``entry_order_ms`` (bench kernel-loss's largest)
-ENTRY_ORDER_UP_TO = TESTBED_MAX_RANKS
-
-
-def entries_in_order_ms(starts: np.ndarray) -> tuple[float, ...]:
-    """From each rank's entry into each round (``starts[rank, round]``, seconds): the
-    entries in the order the ranks came, p50 over the rounds of each, ms after the
-    first."""
-    offsets = np.sort(starts - starts.min(axis=0), axis=0) * 1e3
-    return tuple(round(_percentile(list(row), 0.5), 3) for row in offsets)
+def entry_offsets_ms(starts: np.ndarray) -> np.ndarray:
+    """From each rank's entry into each round (``starts[rank, round]``, seconds): each
+    round's entries, ms after its first, in the order the ranks came (row k: every
+    round's (k+1)-th entry; the last row, how far apart they entered)."""
+    return np.sort(starts - starts.min(axis=0), axis=0) * 1e3
 
 
 def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
@@ -531,7 +524,7 @@ def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
             ep.close()
     latencies = list((ends.max(axis=0) - starts.max(axis=0)) * 1e3)
     between = list((starts.max(axis=0)[1:] - ends.max(axis=0)[:-1]) * 1e3)
-    spreads = list((starts.max(axis=0) - starts.min(axis=0)) * 1e3)
+    entries = entry_offsets_ms(starts)
     # (read after close: a send cancelled at the end is finished too, carrying or not)
     sends = sum(ep.mux.sends_finished for ep in endpoints)
     carried = sum(ep.mux.probes_carried for ep in endpoints)
@@ -576,9 +569,9 @@ def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
         cpu_interference="" if interference is None else interference.describe(),
         cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
         between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0,
-        entry_spread_ms=round(_percentile(spreads, 0.5), 3),
-        entry_order_ms=(entries_in_order_ms(starts) if job.workers <= ENTRY_ORDER_UP_TO
-                        else ()))
+        entry_spread_ms=round(_percentile(list(entries[-1]), 0.5), 3),
+        entry_order_ms=(tuple(round(_percentile(list(row), 0.5), 3) for row in entries)
+                        if job.workers <= TESTBED_MAX_RANKS else ()))
 
 
 def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequence[str],
@@ -590,8 +583,8 @@ def plan_jobs(workers: Sequence[int], systems: Sequence[str], topologies: Sequen
     ``systems`` on each of ``topologies``, and each baseline once, on its own topology
     (gloo's ring, tcp-ps's server), as bench kernel-loss gives it; ``settings``: the
     rest of SimJob."""
-    arms = [(s, BASELINE_TOPOLOGY[s]) for s in systems if s in BASELINE_TOPOLOGY]
-    arms += [(s, t) for t in topologies for s in systems if s not in BASELINE_TOPOLOGY]
+    arms = [(s, TCP_TOPOLOGIES[s]) for s in systems if s in TCP_TOPOLOGIES]
+    arms += [(s, t) for t in topologies for s in systems if s not in TCP_TOPOLOGIES]
     network = [(p, "") for p in losses] + [(0.0, m) for m in loss_models]
     return [SimJob(workers=w, system=s, topology=t, loss=p, loss_model=m, background=b,
                    **settings)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..collective.two_level import messages_per_round
-from .baselines import TOPOLOGY as BASELINE_TOPOLOGY
+from ..policy import TCP_TOPOLOGIES
 
 #: the interpreter, numpy and the simulator before any rank (a 2-worker run's peak)
 BASE_BYTES = 46_000_000
@@ -67,7 +67,7 @@ def job_floor(system: str, topology: str, workers: int, elements: int,
     """Bytes a job needs at least (the baselines over the TCP model move no gradient:
     the process's own); ``posts_ahead``: its last round posts the next round's receives
     (``messages_per_rank``)."""
-    if system in BASELINE_TOPOLOGY:
+    if system in TCP_TOPOLOGIES:
         return BASE_BYTES
     per_rank = (VECTOR_COPIES[topology] * 4 * elements
                 + MESSAGE_BYTES * messages_per_rank(topology, workers, posts_ahead))
