@@ -19,6 +19,7 @@ bucket's own: give the two halves different buckets.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 
@@ -40,6 +41,17 @@ def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((lo, hi))
         lo = hi
     return bounds
+
+
+def rotated(ranks: Iterable[int], start: int) -> list[int]:
+    """``ranks`` in turn from the first above ``start``, wrapping around. Every rank
+    sends its batch in this order, so that at any moment each rank's sends go to a
+    different peer (r sends to r+1, r+2, ...: a permutation at every step): in rank
+    order, every rank's first datagrams would meet at rank 0's port, then at rank 1's -
+    an incast of the whole world at each receiver in turn."""
+    ordered = sorted(ranks)
+    k = bisect.bisect_right(ordered, start)
+    return ordered[k:] + ordered[:k]
 
 
 class TransposeAllreduce(Collective):
@@ -156,8 +168,9 @@ class TransposeAllreduce(Collective):
 
     def _send_each(self, payloads: Mapping[int, np.ndarray | memoryview], bucket: int, phase: int,
                    round_id: int) -> list[tuple[int, Future]]:
-        """Send each other rank in ``payloads`` its payload, all in one batch."""
-        others = self._others(payloads)
+        """Send each other rank in ``payloads`` its payload, all in one batch, in turn
+        from the rank after this one (see ``rotated``)."""
+        others = rotated(self._others(payloads), self.rank)
         return list(zip(others, self.endpoint.send_many(
             [(self.peers[r], payloads[r]) for r in others],
             message_id=message_id(bucket, phase), round_id=round_id)))
