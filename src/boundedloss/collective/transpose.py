@@ -45,10 +45,10 @@ def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
 
 def rotated(ranks: Iterable[int], start: int) -> list[int]:
     """``ranks`` in turn from the first above ``start``, wrapping around. Every rank
-    sends its batch in this order, so that at any moment each rank's sends go to a
-    different peer (r sends to r+1, r+2, ...: a permutation at every step): in rank
-    order, every rank's first datagrams would meet at rank 0's port, then at rank 1's -
-    an incast of the whole world at each receiver in turn."""
+    sends its batch in this order (r to r+1, r+2, ...), so that the k-th sends of all
+    ranks go to different peers, each once: in rank order, every rank's first datagrams
+    would meet at rank 0's port, then at rank 1's - an incast of the whole world at each
+    receiver in turn."""
     ordered = sorted(ranks)
     k = bisect.bisect_right(ordered, start)
     return ordered[k:] + ordered[:k]
