@@ -866,12 +866,7 @@ def test_kernel_loss_rows_time_the_barrier_between_rounds_and_the_ranks_cpu():
     next; the entry spread from the first rank into a round to the last; the ranks' CPU
     a round from entering the barrier to leaving the round, all
     ranks together, and of it the barrier's part."""
-    from boundedloss.bench.kernel_loss import (
-        between_rounds_ms,
-        entry_offsets_ms,
-        entry_spread_ms,
-        ranks_cpu_ms,
-    )
+    from boundedloss.bench.kernel_loss import between_rounds_ms, entry_offsets_ms, ranks_cpu_ms
 
     # (process CPU marks per round: at the barrier, at the start, at the end)
     a = {"start": [1.0, 1.1], "end": [1.05, 1.16], "cpu": [(0.0, 0.001, 0.011),
@@ -879,11 +874,12 @@ def test_kernel_loss_rows_time_the_barrier_between_rounds_and_the_ranks_cpu():
     b = {"start": [1.01, 1.12], "end": [1.06, 1.15], "cpu": [(0.0, 0.002, 0.006),
                                                          (0.006, 0.007, 0.011)]}
     assert between_rounds_ms([a, b]) == pytest.approx([60.0])  # 1.12 - 1.06
-    assert entry_spread_ms([a, b]) == pytest.approx([10.0, 20.0])  # 1.01 - 1.0, 1.12 - 1.1
+    # (the spread: 1.01 - 1.0, 1.12 - 1.1)
+    assert entry_offsets_ms([a["start"], b["start"]])[:, -1] == pytest.approx([10.0, 20.0])
     c = {"start": [1.005, 1.1], "end": [1.06, 1.16], "cpu": []}
     # (in the order the ranks came: a, c, b in the first round; a and c, then b in the next)
-    assert entry_offsets_ms([a, b, c]) == [pytest.approx([0.0, 5.0, 10.0]),
-                                           pytest.approx([0.0, 0.0, 20.0])]
+    entries = entry_offsets_ms([a["start"], b["start"], c["start"]])
+    assert entries.tolist() == [pytest.approx([0.0, 5.0, 10.0]), pytest.approx([0.0, 0.0, 20.0])]
     whole, barrier = ranks_cpu_ms([a, b])
     assert whole == pytest.approx((11 + 12 + 6 + 5) / 2)
     assert barrier == pytest.approx((1 + 2 + 2 + 1) / 2)

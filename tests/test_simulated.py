@@ -1145,17 +1145,16 @@ def test_a_long_job_says_how_far_it_has_got_and_its_row_is_the_same():
     assert counts == sorted(counts) and counts[-1] <= told["sim_datagrams"]
 
 
-def test_sim_rows_order_the_ranks_entries_as_the_testbed_s_rows_do():
-    """The simulator's entries (from its ranks' start times) are bench kernel-loss's (from
-    its ranks' logs) for the same times: each round's, in the order the ranks came."""
-    from boundedloss.bench import kernel_loss
-    from boundedloss.sim import job
+def test_a_round_s_entries_come_in_the_order_the_ranks_came():
+    """Each round's entries (bench kernel-loss's rows and the simulator's read them with
+    one function): the first at 0, the rest after it in order, each a rank's own."""
+    from boundedloss.bench.kernel_loss import entry_offsets_ms
 
     starts = np.random.default_rng(3).uniform(0.0, 0.004, size=(4, 9)) + np.arange(9)
-    testbed = kernel_loss.entry_offsets_ms([{"start": list(rank)} for rank in starts])
-    simulated = job.entry_offsets_ms(starts)
-    assert np.allclose(simulated.T, np.array(testbed), rtol=0.0, atol=1e-9)
-    assert (simulated[0] == 0.0).all() and (np.diff(simulated, axis=0) > 0).all()
+    entries = entry_offsets_ms(starts)
+    assert entries.shape == (9, 4)
+    assert (entries[:, 0] == 0.0).all() and (np.diff(entries, axis=1) > 0).all()
+    assert np.allclose(np.sort((starts - starts.min(axis=0)).T * 1e3, axis=1), entries)
 
 
 def test_the_sim_command_s_barriers_are_the_simulator_s():

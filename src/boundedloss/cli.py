@@ -18,7 +18,7 @@ from .bench import kernel_loss as kernel_loss_bench
 from .bench import transport as transport_bench
 from .bench import write_json
 from .checks import FiniteFloatRange
-from .collective import TOPOLOGIES
+from .collective import TOPOLOGIES, TRANSPOSE_UP_TO
 from .experiments.compare import DEFAULT_NETWORK, NETWORKS, SCENARIOS
 from .experiments.train import DEVICES, IMAGE_DATA, MODELS, PRECISIONS, TrainConfig
 from .policy import SYSTEM_NAMES, PolicySpec, parse_policies, parse_policy
@@ -648,7 +648,8 @@ def bench_burst(json_path, rates, message_mb, link_gbps, rtt_us, workers, seeds,
                    "MLT at DBLP's P_low. " + POLICY_HELP.replace("Each NAME", "NAME"))
 @click.option("--topology", type=click.Choice(list(TOPOLOGIES)), default=None,
               help="Parameter server (rank 0), transpose allreduce or two-level allreduce "
-                   "(default: allreduce up to 8 workers, two-level above; not with --sharded).")
+                   f"(default: allreduce up to {TRANSPOSE_UP_TO} workers, two-level above; not "
+                   "with --sharded).")
 @click.option("--workers", default=TRAIN_DEFAULTS.workers, show_default=True,
               type=click.IntRange(2, 64), help="Local worker processes (ignored under torchrun).")
 @click.option("--model", type=click.Choice(list(MODELS)), default=TRAIN_DEFAULTS.model,
@@ -1072,8 +1073,8 @@ SIM_BARRIERS = ("instant", "gloo")
                    "tcp-ps over the simulator's TCP model), or a policy as NAME:VALUE.")
 @click.option("--topology", "topologies", default=",".join(TOPOLOGIES), show_default=True,
               help=f"Collectives, comma-separated: {', '.join(TOPOLOGIES)} (by default every "
-                   "one: a job that names none takes allreduce up to 8 ranks, two-level "
-                   "above).")
+                   f"one: a job that names none takes allreduce up to {TRANSPOSE_UP_TO} ranks, "
+                   "two-level above).")
 @click.option("--losses", default="0,0.01", show_default=True,
               help="Random loss on every path, comma-separated rates in [0, 1).")
 @click.option("--loss-model", "loss_models", multiple=True,

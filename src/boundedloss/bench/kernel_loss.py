@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..aggregate import UnbiasedRescale
 from ..collective import TOPOLOGIES, Collective
 from ..heap import freeze_heap
@@ -261,18 +263,13 @@ def between_rounds_ms(per_rank: list[dict]) -> list[float]:
             * 1e3 for i in range(rounds - 1)]
 
 
-def entry_offsets_ms(per_rank: list[dict]) -> list[list[float]]:
-    """Each round's entries (ms after its first), in the order the ranks entered."""
-    offsets = []
-    for i in range(len(per_rank[0]["start"])):
-        first = min(rk["start"][i] for rk in per_rank)
-        offsets.append(sorted((rk["start"][i] - first) * 1e3 for rk in per_rank))
-    return offsets
-
-
-def entry_spread_ms(per_rank: list[dict]) -> list[float]:
-    """How far apart (ms) the ranks entered each round: the last entry less the first."""
-    return [entries[-1] for entries in entry_offsets_ms(per_rank)]
+def entry_offsets_ms(starts) -> np.ndarray:
+    """From each rank's entry into each round (``starts[rank][round]``, seconds): each
+    round's entries (row i: round i's), ms after its first, in the order the ranks
+    entered - the last, how far apart they entered. (The simulator's rows read theirs
+    with this too.)"""
+    starts = np.asarray(starts, dtype=float)
+    return np.sort(starts - starts.min(axis=0), axis=0).T * 1e3
 
 
 def ranks_cpu_ms(per_rank: list[dict]) -> tuple[float, float]:
@@ -419,7 +416,8 @@ def run_kernel_loss_bench(
                 frac = [min(rk["frac"][i] for rk in per_rank)
                         for per_rank in logs for i in range(rounds)]
                 gaps = [ms for per_rank in logs for ms in between_rounds_ms(per_rank)]
-                entries = [o for per_rank in logs for o in entry_offsets_ms(per_rank)]
+                entries = [o for per_rank in logs
+                           for o in entry_offsets_ms([rk["start"] for rk in per_rank]).tolist()]
                 spreads = [o[-1] for o in entries]
                 cpu = [ranks_cpu_ms(per_rank) for per_rank in logs]
                 sends = sum(rk.get("sends", 0) for per_rank in logs for rk in per_rank)

@@ -47,6 +47,7 @@ __all__ = [
     "PendingBroadcast",
     "RoundStats",
     "TOPOLOGIES",
+    "TRANSPOSE_UP_TO",
     "TransposeAllreduce",
     "TwoLevelAllreduce",
     "default_group_size",

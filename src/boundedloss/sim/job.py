@@ -35,6 +35,7 @@ import numpy as np
 from .. import wire
 from ..aggregate import make_aggregator
 from ..bench.kernel_loss import MAX_RANKS as TESTBED_MAX_RANKS
+from ..bench.kernel_loss import entry_offsets_ms
 from ..collective import TOPOLOGIES
 from ..emulate import qdisc
 from ..net.background import BackgroundTraffic, start_background
@@ -394,13 +395,6 @@ def _percentile(values: list[float], q: float) -> float:
     return float(s[min(len(s) - 1, int(round(q * (len(s) - 1))))])
 
 
-def entry_offsets_ms(starts: np.ndarray) -> np.ndarray:
-    """From each rank's entry into each round (``starts[rank, round]``, seconds): each
-    round's entries, ms after its first, in the order the ranks came (row k: every
-    round's (k+1)-th entry; the last row, how far apart they entered)."""
-    return np.sort(starts - starts.min(axis=0), axis=0) * 1e3
-
-
 def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
             progress_every_s: float = 2.0) -> SimRow:
     """Simulate ``job``; its row. ``progress``: told about every ``progress_every_s``
@@ -569,8 +563,8 @@ def run_job(job: SimJob, progress: Callable[[str], None] | None = None,
         cpu_interference="" if interference is None else interference.describe(),
         cpu_wake_ms=round(wake_s * 1e3, 6), barrier=job.barrier,
         between_rounds_ms=round(_percentile(between, 0.5), 3) if between else 0.0,
-        entry_spread_ms=round(_percentile(list(entries[-1]), 0.5), 3),
-        entry_order_ms=(tuple(round(_percentile(list(row), 0.5), 3) for row in entries)
+        entry_spread_ms=round(_percentile(list(entries[:, -1]), 0.5), 3),
+        entry_order_ms=(tuple(round(_percentile(list(column), 0.5), 3) for column in entries.T)
                         if job.workers <= TESTBED_MAX_RANKS else ()))
 
 
