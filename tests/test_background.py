@@ -377,7 +377,7 @@ def test_the_plot_draws_each_background_in_a_panel_of_its_own(tmp_path):
     import struct
 
     from boundedloss.sim import SimRow
-    from boundedloss.sim.plot import plot_scaling
+    from boundedloss.sim.plot import LEGEND_WIDTH_IN, PANEL_WIDTH_IN, plot_scaling
 
     def row(workers: int, background: str) -> SimRow:
         return SimRow(workers=workers, system="reliable", topology="ps", loss=0.0, rounds=2,
@@ -389,7 +389,7 @@ def test_the_plot_draws_each_background_in_a_panel_of_its_own(tmp_path):
         path = tmp_path / "sim.png"
         plot_scaling(rows, path)
         width = struct.unpack(">I", path.read_bytes()[16:20])[0]  # (the PNG's IHDR)
-        return width / (5.5 * 110)
+        return (width / 110 - LEGEND_WIDTH_IN) / PANEL_WIDTH_IN
 
     assert panels([row(4, ""), row(8, "")]) == pytest.approx(1, abs=0.05)
     assert panels([row(w, b) for w in (4, 8) for b in ("", "0.3:poisson")]) == pytest.approx(
