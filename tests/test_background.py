@@ -394,3 +394,16 @@ def test_the_plot_draws_each_background_in_a_panel_of_its_own(tmp_path):
     assert panels([row(4, ""), row(8, "")]) == pytest.approx(1, abs=0.05)
     assert panels([row(w, b) for w in (4, 8) for b in ("", "0.3:poisson")]) == pytest.approx(
         2, abs=0.05)
+
+
+def test_the_plot_tells_systems_by_colour_and_topologies_by_marker():
+    from boundedloss.sim.plot import arm_style
+
+    systems = ["dblp", "gloo", "ltp", "mlt", "reliable", "tcp-ps"]
+    arms = [(s, t) for s in systems for t in ("allreduce", "two-level", "ps")]
+    styles = {arm: arm_style(systems, *arm) for arm in arms}
+    # one colour a system, whatever its topology; a marker a topology, whatever its system
+    assert len({styles[(s, t)]["color"] for s, t in arms}) == len(systems)
+    for s in systems:
+        assert len({styles[(s, t)]["color"] for t in ("allreduce", "two-level", "ps")}) == 1
+        assert len({styles[(s, t)]["marker"] for t in ("allreduce", "two-level", "ps")}) == 3

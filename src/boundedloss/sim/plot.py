@@ -23,6 +23,12 @@ def _network(r: SimRow) -> tuple[str, float, str]:
     return r.loss_model, r.loss, r.background
 
 
+def arm_style(systems: Sequence[str], system: str, topology: str) -> dict[str, str]:
+    """How an arm's lines look: its system's colour (``systems``: every system drawn, in
+    order) and its topology's marker."""
+    return {"color": f"C{systems.index(system) % 10}", "marker": _MARKERS.get(topology, "v")}
+
+
 def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
     plt = _plt()
     networks = sorted({_network(r) for r in rows})
@@ -39,8 +45,7 @@ def plot_scaling(rows: Sequence[SimRow], path: Path) -> None:
             if not mine:
                 continue
             n = [r.workers for r in mine]
-            style = {"color": f"C{systems.index(system) % 10}",
-                     "marker": _MARKERS.get(topology, "v")}
+            style = arm_style(systems, system, topology)
             (line,) = ax.plot(n, [r.p50_ms for r in mine], "-", **style)
             ax.plot(n, [r.p99_ms for r in mine], "--", alpha=0.55, markerfacecolor="none",
                     **style)
