@@ -5,7 +5,10 @@
    of ``--fit-ranks``: 4 and 16 ranks split what a round costs beyond its bytes into
    per posting call and per message) - the one setting the simulator is fitted to -
    and TCP's, for the baselines' hosts (``tools/tcp_cpu.py``: a bulk transfer's cost per
-   byte, gloo's lossless ring's per message).
+   byte, gloo's lossless ring's per message; ``--tcp-costs``: a ``tools/tcp_fit.py``
+   fit's, from a file; ``--fit-tcp``: such a fit made in the run, from gloo's rounds at
+   4, 8 and 16 ranks measured with steps 1 and 3 - a fit from another day reads gloo's
+   rows as fast as that day's machine was).
 2. The testbed's rounds: ``boundedloss bench kernel-loss`` (4 ranks, ``--systems``,
    both topologies, ``--losses``, ``--mtu``).
 3. Step 1 again (this machine's speed drifts: the costs are the mean of both, and
@@ -27,6 +30,7 @@ ring are settings the costs (and a fitted interference) were not measured on.
 
     python tools/sim_calibrate.py --json calibration.json
     python tools/sim_calibrate.py --mtu 9000 --json calibration-9000.json
+    python tools/sim_calibrate.py --fit-tcp --json calibration.json   # TCP's costs fitted now
     python tools/sim_calibrate.py --again calibration.json   # simulate its rows again
     python tools/sim_calibrate.py --again calibration.json --fit-interference --fit-wake
 
@@ -221,6 +225,33 @@ def describe(machine: dict) -> str:
             f"wake {wake * 1e3:g} ms, barrier {barrier}, seed {machine.get('seed', 0)}")
 
 
+#: the world sizes whose gloo rounds ``--fit-tcp`` fits TCP's costs to (tools/tcp_fit.py)
+TCP_FIT_RANKS = (4, 8, 16)
+
+
+def measure_gloo_rounds(a: argparse.Namespace, out: Path) -> list[dict]:
+    """``tools/round_perf.py``'s rows for gloo's lossless ring at each of TCP_FIT_RANKS'
+    world sizes, at the calibration's MTU: what a round costs the whole machine."""
+    rows = []
+    for ranks in TCP_FIT_RANKS:
+        path = out.with_name(f"{out.stem}-{ranks}.json")
+        subprocess.run([sys.executable, str(TOOLS / "round_perf.py"), "--systems", "gloo",
+                        "--ranks", str(ranks), "--rounds", str(a.tcp_fit_rounds),
+                        "--mtu", str(a.mtu), "--json", str(path)],
+                       check=True, stdout=subprocess.DEVNULL)
+        rows += json.loads(path.read_text())
+    return rows
+
+
+def fit_tcp_costs(rows: list[dict]) -> dict:
+    """TCP's costs fitted to gloo's rounds (tools/tcp_fit.py), as ``--tcp-costs`` reads
+    them from its JSON."""
+    sys.path.insert(0, str(TOOLS))
+    from tcp_fit import fit_tcp
+
+    return fit_tcp(rows)
+
+
 def main() -> None:
     from boundedloss.sim.barrier import BARRIERS
 
@@ -259,6 +290,13 @@ def main() -> None:
                          "(fitted to what gloo's rounds cost the whole machine, at the "
                          "calibration's MTU among others) in place of tools/tcp_cpu.py's "
                          "(with --again: of the calibration's own)")
+    ap.add_argument("--fit-tcp", action="store_true",
+                    help="fit the TCP baselines' hosts' costs in the run, as --tcp-costs "
+                         "would read them: gloo's lossless rounds at 4, 8 and 16 ranks "
+                         "(tools/round_perf.py) before and after the testbed's rows, "
+                         "fitted by tools/tcp_fit.py - the same hour's, as ours are")
+    ap.add_argument("--tcp-fit-rounds", type=int, default=300,
+                    help="gloo's rounds at each world size for --fit-tcp")
     ap.add_argument("--recompute-costs", action="store_true",
                     help="(with --again) read our costs again from the calibration's own "
                          "round_cpu figures, as costs_from_round_cpu reads them now")
@@ -277,6 +315,8 @@ def main() -> None:
     if (a.fit_interference or a.fit_wake) and a.again is None:
         ap.error("--fit-interference and --fit-wake read the testbed's rows from --again's "
                  "calibration")
+    if a.fit_tcp and (a.again is not None or a.tcp_costs is not None):
+        ap.error("--fit-tcp measures TCP's costs in the run: not with --again or --tcp-costs")
     fitted_tcp = None
     if a.tcp_costs is not None:
         fitted = json.loads(a.tcp_costs.read_text())
@@ -329,7 +369,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         before = measure_costs(a, Path(tmp, "cpu1.json"))
-        tcp_before = (measure_tcp_costs(a, Path(tmp, "tcp1.json")) if fitted_tcp is None
+        gloo_rounds = measure_gloo_rounds(a, Path(tmp, "gloo1.json")) if a.fit_tcp else []
+        tcp_before = (measure_tcp_costs(a, Path(tmp, "tcp1.json"))
+                      if fitted_tcp is None and not a.fit_tcp
                       else {"costs": fitted_tcp, "from": str(a.tcp_costs)})
         subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
@@ -339,8 +381,13 @@ def main() -> None:
                        check=True, stdout=subprocess.DEVNULL)
         testbed = json.loads(Path(tmp, "testbed.json").read_text())
         after = measure_costs(a, Path(tmp, "cpu2.json"))
-        tcp_after = (measure_tcp_costs(a, Path(tmp, "tcp2.json")) if fitted_tcp is None
-                     else tcp_before)
+        if a.fit_tcp:  # (one fit to both measurements' rounds: tcp_fit takes their mean)
+            gloo_rounds += measure_gloo_rounds(a, Path(tmp, "gloo2.json"))
+            fit = fit_tcp_costs(gloo_rounds)
+            tcp_before = {"costs": fit["tcp_costs"], "from": "fitted in the run",
+                          "fit": fit, "round_perf": gloo_rounds}
+        tcp_after = (measure_tcp_costs(a, Path(tmp, "tcp2.json"))
+                     if fitted_tcp is None and not a.fit_tcp else tcp_before)
     measured = [costs_from_round_cpu(*f) for f in (before, after)]
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")

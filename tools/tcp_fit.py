@@ -50,24 +50,24 @@ def simulate(ranks: int, costs: CpuCosts, elements: int, mtu: int) -> tuple[floa
     return steady, long_.p50_ms
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", type=Path, help="tools/round_perf.py's JSON files")
-    ap.add_argument("--json", type=Path, help="write the costs and the fit here")
-    a = ap.parse_args()
+def fit_tcp(runs: list[dict], quiet: bool = False) -> dict:
+    """TCP's costs fitted to ``runs`` (``tools/round_perf.py``'s rows; gloo's,
+    authenticated, are read): ``{"mtus", "tcp_costs", "preset", "fit"}``, the fit's rows
+    (each world's busy CPU and round, the testbed's, the fitted costs' and the preset's)
+    printed unless ``quiet``."""
+    say = (lambda *_: None) if quiet else print
     # (MTU, world) -> the runs' busy CPU a round, and their p50s
     busy: dict[tuple[int, int], list[float]] = defaultdict(list)
     rounds: dict[tuple[int, int], list[float]] = defaultdict(list)
     elements = 1 << 20
-    for path in a.runs:
-        for row in json.loads(path.read_text()):
-            if row["system"] == "gloo" and row["auth"] == "on":
-                key = (row.get("mtu", 1500), row["ranks"])
-                busy[key].append(row["busy_ms_per_round"])
-                rounds[key].append(row["p50_ms"])
+    for row in runs:
+        if row["system"] == "gloo" and row["auth"] == "on":
+            key = (row.get("mtu", 1500), row["ranks"])
+            busy[key].append(row["busy_ms_per_round"])
+            rounds[key].append(row["p50_ms"])
     points = sorted(busy)
     mtus = sorted({mtu for mtu, _ in points})
-    if any(len([p for p in points if p[0] == mtu]) < 2 for mtu in mtus):
+    if not mtus or any(len([p for p in points if p[0] == mtu]) < 2 for mtu in mtus):
         raise SystemExit("need gloo's rows at two world sizes at least (--ranks 4, 16) "
                          "at each MTU")
     # (one MTU: a cost per byte and per message; several: per segment too, which the
@@ -91,24 +91,32 @@ def main() -> None:
                       datagram_out=out_share * per_segment * 1e-6,
                       datagram_in=(1 - out_share) * per_segment * 1e-6,
                       message_main=per["us a message"] * 1e-6)
-    print("fitted: " + ", ".join(f"{v:.3f} {k}" for k, v in per.items())
-          + f" (out {out_share:.0%} of a byte's and a segment's, in the rest)")
+    say("fitted: " + ", ".join(f"{v:.3f} {k}" for k, v in per.items())
+        + f" (out {out_share:.0%} of a byte's and a segment's, in the rest)")
     fit = []
-    print(f"{'MTU':>5} {'ranks':>5} | {'testbed busy':>12} {'fitted':>7} {'preset':>7} | "
-          f"{'testbed p50':>11} {'fitted':>7} {'preset':>7}")
+    say(f"{'MTU':>5} {'ranks':>5} | {'testbed busy':>12} {'fitted':>7} {'preset':>7} | "
+        f"{'testbed p50':>11} {'fitted':>7} {'preset':>7}")
     for (mtu, n), busy_n in zip(points, y):
         (charged, p50), (charged_old, p50_old) = (simulate(n, c, elements, mtu)
                                                   for c in (fitted, MEASURED_TCP_COSTS))
         testbed_p50 = float(np.mean(rounds[(mtu, n)]))
-        print(f"{mtu:5d} {n:5d} | {busy_n:12.1f} {charged:7.1f} {charged_old:7.1f} | "
-              f"{testbed_p50:11.1f} {p50:7.1f} {p50_old:7.1f}")
+        say(f"{mtu:5d} {n:5d} | {busy_n:12.1f} {charged:7.1f} {charged_old:7.1f} | "
+            f"{testbed_p50:11.1f} {p50:7.1f} {p50_old:7.1f}")
         fit.append({"mtu": mtu, "ranks": n, "testbed_busy_ms": float(busy_n),
                     "testbed_p50_ms": testbed_p50, "charged_ms": charged, "p50_ms": p50,
                     "preset_charged_ms": charged_old, "preset_p50_ms": p50_old})
+    return {"mtus": mtus, "tcp_costs": dataclasses.asdict(fitted),
+            "preset": dataclasses.asdict(MEASURED_TCP_COSTS), "fit": fit}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="tools/round_perf.py's JSON files")
+    ap.add_argument("--json", type=Path, help="write the costs and the fit here")
+    a = ap.parse_args()
+    fitted = fit_tcp([row for path in a.runs for row in json.loads(path.read_text())])
     if a.json:
-        a.json.write_text(json.dumps({"mtus": mtus, "tcp_costs": dataclasses.asdict(fitted),
-                                      "preset": dataclasses.asdict(MEASURED_TCP_COSTS),
-                                      "runs": [str(p) for p in a.runs], "fit": fit},
+        a.json.write_text(json.dumps({**fitted, "runs": [str(p) for p in a.runs]},
                                      indent=2) + "\n")
 
 
