@@ -370,8 +370,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         before = measure_costs(a, Path(tmp, "cpu1.json"))
         gloo_rounds = measure_gloo_rounds(a, Path(tmp, "gloo1.json")) if a.fit_tcp else []
-        tcp_before = (measure_tcp_costs(a, Path(tmp, "tcp1.json"))
-                      if fitted_tcp is None and not a.fit_tcp
+        tcp_before = (None if a.fit_tcp  # (fitted below, once gloo's rounds are in twice)
+                      else measure_tcp_costs(a, Path(tmp, "tcp1.json")) if fitted_tcp is None
                       else {"costs": fitted_tcp, "from": str(a.tcp_costs)})
         subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
@@ -388,6 +388,7 @@ def main() -> None:
                           "fit": fit, "round_perf": gloo_rounds}
         tcp_after = (measure_tcp_costs(a, Path(tmp, "tcp2.json"))
                      if fitted_tcp is None and not a.fit_tcp else tcp_before)
+        assert tcp_before is not None
     measured = [costs_from_round_cpu(*f) for f in (before, after)]
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")

@@ -50,12 +50,11 @@ def simulate(ranks: int, costs: CpuCosts, elements: int, mtu: int) -> tuple[floa
     return steady, long_.p50_ms
 
 
-def fit_tcp(runs: list[dict], quiet: bool = False) -> dict:
+def fit_tcp(runs: list[dict]) -> dict:
     """TCP's costs fitted to ``runs`` (``tools/round_perf.py``'s rows; gloo's,
     authenticated, are read): ``{"mtus", "tcp_costs", "preset", "fit"}``, the fit's rows
     (each world's busy CPU and round, the testbed's, the fitted costs' and the preset's)
-    printed unless ``quiet``."""
-    say = (lambda *_: None) if quiet else print
+    printed as they come."""
     # (MTU, world) -> the runs' busy CPU a round, and their p50s
     busy: dict[tuple[int, int], list[float]] = defaultdict(list)
     rounds: dict[tuple[int, int], list[float]] = defaultdict(list)
@@ -91,17 +90,17 @@ def fit_tcp(runs: list[dict], quiet: bool = False) -> dict:
                       datagram_out=out_share * per_segment * 1e-6,
                       datagram_in=(1 - out_share) * per_segment * 1e-6,
                       message_main=per["us a message"] * 1e-6)
-    say("fitted: " + ", ".join(f"{v:.3f} {k}" for k, v in per.items())
-        + f" (out {out_share:.0%} of a byte's and a segment's, in the rest)")
+    print("fitted: " + ", ".join(f"{v:.3f} {k}" for k, v in per.items())
+          + f" (out {out_share:.0%} of a byte's and a segment's, in the rest)")
     fit = []
-    say(f"{'MTU':>5} {'ranks':>5} | {'testbed busy':>12} {'fitted':>7} {'preset':>7} | "
-        f"{'testbed p50':>11} {'fitted':>7} {'preset':>7}")
+    print(f"{'MTU':>5} {'ranks':>5} | {'testbed busy':>12} {'fitted':>7} {'preset':>7} | "
+          f"{'testbed p50':>11} {'fitted':>7} {'preset':>7}")
     for (mtu, n), busy_n in zip(points, y):
         (charged, p50), (charged_old, p50_old) = (simulate(n, c, elements, mtu)
                                                   for c in (fitted, MEASURED_TCP_COSTS))
         testbed_p50 = float(np.mean(rounds[(mtu, n)]))
-        say(f"{mtu:5d} {n:5d} | {busy_n:12.1f} {charged:7.1f} {charged_old:7.1f} | "
-            f"{testbed_p50:11.1f} {p50:7.1f} {p50_old:7.1f}")
+        print(f"{mtu:5d} {n:5d} | {busy_n:12.1f} {charged:7.1f} {charged_old:7.1f} | "
+              f"{testbed_p50:11.1f} {p50:7.1f} {p50_old:7.1f}")
         fit.append({"mtu": mtu, "ranks": n, "testbed_busy_ms": float(busy_n),
                     "testbed_p50_ms": testbed_p50, "charged_ms": charged, "p50_ms": p50,
                     "preset_charged_ms": charged_old, "preset_p50_ms": p50_old})
