@@ -235,8 +235,11 @@ def measure_gloo_rounds(a: argparse.Namespace, out: Path) -> list[dict]:
     rows = []
     for ranks in TCP_FIT_RANKS:
         path = out.with_name(f"{out.stem}-{ranks}.json")
+        # (a round takes about as long as the world is large: each run a few seconds,
+        # enough for round_perf's window)
+        rounds = max(1, a.tcp_fit_rounds * TCP_FIT_RANKS[0] // ranks)
         subprocess.run([sys.executable, str(TOOLS / "round_perf.py"), "--systems", "gloo",
-                        "--ranks", str(ranks), "--rounds", str(a.tcp_fit_rounds),
+                        "--ranks", str(ranks), "--rounds", str(rounds),
                         "--mtu", str(a.mtu), "--json", str(path)],
                        check=True, stdout=subprocess.DEVNULL)
         rows += json.loads(path.read_text())
@@ -295,8 +298,9 @@ def main() -> None:
                          "would read them: gloo's lossless rounds at 4, 8 and 16 ranks "
                          "(tools/round_perf.py) before and after the testbed's rows, "
                          "fitted by tools/tcp_fit.py - the same hour's, as ours are")
-    ap.add_argument("--tcp-fit-rounds", type=int, default=300,
-                    help="gloo's rounds at each world size for --fit-tcp")
+    ap.add_argument("--tcp-fit-rounds", type=int, default=600,
+                    help="gloo's rounds at 4 ranks for --fit-tcp (at 8, half; at 16, a "
+                         "quarter)")
     ap.add_argument("--recompute-costs", action="store_true",
                     help="(with --again) read our costs again from the calibration's own "
                          "round_cpu figures, as costs_from_round_cpu reads them now")
