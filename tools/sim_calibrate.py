@@ -246,15 +246,6 @@ def measure_gloo_rounds(a: argparse.Namespace, out: Path) -> list[dict]:
     return rows
 
 
-def fit_tcp_costs(rows: list[dict]) -> dict:
-    """TCP's costs fitted to gloo's rounds (tools/tcp_fit.py), as ``--tcp-costs`` reads
-    them from its JSON."""
-    sys.path.insert(0, str(TOOLS))
-    from tcp_fit import fit_tcp
-
-    return fit_tcp(rows)
-
-
 def main() -> None:
     from boundedloss.sim.barrier import BARRIERS
 
@@ -387,7 +378,9 @@ def main() -> None:
         after = measure_costs(a, Path(tmp, "cpu2.json"))
         if a.fit_tcp:  # (one fit to both measurements' rounds: tcp_fit takes their mean)
             gloo_rounds += measure_gloo_rounds(a, Path(tmp, "gloo2.json"))
-            fit = fit_tcp_costs(gloo_rounds)
+            from tcp_fit import fit_tcp  # (this script's folder: tools/)
+
+            fit = fit_tcp(gloo_rounds)  # (as --tcp-costs reads tcp_fit's JSON)
             tcp_before = {"costs": fit["tcp_costs"], "from": "fitted in the run",
                           "fit": fit, "round_perf": gloo_rounds}
         tcp_after = (measure_tcp_costs(a, Path(tmp, "tcp2.json"))
