@@ -521,3 +521,47 @@ def test_the_loss_limit_decides_exactly_as_copies_for(q, copies, most, target) -
     assert (q <= limit) == (copies_for(q, target, most) <= copies)
     if 0 < limit < 1:  # (and it is the largest such float)
         assert copies_for(math.nextafter(limit, 1.0), target, most) > copies
+
+
+# ---------------------------------------------------------------- SendQueue
+class _EagerQueue:
+    """The send queue as a set of waiting chunks, marked at every step: what SendQueue,
+    which marks nothing until its first requeue, must answer alike."""
+
+    def __init__(self, order: list[int]):
+        self.order, self.waiting = list(order), set(order)
+
+    def take(self, k: int) -> list[int]:
+        batch, self.order = self.order[:k], self.order[k:]
+        self.waiting -= set(batch)
+        return batch
+
+    def requeue(self, missing: list[int]) -> int:
+        fresh = [c for c in missing if c not in self.waiting]
+        self.waiting |= set(fresh)
+        self.order += fresh
+        return len(fresh)
+
+
+@settings(PROPERTY, max_examples=300)
+@given(count=st.integers(1, 40), critical=st.booleans(), data=st.data())
+def test_send_queue_takes_and_requeues_as_a_queue_marked_at_every_step(
+        count: int, critical: bool, data) -> None:
+    from boundedloss.protocol.sender import SendQueue
+
+    mask = (np.array(data.draw(st.lists(st.booleans(), min_size=count, max_size=count)))
+            if critical else None)
+    queue = SendQueue(count, mask)
+    model = _EagerQueue(queue.order.tolist())
+    for _ in range(data.draw(st.integers(1, 12))):
+        if data.draw(st.booleans()) and len(queue):
+            k = data.draw(st.integers(1, len(queue)))
+            batch = queue.take(k)
+            assert batch.tolist() == model.take(k)
+            assert queue.holds_last(batch) == (count - 1 in batch.tolist())
+        else:
+            missing = sorted(data.draw(st.sets(st.integers(0, count - 1))))
+            assert queue.requeue(np.array(missing, dtype=np.int64)) == model.requeue(missing)
+        assert queue.order[queue.pos:].tolist() == model.order
+        if not len(queue) and data.draw(st.booleans()):
+            queue.drained()

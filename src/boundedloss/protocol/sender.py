@@ -96,16 +96,23 @@ class SendQueue:
     """Chunk indices waiting to be sent, in order, and a read position; ``queued`` marks
     the chunks waiting, so that repeated BITMAPs do not queue a chunk twice."""
 
-    __slots__ = ("first_pass", "order", "pos", "queued")
+    __slots__ = ("count", "first_pass", "order", "pos", "queued", "sorted")
 
     def __init__(self, count: int, critical: np.ndarray | None):
-        if critical is not None and critical.any():
-            order = np.concatenate([np.flatnonzero(critical), np.flatnonzero(~critical)])
-            self.order: np.ndarray = order.astype(np.int64)
+        self.count = count
+        #: the order is 0 to count - 1 (a batch taken is a run of chunks, in order)
+        self.sorted = critical is None or not critical.any()
+        if self.sorted:
+            self.order: np.ndarray = _in_order(count)
         else:
-            self.order = _in_order(count)
+            assert critical is not None
+            order = np.concatenate([np.flatnonzero(critical), np.flatnonzero(~critical)])
+            self.order = order.astype(np.int64)
         self.pos = 0
-        self.queued = np.ones(count, dtype=bool)
+        #: bool per chunk, made by the first requeue (None until then: the chunks
+        #: waiting are exactly ``order[pos:]`` - most sends never requeue, and a first
+        #: pass then marks nothing)
+        self.queued: np.ndarray | None = None
         #: every chunk is still going out for the first time
         self.first_pass = True
 
@@ -115,16 +122,27 @@ class SendQueue:
     def take(self, k: int) -> np.ndarray:
         batch = self.order[self.pos : self.pos + k]
         self.pos += k
-        self.queued[batch] = False
+        if self.queued is not None:
+            self.queued[batch] = False
         return batch
+
+    def holds_last(self, batch: np.ndarray) -> bool:
+        """Whether ``batch`` (just taken) holds the message's last chunk."""
+        last = self.count - 1
+        return int(batch[-1]) == last if self.sorted else bool((batch == last).any())
 
     def requeue(self, missing: np.ndarray) -> int:
         """Queue the ``missing`` chunks not queued already; how many that is."""
-        fresh = missing[~self.queued[missing]]
+        queued = self.queued
+        if queued is None:
+            queued = self.queued = np.zeros(self.count, dtype=bool)
+            queued[self.order[self.pos :]] = True
+        fresh = missing[~queued[missing]]
         if fresh.size:
-            self.queued[fresh] = True
+            queued[fresh] = True
             self.order = np.concatenate([self.order[self.pos :], fresh.astype(np.int64)])
             self.pos = 0
+            self.sorted = False
         return int(fresh.size)
 
     def drained(self) -> None:
@@ -213,7 +231,7 @@ class SendGeometry:
     the ACK cadence its receiver keeps. Sends posted together - one message to many
     peers at one instant - share one per size (``SendBatch``)."""
 
-    __slots__ = ("ack_every", "config", "count", "data_headers", "header")
+    __slots__ = ("ack_every", "config", "count", "data_headers", "header", "window")
 
     def __init__(self, session: int, round_id: int, message_id: int, nbytes: int,
                  config: TransportConfig, critical: np.ndarray | None):
@@ -227,6 +245,7 @@ class SendGeometry:
             chunk_bytes=cb, critical=critical,
         )
         self.ack_every = config.ack_every_for(count)
+        self.window = config.window_datagrams
 
 
 class SendBatch:
@@ -324,7 +343,7 @@ class MessageSender:
             granted = self.path.granted
             self.acks.credit = (config.unscheduled_datagrams if granted is None
                                 else max(1, granted))
-        self._window = FlowWindow(config.window_datagrams, self.acks)
+        self._window = FlowWindow(geometry.window, self.acks)
         # (shared with the compiled path: the flags then follow every step)
         self._acks_shared = shared_acks is not None
         congestion = self.path.congestion
@@ -442,7 +461,12 @@ class MessageSender:
         window = self._window
         acks = window.acks
         tseq = acks.next_tseq
-        self._tseq_field[batch] = np.arange(tseq, tseq + k, dtype=np.uint32)
+        tseqs = np.arange(tseq, tseq + k, dtype=np.uint32)
+        if queue.sorted:  # (a run of chunks: a slice, not an index per chunk)
+            lo = int(batch[0])
+            self._tseq_field[lo : lo + k] = tseqs
+        else:
+            self._tseq_field[batch] = tseqs
         acks.next_tseq = tseq + k
         self.recovery.data_sent(now, k)
         if self._samples is not None:
@@ -457,7 +481,7 @@ class MessageSender:
         counts = self.counts
         counts.datagrams += k
         counts.payload_bytes += k * cb
-        if self.count - 1 in batch:  # the last chunk is short
+        if queue.holds_last(batch):  # the last chunk is short
             counts.payload_bytes -= self.count * cb - self.nbytes
         if not first_pass:
             counts.retransmitted += k
