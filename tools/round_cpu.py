@@ -11,6 +11,12 @@ as shares, and time rounds with ``bench kernel-loss``, not with this.
     python tools/round_cpu.py --system reliable --topology allreduce --auth on
     python tools/round_cpu.py --system dblp --loss 0.05 --rounds 40
     python tools/round_cpu.py --ranks 8 --json round-cpu.json
+    python tools/round_cpu.py --profile /tmp/round-profile
+
+``--profile DIR`` runs each rank's I/O thread and main thread under cProfile as well,
+writes their statistics to DIR and prints rank 1's: which functions the Python is in.
+(The profiler's own cost then counts in every figure; a loaded machine's preemptions in
+its times.)
 
 ``--json`` adds, per rank and round (mean of the ranks): ``python_ms`` (the I/O thread's
 Python and the collective's, the compiled path's and the kernel's steps taken out),
@@ -147,6 +153,30 @@ def _instrument(cpu: collections.Counter, calls: collections.Counter) -> None:
     setattr(udp.UdpEndpoint, "_io_loop", io_timed)  # noqa: B010
 
 
+def _profiled(rank_main, argv: list[str], where: Path, who: str) -> None:
+    """Run ``rank_main(argv)`` with this thread and the endpoint's I/O thread each under
+    a cProfile of its own, written to ``where``."""
+    import cProfile
+
+    from boundedloss.net import udp
+
+    io_loop = getattr(udp.UdpEndpoint, "_io_loop")  # noqa: B009
+
+    def io_profiled(self):
+        profile = cProfile.Profile()
+        try:
+            return profile.runcall(io_loop, self)
+        finally:
+            profile.dump_stats(where / f"io{who}.pstats")
+
+    setattr(udp.UdpEndpoint, "_io_loop", io_profiled)  # noqa: B010
+    profile = cProfile.Profile()
+    try:
+        profile.runcall(rank_main, argv)
+    finally:
+        profile.dump_stats(where / f"main{who}.pstats")
+
+
 def rank(argv: list[str]) -> None:
     """One rank: ``bench kernel-loss``'s, instrumented; writes cpu<rank>.json."""
     from boundedloss.bench import kernel_loss
@@ -156,7 +186,11 @@ def rank(argv: list[str]) -> None:
     _instrument(cpu, calls)
     out, who = argv[argv.index("--out") + 1], argv[argv.index("--rank") + 1]
     rounds = int(argv[argv.index("--rounds") + 1])
-    kernel_loss.rank_main(argv)
+    if "--profile" in argv:  # (this tool's option, not the rank's)
+        at = argv.index("--profile")
+        _profiled(kernel_loss.rank_main, argv[:at] + argv[at + 2:], Path(argv[at + 1]), who)
+    else:
+        kernel_loss.rank_main(argv)
     time.sleep(0.2)  # (the I/O thread ends with the endpoint: let it add its total)
     Path(out, f"cpu{who}.json").write_text(json.dumps({
         "ms": {k: 1e3 * v / rounds for k, v in cpu.items()},
@@ -175,9 +209,15 @@ def main() -> None:
     ap.add_argument("--mtu", type=int, default=1500,
                     help="the testbed links' MTU (bench kernel-loss's default); chunks follow it")
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="also profile each rank's threads (cProfile) into DIR "
+                         "(io<rank>.pstats, main<rank>.pstats); prints rank 1's")
     a = ap.parse_args()
     if not 2 <= a.ranks <= 16:
         sys.exit("--ranks must be 2 to 16")
+    if a.profile is not None:
+        a.profile.mkdir(parents=True, exist_ok=True)
+        a.profile = a.profile.resolve()
     from boundedloss.emulate import Testbed, TestbedConfig
 
     nodes = ["server", *(f"w{i}" for i in range(a.ranks - 1))]
@@ -191,7 +231,8 @@ def main() -> None:
                                "--master", tb.addresses["server"], "--port", "29611",
                                "--system", a.system, "--topology", a.topology,
                                "--elements", str(a.elements), "--rounds", str(a.rounds),
-                               *([] if a.auth == "on" else ["--no-auth"]), "--out", tmp],
+                               *([] if a.auth == "on" else ["--no-auth"]), "--out", tmp,
+                               *([] if a.profile is None else ["--profile", str(a.profile)])],
                         stdout=log, stderr=subprocess.STDOUT)
                  for r, node in enumerate(nodes)]
         for p in procs:
@@ -225,6 +266,12 @@ def main() -> None:
     split = where_it_goes(per_rank)
     print("per rank and round: " + ", ".join(
         f"{k} {v:.2f}" for k, v in split.items()))
+    if a.profile is not None:
+        import pstats
+        for thread in ("io", "main"):
+            print(f"rank 1's {'I/O' if thread == 'io' else 'main'} thread under cProfile "
+                  f"({a.profile / f'{thread}1.pstats'}), the most time of its own:")
+            pstats.Stats(str(a.profile / f"{thread}1.pstats")).sort_stats("tottime").print_stats(25)
     if a.json:
         a.json.write_text(json.dumps({
             "system": a.system, "topology": a.topology, "auth": a.auth, "loss": a.loss,
