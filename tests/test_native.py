@@ -623,6 +623,54 @@ def test_native_takes_the_data_python_would_have(carried: bool) -> None:
     assert stops == 1 + (not carried)  # (the close's, and the PROBE's answer)
 
 
+@pytest.mark.parametrize("reason", ["COMPLETE", "BOUND_MET", "ACCEPT_DEADLINE"])
+def test_a_routine_receive_closes_in_the_compiled_path_as_the_core_would(reason: str) -> None:
+    """A receive whose close decides nothing (no credit, a policy that does not learn) is
+    closed by the compiled path itself when a DATA meets its plan - for each reason a
+    DATA can meet it for - with the STOP, result and counters the Python core's close
+    has, and remembered alike (its STOP said again to a later PROBE)."""
+    data = _message(100 * 64, 64, 11)[:-1]  # (the sender's PROBE left out)
+    if reason == "COMPLETE":
+        side = _twin(ReliablePolicy, 100 * 64, 64, None, True)
+        sent = _feed(side, data, 7)
+    elif reason == "BOUND_MET":  # 85 of 100, the FINAL PROBE, then the 90th meets it
+        side = _twin(lambda: FixedBoundPolicy(0.1), 100 * 64, 64, None, True)
+        sent = _feed(side, [*data[:85], _final_probe(100, 100 * 64, 64), *data[85:95]], 3)
+    else:  # past the acceptance deadline, the critical chunk 0 still missing; then it comes
+        critical = np.zeros(100, dtype=bool)
+        critical[0] = True
+        side = _twin(_AcceptsAfter, 100 * 64, 64, critical, True)
+        sent = _feed(side, data[1:60], 5)
+        for mux, _, _, _ in side:
+            mux.timer_fired(0.5)
+        later = _feed(side, [data[0]], 1)
+        sent = [a + b for a, b in zip(sent, later)]
+    late = _feed(side, [_final_probe(100, 100 * 64, 64, seq=30)], 1)  # (answered: STOP)
+    _same(side, [a + b for a, b in zip(sent, late)])
+    (_, _, _, python_rx), (mux, _, _, rx) = side
+    assert rx.result.close_reason == python_rx.result.close_reason == getattr(
+        wire.CloseReason, reason)
+    assert rx.counts.closes_here and rx.counts.closed  # (closed there, not by the core)
+    assert mux.decisions_in == 1  # (the close, recorded)
+    assert [d[wire.OFFSET["kind"]] for d in late[1]] == [Kind.STOP]
+    assert rx.stop == python_rx.stop
+
+
+def test_only_routine_receives_close_in_the_compiled_path() -> None:
+    """Closing decides something - the credit passed on, a policy that learns told the
+    outcome - or nothing remembers the closed receive: the core closes it, as before."""
+    def opened(policy, **config) -> bool:
+        mux = TransferMux(SESSION, TransportConfig(chunk_bytes=64, **config))
+        native.NativeDataPath(mux)
+        rx = mux.start_receive(PEER, 3, 7, 0.0, policy=policy, nbytes=640)
+        return bool(rx.counts.closes_here)
+
+    assert opened(ReliablePolicy()) and opened(FixedBoundPolicy(0.1))
+    assert not opened(EarlyClosePolicy())  # (it learns from each outcome)
+    assert not opened(ReliablePolicy(), credit_bytes=64 * 1024)
+    assert not opened(ReliablePolicy(), closed_memory=0)
+
+
 # ------------------------------------------------------------------------ fuzz
 def _fuzzed_send(rng: np.random.Generator, ip: int, port: int, count: int, nbytes: int,
                  chunk_bytes: int, auth: bool = False):
@@ -687,7 +735,7 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
     rng = np.random.default_rng(2026)
     disp = native.module().Dispatcher(SESSION)
     ip, port = native.ipv4_address(PEER)
-    total = acks_taken = 0
+    total = acks_taken = closed_here = 0
     sub = 5_000
     while total < 1_000_000:
         chunk_bytes = int(rng.choice([1, 3, 64, 512, 1400]))
@@ -699,9 +747,16 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
         shared = native.module().Receive()
         shared.heard = True
         shared.need = count + 1  # never met: the fuzz stays inside the data path
+        ack = wire.control_datagram(wire.Header(Kind.ACK, SESSION, 3, 7, 0, count, nbytes,
+                                                chunk_bytes), Kind.ACK, 0, bytes(4))
         shared.bind(PEER, ip, port, 3, 7, count, nbytes, chunk_bytes, 4,
                     big[GUARD : GUARD + nbytes], delivered,
-                    bytearray(crit.astype(np.uint8).tobytes()), bytes(HEADER_BYTES + 4))
+                    bytearray(crit.astype(np.uint8).tobytes()), ack)
+        closes = rng.random() < 0.5  # (met, it closes here: what comes later is stale)
+        if closes:
+            shared.need = int(rng.integers(0, count + 1))
+            shared.early_stop, shared.accepting = bool(rng.integers(2)), bool(rng.integers(2))
+            shared.close_here(0.001)
         disp.register(shared)
         sent, acks = _fuzzed_send(rng, ip, port, count, nbytes, chunk_bytes)
         disp.register_send(sent)
@@ -718,6 +773,14 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
                 i = disp.take_rows(part, stride, plen, ip, port, out, i) + 1
             assert shared.delivered_count <= count
             assert shared.critical_missing >= 0
+        if closes and shared.closed:  # its STOP, as the core's close builds it
+            (key, reason, stop), = [(e[:3], e[3], e[4]) for e in disp.closed()]
+            assert key == (PEER, 3, 7) and reason in (1, 2, 3)
+            kind, flags, _, _, rnd, msg, index, *_, tseq = wire.parse(stop)
+            assert (kind, flags, rnd, msg, index, tseq) == (Kind.STOP, 0, 3, 7, reason, 0)
+            assert wire.STOP_PAYLOAD.unpack(stop[HEADER_BYTES:])[0] <= count
+            assert all(o[0][0] == stop for o in out if o[0][0][wire.OFFSET["kind"]] == Kind.STOP)
+            closed_here += 1
         disp.unregister(shared)
         disp.unregister_send(sent)
         _check_fuzzed_send(sent, int((rows[:, wire.OFFSET['kind']] == Kind.ACK).sum()))
@@ -727,6 +790,7 @@ def test_fuzz_a_million_datagrams_never_write_outside_the_destination() -> None:
     counts = disp.counters()
     assert counts["taken"] > 500_000 and counts["bad_geometry"] > 0 and counts["short"] > 0
     assert acks_taken > 1000  # (the ACKs of a registered send, taken here)
+    assert closed_here >= 3  # (and receives closed here, their late datagrams stale)
 
 
 @needs_openssl
@@ -738,7 +802,7 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
     disp = native.module().Dispatcher(SESSION)
     disp.authenticate(KEY, *native.ipv4_address(LOCAL), bytes(12))
     ip, port = native.ipv4_address(PEER)
-    total = delivered_total = acks_taken = 0
+    total = delivered_total = acks_taken = closed_here = 0
     while total < 1_000_000:
         chunk_bytes = int(rng.choice([1, 64, 512, 1400]))
         nbytes = int(rng.integers(1, 40 * chunk_bytes + 1))
@@ -748,8 +812,13 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
         shared = native.module().Receive()
         shared.heard = True
         shared.need = count + 1
+        ack = wire.control_datagram(wire.Header(Kind.ACK, SESSION, 3, 7, 0, count, nbytes,
+                                                chunk_bytes), Kind.ACK, 0, bytes(4))
         shared.bind(PEER, ip, port, 3, 7, count, nbytes, chunk_bytes, 4,
-                    big[GUARD : GUARD + nbytes], delivered, None, bytes(HEADER_BYTES + 4))
+                    big[GUARD : GUARD + nbytes], delivered, None, ack)
+        if rng.random() < 0.5:  # (met, it closes here: its STOP goes out sealed)
+            shared.need = int(rng.integers(0, count + 1))
+            shared.close_here(0.001)
         disp.register(shared)
         sent, acks = _fuzzed_send(rng, ip, port, count, nbytes, chunk_bytes, auth=True)
         disp.register_send(sent)
@@ -772,14 +841,20 @@ def test_fuzz_a_million_sealed_datagrams_write_only_what_verifies() -> None:
         got = np.repeat(np.frombuffer(bytes(delivered), np.uint8), chunk_bytes)[:nbytes] == 1
         assert np.array_equal(dest[got], source.view(np.uint8)[got])
         assert (dest[~got] == SENTINEL).all()
-        assert all(len(o) == 3 and o[2] is True for o in out)  # its ACKs went out sealed
+        for item in out:
+            if len(item) == 3:  # sealed here (and marked so): its ACKs, a close's STOP
+                assert item[2] is True
+                assert DatagramAuth(KEY, item[1]).open(b"".join(item[0]), LOCAL) is not None
+            else:  # a STOP said again once closed here: the core seals what it polls
+                assert shared.closed and item[0][0][wire.OFFSET["kind"]] == Kind.STOP
+        closed_here += shared.closed
         delivered_total += shared.delivered_count
         total += len(lengths)
     counts = disp.counters()
     # (of the mutated ones, those whose session field changed count as another job's)
     assert counts["bad_auth"] + counts["foreign_session"] > 400_000 and counts["short"] > 0
     assert "bad_geometry" not in counts and "bad_magic" not in counts  # (the tag goes first)
-    assert delivered_total > 0 and acks_taken > 100
+    assert delivered_total > 0 and acks_taken > 100 and closed_here >= 1
 
 
 # --------------------------------------------------------------------- Hadamard

@@ -14,6 +14,10 @@ from types import ModuleType
 from . import wire
 from .protocol.auth import TRAILER_BYTES
 
+#: the reasons the compiled path may close a receive for, itself (Receive.close_here)
+_CLOSES_HERE = (wire.CloseReason.COMPLETE, wire.CloseReason.BOUND_MET,
+                wire.CloseReason.ACCEPT_DEADLINE)
+
 
 def _load() -> tuple[ModuleType | None, str]:
     try:
@@ -22,9 +26,11 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, f"the compiled extension is not built ({e})"
     if (dict(_native.LAYOUT) != wire.OFFSET or _native.HEADER_BYTES != wire.HEADER_BYTES
             or _native.TRAILER_BYTES != TRAILER_BYTES or _native.VERSION != wire.VERSION
-            or getattr(_native, "FLAG_PROBE_CARRIED", None) != wire.Flag.PROBE_CARRIED):
-        return None, ("the compiled extension's header, version or trailer differs from "
-                      "wire's and auth's: rebuild it")
+            or getattr(_native, "FLAG_PROBE_CARRIED", None) != wire.Flag.PROBE_CARRIED
+            or any(getattr(_native, f"CLOSE_{r.name}", None) != r.value
+                   for r in _CLOSES_HERE)):
+        return None, ("the compiled extension's header, version, trailer or close reasons "
+                      "differ from wire's and auth's: rebuild it")
     return _native, "built"
 
 

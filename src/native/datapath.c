@@ -75,6 +75,9 @@ typedef struct {
      * open send (KIND_STOP, its key, index and count) */
     int event_kind;
     ReceiveObject *event_rx;
+    /* the receives closed here (close_here) whose results the core has not made yet: a
+     * list of (peer, round, message, reason, stop), or NULL */
+    PyObject *closed;
     uint32_t event_ip, event_round, event_message, event_index, event_delivered;
     uint16_t event_port;
 } DispatcherObject;
@@ -114,6 +117,7 @@ static void dispatcher_dealloc(DispatcherObject *d) {
             s = next;
         }
     }
+    Py_CLEAR(d->closed);
     PyMem_Free(d->buf);
     PyMem_Free(d->lose);
     PyMem_RawFree(d->verdicts);
@@ -228,6 +232,9 @@ static PyObject *dispatcher_unregister(DispatcherObject *d, PyObject *arg) {
  * the same decisions as for the datagram handed back, without the core parsing and
  * routing it again. */
 enum { TAKEN = 0, HANDED_BACK = 1, EVENT = 2, FAILED = -1 };
+/* (and CLOSED_HERE: taken, and the receive it met the plan of closed here - listed in
+ * d->closed for the core, which makes its result before it handles anything else) */
+enum { CLOSED_HERE = 3 };
 
 static PyObject *dispatcher_register_send(DispatcherObject *d, PyObject *arg) {
     if (!PyObject_TypeCheck(arg, &SendType)) {
@@ -479,6 +486,61 @@ static int verify(DispatcherObject *d, const unsigned char *p, size_t n, uint32_
 
 /* A DATA for the open receive ``rx``, taken, that carries its send's first PROBE (a
  * FINAL one: the receive's state changes, so the Python core answers it): an EVENT. */
+/* The DATA just taken met the plan of ``rx``, which the core lets close here: closed as
+ * MessageReceiver._close closes it - its reason, its STOP (its ACK's header with the
+ * STOP's kind, reason and count) appended to ``out`` (sealed here when authenticating,
+ * and marked so, as its ACKs), its buffers let go, and kept to answer what still comes
+ * as a receive the core closed (receive_close) - and listed for the core's results.
+ * CLOSED_HERE, or FAILED. */
+static int close_here(DispatcherObject *d, ReceiveObject *rx, PyObject *out) {
+    int reason = rx->delivered_count == (long long)rx->count ? CLOSE_COMPLETE
+        : rx->accepting ? CLOSE_ACCEPT_DEADLINE : CLOSE_BOUND_MET;
+    unsigned char stop[HEADER_BYTES + 4 + TRAILER_BYTES];
+    memcpy(stop, rx->ack, HEADER_BYTES + 4);
+    stop[OFF_KIND] = KIND_STOP;
+    stop[OFF_FLAGS] = stop[OFF_FLAGS + 1] = 0;
+    st32(stop + OFF_INDEX, (uint32_t)reason);
+    st32(stop + OFF_TSEQ, 0);
+    st32(stop + HEADER_BYTES, (uint32_t)rx->delivered_count);
+    Py_ssize_t slen = HEADER_BYTES + 4;
+    if (d->sealer.on) {
+        unsigned char dst[IDENT_BYTES];
+        put_ident(dst, rx->ip, rx->port);
+        if (sealer_seal(&d->sealer, dst, stop, HEADER_BYTES + 4, NULL, 0,
+                        stop + HEADER_BYTES + 4) < 0) {
+            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
+            return FAILED;
+        }
+        slen += TRAILER_BYTES;
+    }
+    if (d->closed == NULL && (d->closed = PyList_New(0)) == NULL) return FAILED;
+    Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
+    int ok = 0;
+    PyObject *said = NULL, *item = NULL, *entry = NULL;
+    PyObject *bare = PyBytes_FromStringAndSize((const char *)stop, HEADER_BYTES + 4);
+    if (bare == NULL) goto done;
+    said = d->sealer.on ? PyBytes_FromStringAndSize((const char *)stop, slen) : Py_NewRef(bare);
+    if (said == NULL) goto done;
+    item = d->sealer.on ? Py_BuildValue("((O)OO)", said, rx->peer, Py_True)
+                        : Py_BuildValue("((O)O)", said, rx->peer);
+    entry = Py_BuildValue("(OIIiO)", rx->peer, rx->round_id, rx->message_id, reason, bare);
+    if (item == NULL || entry == NULL || PyList_Append(out, item) < 0
+        || PyList_Append(d->closed, entry) < 0)
+        goto done;
+    release_buffers_of(rx);
+    Py_XSETREF(rx->stop, Py_NewRef(bare));
+    rx->last_sent = d->now;
+    rx->closed = 1;
+    ok = 1;
+done:
+    Py_XDECREF(entry);
+    Py_XDECREF(item);
+    Py_XDECREF(said);
+    Py_XDECREF(bare);
+    Py_DECREF(rx);
+    return ok ? CLOSED_HERE : FAILED;
+}
+
 static inline int carried_probe(DispatcherObject *d, ReceiveObject *rx) {
     d->event_kind = KIND_PROBE;
     d->event_rx = rx;
@@ -620,6 +682,7 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
         rx->critical_missing--;
     if (!met) return carries ? carried_probe(d, rx) : TAKEN;
     /* (met: the receive closes, and its STOP answers a PROBE the DATA carried) */
+    if (rx->closes_here) return close_here(d, rx, out);
     d->event_kind = KIND_DATA;
     d->event_rx = rx;
     return EVENT;
@@ -641,8 +704,9 @@ static PyObject *event_tuple(DispatcherObject *d) {
 }
 
 /* take(datagram, ip, port, out, now) -> True (the data path took it), False (Python's
- * turn: the datagram is the core's) or an event tuple (taken, and the core must decide:
- * event_tuple); ``now``: when it arrived, as the core reads the time. */
+ * turn: the datagram is the core's), None (taken, and it closed a receive here: see
+ * closed()) or an event tuple (taken, and the core must decide: event_tuple); ``now``:
+ * when it arrived, as the core reads the time. */
 static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     Py_buffer b;
     unsigned int ip, port;
@@ -654,6 +718,7 @@ static PyObject *dispatcher_take(DispatcherObject *d, PyObject *args) {
     PyBuffer_Release(&b);
     if (r == FAILED) return NULL;
     if (r == EVENT) return event_tuple(d);
+    if (r == CLOSED_HERE) Py_RETURN_NONE;
     return PyBool_FromLong(r == TAKEN);
 }
 
@@ -688,7 +753,7 @@ static PyObject *dispatcher_take_rows(DispatcherObject *d, PyObject *args) {
         int r = take(d, (const unsigned char *)rows.buf + i * stride, &n, ip, (uint16_t)port,
                      out, UNCHECKED);
         if (r == FAILED) goto done;
-        if (r != TAKEN) break;  /* (an EVENT too: what it calls for is the core's) */
+        if (r != TAKEN && r != CLOSED_HERE) break;  /* (an EVENT: the core's to decide) */
     }
     result = PyLong_FromSsize_t(i);
 done:
@@ -1115,8 +1180,10 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
 }
 #endif
 
-/* step(out, now) -> None | (datagram, ip, port): takes the batch's datagrams until one is
- * Python's; returns that one (a copy) or None when the batch is done. */
+/* step(out, now) -> None | (datagram, ip, port) | event: takes the batch's datagrams until
+ * one is Python's; returns that one (a copy, or the event it calls for) or None when the
+ * batch is done. (The receives it closed here meanwhile wait in closed(): the core takes
+ * them before whatever step returns.) */
 static PyObject *dispatcher_step(DispatcherObject *d, PyObject *args) {
     PyObject *out;
     if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &out, &d->now)) return NULL;
@@ -1255,6 +1322,25 @@ static PyObject *dispatcher_lose(DispatcherObject *d, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* closed() -> list: the receives closed here since the last call, in the order they
+ * closed, each (peer, round, message, reason, stop) - ``stop`` as the core's close would
+ * have built it, unsealed. */
+static PyObject *dispatcher_closed(DispatcherObject *d, PyObject *unused) {
+    PyObject *closed = d->closed;
+    d->closed = NULL;
+    return closed != NULL ? closed : PyList_New(0);
+}
+
+static PyObject *dispatcher_closing(DispatcherObject *d, void *unused) {
+    return PyBool_FromLong(d->closed != NULL && PyList_GET_SIZE(d->closed) > 0);
+}
+
+static PyGetSetDef dispatcher_getset[] = {
+    {"closing", (getter)dispatcher_closing, NULL,
+     "Whether receives closed here wait for the core (closed()).", NULL},
+    {NULL},
+};
+
 static PyObject *dispatcher_counters(DispatcherObject *d, PyObject *unused) {
     PyObject *c = PyDict_New();
     if (c == NULL) return NULL;
@@ -1308,6 +1394,8 @@ static PyMethodDef dispatcher_methods[] = {
     {"lose", (PyCFunction)dispatcher_lose, METH_O, "Drop datagrams of the batch."},
     {"load", (PyCFunction)dispatcher_load, METH_VARARGS, "A batch from Python (tests)."},
     {"counters", (PyCFunction)dispatcher_counters, METH_NOARGS, "Taken and dropped counts."},
+    {"closed", (PyCFunction)dispatcher_closed, METH_NOARGS,
+     "The receives closed here since the last call."},
     {NULL},
 };
 
@@ -1328,4 +1416,5 @@ PyTypeObject DispatcherType = {
     .tp_dealloc = (destructor)dispatcher_dealloc,
     .tp_methods = dispatcher_methods,
     .tp_members = dispatcher_members,
+    .tp_getset = dispatcher_getset,
 };

@@ -39,6 +39,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         || PyModule_AddIntConstant(m, "VERSION", VERSION) < 0
         || PyModule_AddIntConstant(m, "FLAG_PROBE_CARRIED", FLAG_PROBE_CARRIED) < 0
         || PyModule_AddIntConstant(m, "MAX_CHUNK_BYTES", MAX_CHUNK_BYTES) < 0
+        || PyModule_AddIntConstant(m, "CLOSE_COMPLETE", CLOSE_COMPLETE) < 0
+        || PyModule_AddIntConstant(m, "CLOSE_BOUND_MET", CLOSE_BOUND_MET) < 0
+        || PyModule_AddIntConstant(m, "CLOSE_ACCEPT_DEADLINE", CLOSE_ACCEPT_DEADLINE) < 0
         || PyModule_AddIntConstant(m, "TRAILER_BYTES", TRAILER_BYTES) < 0
 #ifdef BL_OPENSSL
         || PyModule_AddIntConstant(m, "AUTH", 1) < 0

@@ -59,6 +59,9 @@ enum {
 enum { MAGIC = 0x4C42, VERSION = 2 };
 enum { KIND_DATA = 1, KIND_PROBE = 2, KIND_BITMAP = 3, KIND_STOP = 4, KIND_ACK = 5 };
 enum { FLAG_PROBE_CARRIED = 2, FLAG_FINAL = 4, FLAG_CREDIT = 8 };
+/* why a receive closed, as a STOP's index carries it (wire.CloseReason): those a data
+ * path that closes a receive itself (Receive.close_here) can find */
+enum { CLOSE_COMPLETE = 1, CLOSE_BOUND_MET = 2, CLOSE_ACCEPT_DEADLINE = 3 };
 /* a BITMAP's payload: the PROBE's seq and the chunks delivered (wire.BITMAP_PREFIX), then
  * the delivered bits */
 enum { BITMAP_PREFIX_BYTES = 8 };
@@ -157,6 +160,8 @@ typedef struct ReceiveObject {
     char heard;       /* the receive's first datagram has arrived (at first_heard) */
     char clock_on_first;  /* that first datagram starts a clock of the plan's: Python's */
     char parked;      /* under credit: its ACKs grant nothing (protocol/credit.py) */
+    char accepting;   /* the acceptance deadline passed (a met plan closes ACCEPT_DEADLINE) */
+    char closes_here; /* its plan met by a DATA, the data path closes it (close_here) */
     long long granted;  /* under credit: what its latest ACK granted (-1: none yet) */
     double first_heard;
     char geometry;    /* the fields below are set (bind was called) */
@@ -173,6 +178,16 @@ typedef struct ReceiveObject {
     unsigned char ack[HEADER_BYTES + 4 + TRAILER_BYTES];  /* (room for its trailer) */
     struct ReceiveObject *next;  /* hash chain in a Dispatcher */
 } ReceiveObject;
+
+/* (a bound receive holds its buffers until it closes: here, or as the core says) */
+static inline void release_buffers_of(ReceiveObject *r) {
+    if (r->geometry && !r->closed) {
+        PyBuffer_Release(&r->dest);
+        PyBuffer_Release(&r->delivered);
+        if (r->has_critical) PyBuffer_Release(&r->critical);
+        r->has_critical = 0;
+    }
+}
 
 /* One open send as the data path sees it: what its ACKs move, shared with Python's
  * MessageSender (protocol/acks.py's AckState, field for field), its identity and

@@ -1,18 +1,8 @@
 #include "native.h"
 
 /* -------------------------------------------------------------- Receive */
-/* (a bound receive holds its buffers until it closes) */
-static void release_buffers(ReceiveObject *r) {
-    if (r->geometry && !r->closed) {
-        PyBuffer_Release(&r->dest);
-        PyBuffer_Release(&r->delivered);
-        if (r->has_critical) PyBuffer_Release(&r->critical);
-        r->has_critical = 0;
-    }
-}
-
 static void receive_release(ReceiveObject *r) {
-    release_buffers(r);
+    release_buffers_of(r);
     r->geometry = 0;
     Py_CLEAR(r->stop);
     Py_CLEAR(r->peer);
@@ -103,11 +93,28 @@ static PyObject *receive_close(ReceiveObject *r, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "only a bound, open receive closes");
         return NULL;
     }
-    release_buffers(r);  /* (its identity stays: it is still found by its key) */
+    release_buffers_of(r);  /* (its identity stays: it is still found by its key) */
     Py_XSETREF(r->stop, stop == Py_None ? NULL : Py_NewRef(stop));
     r->last_sent = now;
     r->min_rto = min_rto;
     r->closed = 1;
+    Py_RETURN_NONE;
+}
+
+/* close_here(min_rto): the core lets this bound, open receive close here when a DATA the
+ * data path takes meets its plan (MessageReceiver.close_is_routine: closing it decides
+ * nothing): the data path then says its STOP, answers what still comes for it as for a
+ * receive the core closed (``min_rto``: close's), and lists it for the core's results
+ * (Dispatcher.closed). */
+static PyObject *receive_close_here(ReceiveObject *r, PyObject *arg) {
+    double min_rto = PyFloat_AsDouble(arg);
+    if (min_rto == -1.0 && PyErr_Occurred()) return NULL;
+    if (!r->geometry || r->closed) {
+        PyErr_SetString(PyExc_RuntimeError, "only a bound, open receive closes here");
+        return NULL;
+    }
+    r->min_rto = min_rto;
+    r->closes_here = 1;
     Py_RETURN_NONE;
 }
 
@@ -130,13 +137,18 @@ static PyMemberDef receive_members[] = {
     {"clock_on_first", T_BOOL, offsetof(ReceiveObject, clock_on_first), 0, NULL},
     {"parked", T_BOOL, offsetof(ReceiveObject, parked), 0, NULL},
     {"granted", T_LONGLONG, offsetof(ReceiveObject, granted), 0, NULL},
+    {"accepting", T_BOOL, offsetof(ReceiveObject, accepting), 0, NULL},
     {"registered", T_BOOL, offsetof(ReceiveObject, registered), READONLY, NULL},
+    {"closes_here", T_BOOL, offsetof(ReceiveObject, closes_here), READONLY, NULL},
+    {"closed", T_BOOL, offsetof(ReceiveObject, closed), READONLY, NULL},
     {NULL},
 };
 
 static PyMethodDef receive_methods[] = {
     {"bind", (PyCFunction)receive_bind, METH_VARARGS, "Set the geometry and buffers."},
     {"close", (PyCFunction)receive_close, METH_VARARGS, "Closed: answer with its STOP."},
+    {"close_here", (PyCFunction)receive_close_here, METH_O,
+     "Met by a DATA the data path takes, it closes there."},
     {NULL},
 };
 

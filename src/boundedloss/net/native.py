@@ -8,7 +8,11 @@ receives, answered with their BITMAPs; and what still comes for messages that cl
 (stale; a remembered receive's STOP said again). Two it takes and then hands the core the
 decision they call for, before the next datagram: the DATA that meets a receive's plan
 (``TransferMux.receive_met``: the receive closes) and a STOP for an open send
-(``TransferMux.stop_arrived``, with its reason and count: the send ends). Every other
+(``TransferMux.stop_arrived``, with its reason and count: the send ends). A receive
+whose close decides nothing (``MessageReceiver.close_is_routine``: no credit, a policy
+that does not learn) it closes itself when its plan is met - its STOP said, the closed
+receive remembered - and the core records those results before anything else
+(``TransferMux.closed_by_data_path``). Every other
 datagram - and the few whose handling is a decision: a receive's first DATA where its
 plan starts a clock on it, its first FINAL PROBE, an ACK that may add PROBE copies - goes
 to ``TransferMux.datagram_received`` as before, in order. The Python path
@@ -91,6 +95,9 @@ class NativeDataPath:
                     receiver.message_id, receiver.count, receiver.nbytes, receiver.chunk_bytes,
                     receiver.ack_every, dest, delivered, critical,
                     receiver.ack_template())
+        config = self._mux.config
+        if config.closed_memory > 0 and receiver.close_is_routine():
+            shared.close_here(config.min_rto)  # (remembered: its STOP said again from here)
         self.dispatcher.register(shared)
 
     def receive_closed(self, receiver: MessageReceiver, remembered_at: float | None) -> None:
@@ -100,8 +107,10 @@ class NativeDataPath:
         if remembered_at is None:
             self.dispatcher.unregister(shared)
             return
-        # (the mux remembers it closed: its STOP is said again from here, until forgotten)
-        shared.close(receiver.stop, remembered_at, self._mux.config.min_rto)
+        # (the mux remembers it closed: its STOP is said again from here, until forgotten
+        # - closed here already, or now)
+        if not shared.closed:
+            shared.close(receiver.stop, remembered_at, self._mux.config.min_rto)
         self._closed[(receiver.peer, receiver.round_id, receiver.message_id)] = shared
 
     def forget_closed(self, key: tuple) -> None:
@@ -158,6 +167,8 @@ class NativeDataPath:
         if taken is False:
             # (the whole datagram as it came: the mux verifies its tag once more)
             self._mux.datagram_received(data, peer, now)
+        elif taken is None:  # (it closed a receive here)
+            self._mux.closed_by_data_path(self.dispatcher.closed(), now)
         elif taken is not True:
             self._event(taken, now)
 
@@ -221,12 +232,16 @@ class NativeDataPath:
                      else mux.datagram_received)
         handed = dispatcher.step(outbox, now)
         while handed is not None:
+            if dispatcher.closing:  # (the receives it closed meanwhile, first)
+                mux.closed_by_data_path(dispatcher.closed(), now)
             if type(handed[0]) is int:  # (taken, with a decision for the core)
                 self._event(handed, now)
             else:
                 data, ip, port = handed
                 hand_back(data, self._peer(ip, port), now)
             handed = dispatcher.step(outbox, now)
+        if dispatcher.closing:
+            mux.closed_by_data_path(dispatcher.closed(), now)
 
     def _peer(self, ip: int, port: int) -> tuple[str, int]:
         peer = self._peers.get((ip, port))

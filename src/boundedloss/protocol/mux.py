@@ -29,6 +29,7 @@ from ..wire import (
     PASS_INVARIANT_MASK,
     STOP_PAYLOAD,
     TSEQ_WORD,
+    CloseReason,
     DropReason,
     Flag,
     Kind,
@@ -61,6 +62,8 @@ RUN_MIN = 16
 FLAGS_AT = FLAGS_SLICE.start
 #: as a plain int: ``int & IntFlag`` goes through enum's Python code (0.5 us a DATA)
 _PROBE_CARRIED = int(Flag.PROBE_CARRIED)
+#: a STOP's reason by its value on the wire
+_CLOSE_REASONS = {r.value: r for r in CloseReason}
 
 
 class DataPath(Protocol):
@@ -383,6 +386,17 @@ class TransferMux:
         if rx is not None:
             rx.close_if_done(now, self.outbox)
             self._decided(rx, now)
+
+    def closed_by_data_path(self, closed: list[tuple], now: float) -> None:
+        """Receives a data path closed itself, in order, each ``(peer, round, message,
+        reason, stop)``: a DATA it took met the plan of a receive whose close is routine
+        (``MessageReceiver.close_is_routine``), and it said ``stop``. Their results, as
+        ``receive_met`` would have made them."""
+        for peer, round_id, message_id, reason, stop in closed:
+            rx = self._decision_for((peer, round_id, message_id))
+            if rx is not None:
+                rx.closed_by_data_path(_CLOSE_REASONS[reason], stop, now)
+                self._decided(rx, now)
 
     def _decision_for(self, key: tuple) -> MessageReceiver | None:
         """The open receive a data path handed a decision for (counted), or None."""

@@ -71,11 +71,11 @@ class ReceiveCounts:
 
     The compiled data path (``boundedloss._native.Receive``) has the same fields; a
     receive whose DATA it takes keeps its counters in one from the start (``counts=``),
-    and both sides then read and write one set. ``early_stop`` and ``final_seen`` mirror
-    the receive's state (``_EARLY_STOP``; the first FINAL PROBE came) for the compiled
-    path, which reads no Python object."""
+    and both sides then read and write one set. ``early_stop``, ``accepting`` and
+    ``final_seen`` mirror the receive's state (``_EARLY_STOP``; ACCEPTING; the first FINAL
+    PROBE came) for the compiled path, which reads no Python object."""
 
-    __slots__ = ("answered_seq", "clock_on_first", "critical_missing", "datagrams",
+    __slots__ = ("accepting", "answered_seq", "clock_on_first", "critical_missing", "datagrams",
                  "delivered_count", "duplicates", "early_stop", "final_seen", "first_heard",
                  "granted", "heard", "max_tseq", "need", "parked", "payload_bytes", "probes",
                  "retransmit_rounds", "unacked")
@@ -92,6 +92,7 @@ class ReceiveCounts:
         #: a met bound may stop the transfer before every chunk is in (the sender sent
         #: everything once, or the acceptance deadline passed)
         self.early_stop = False
+        self.accepting = False  # the acceptance deadline passed: a met plan closes for it
         self.heard = False  # a DATA or PROBE of the message has arrived
         self.first_heard = 0.0  # when (once heard)
         #: the first datagram starts a clock of the plan's (accept_from_first): the
@@ -277,7 +278,9 @@ class MessageReceiver:
         except KeyError:
             raise AssertionError(f"receive: no transition from {self._state} on {event}") \
                 from None
-        self.counts.early_stop = self._state in _EARLY_STOP
+        counts = self.counts
+        counts.early_stop = self._state in _EARLY_STOP
+        counts.accepting = self._state is ReceiveState.ACCEPTING
 
     # ---------------------------------------------------------------- geometry
     def _open(self, nbytes: int, batch: ReceiveBatch | None = None) -> None:
@@ -594,9 +597,42 @@ class MessageReceiver:
         ):
             self._close(self._reason_when_met(), now, out)
 
+    def close_is_routine(self) -> bool:
+        """Whether closing this receive when a DATA meets its plan decides nothing: no
+        credit to pass on, a policy that learns nothing from the outcome. A data path may
+        then close it itself (``Receive.close_here``), and the core only records it
+        (``closed_by_data_path``)."""
+        return self.grants is None and not learns(self.policy)
+
+    def closed_by_data_path(self, reason: CloseReason, stop: bytes, now: float) -> None:
+        """A data path took the DATA that met the plan of this receive (one whose close is
+        routine) and closed it itself, saying ``stop``: the result, as ``_close`` makes it."""
+        self._transition(ReceiveEvent.CLOSED)
+        self._record(reason, now)
+        self.stop = stop
+
     def _close(self, reason: CloseReason, now: float, out: list) -> None:
         self._transition(ReceiveEvent.CLOSED)
         self._credit_done(out, now)
+        self._record(reason, now)
+        if self.nbytes is not None and reason != CloseReason.CANCELLED:
+            # (a cancelled receive says nothing: its sender is not done, a receive
+            # posted again for the same message will take over)
+            n = self.counts
+            self.stop = wire.stop_datagram(self._header, reason, n.delivered_count)
+            out.append(((self.stop,), self.peer))
+            if learns(self.policy):
+                self.policy.observe(Outcome(
+                    info=self.info,
+                    delivered=n.delivered_count,
+                    elapsed=now - self.opened,
+                    close_reason=reason,
+                    retransmit_rounds=n.retransmit_rounds,
+                    active=None if self.first_heard is None else now - self.first_heard,
+                ))
+
+    def _record(self, reason: CloseReason, now: float) -> None:
+        """The result of the receive, closed now for ``reason``, and what the path learns."""
         count = self.count
         delivered = self.delivered_mask()
         n = self.counts
@@ -627,18 +663,4 @@ class MessageReceiver:
             transfer_id=self.transfer_id,
         )
         self.path.receive_closed(self.loss_seen(), now)
-        if self.nbytes is not None and reason != CloseReason.CANCELLED:
-            # (a cancelled receive says nothing: its sender is not done, a receive
-            # posted again for the same message will take over)
-            self.stop = wire.stop_datagram(self._header, reason, n.delivered_count)
-            out.append(((self.stop,), self.peer))
-            if learns(self.policy):
-                self.policy.observe(Outcome(
-                    info=self.info,
-                    delivered=n.delivered_count,
-                    elapsed=now - self.opened,
-                    close_reason=reason,
-                    retransmit_rounds=n.retransmit_rounds,
-                    active=None if self.first_heard is None else now - self.first_heard,
-                ))
 
