@@ -656,6 +656,36 @@ def test_a_routine_receive_closes_in_the_compiled_path_as_the_core_would(reason:
     assert rx.stop == python_rx.stop
 
 
+def test_a_receive_closed_there_is_recorded_before_the_batch_goes_on() -> None:
+    """Within one batch (one recvmmsg's), a receive the compiled path closes is recorded
+    by the core - and with it the oldest closed receive forgotten (``closed_memory``) -
+    before the next datagram is taken: a PROBE for the forgotten one then finds nothing,
+    as on the Python path, instead of its STOP said again."""
+    cfg = TransportConfig(chunk_bytes=64, closed_memory=1, receive_deadline=5.0)
+    first, second = _message(640, 64, 1, message_id=7), _message(640, 64, 2, message_id=8)
+    late = _final_probe(10, 640, 64, seq=20, message_id=7)
+    said, counted = [], []
+    for use_native in (False, True):
+        mux = TransferMux(SESSION, cfg)
+        path = native.NativeDataPath(mux) if use_native else None
+        for message_id in (7, 8):
+            mux.start_receive(PEER, 3, message_id, 0.0, policy=ReliablePolicy(), nbytes=640)
+        for d in first[:-1]:  # (message 7 closes, and is remembered)
+            mux.datagram_received(d, PEER, 0.001) if path is None else path.take(d, PEER, 0.001)
+        mux.poll(0.001)
+        batch = [*second[:-1], late]  # (message 8 closes: 7 is forgotten; then its PROBE)
+        if path is None:
+            for d in batch:
+                mux.datagram_received(d, PEER, 0.002)
+        else:
+            path.take_batch(batch, PEER, 0.002)
+        said.append([b"".join(parts) for parts, _ in mux.poll(0.002)])
+        counted.append(mux.counters())
+    assert said[0] == said[1] and counted[0] == counted[1]
+    assert [d[wire.OFFSET["message"]] for d in said[1]] == [8]  # (8's STOP; none for 7)
+    assert counted[1]["unknown_message"] == 1
+
+
 def test_only_routine_receives_close_in_the_compiled_path() -> None:
     """Closing decides something - the credit passed on, a policy that learns told the
     outcome - or nothing remembers the closed receive: the core closes it, as before."""

@@ -25,12 +25,17 @@
  *     still remembers has its late DATA and PROBEs counted stale and its STOP said again
  *     (to a PROBE at once, to DATA at most once per min_rto); a finished send (the
  *     latest CLOSED_SENDS) has its late ACKs, STOPs and BITMAPs counted stale.
+ *   - closes a receive the core lets close here (Receive.close_here: its close decides
+ *     nothing) when a DATA it takes meets the plan: its STOP said, the receive kept as
+ *     a closed one, and listed for the core (Dispatcher.closed), which records its
+ *     result before the next datagram.
  * A datagram it cannot take without a decision - the first one of a receive whose plan
  * starts a clock on it or, under credit, whose sender starts to share the budget, a
- * DATA or PROBE that would meet the receive's plan, the first FINAL PROBE, an ACK the
- * send says needs the core, a BITMAP or STOP for an open send, one for an unknown
- * message - is handed back to Python untouched, in order, and
- * Python's core handles it as always. The counters a receive shares with Python live in
+ * PROBE that would meet the receive's plan, the first FINAL PROBE, an ACK the send says
+ * needs the core, a BITMAP for an open send, one for an unknown message - is handed back
+ * to Python untouched, in order, and Python's core handles it as always; a DATA that
+ * meets the plan of a receive the core closes, or a STOP for an open send, it takes and
+ * hands the core the decision of (an event) before the next datagram. The counters a receive shares with Python live in
  * a Receive object that both read; what a send's ACKs move, in a Send.
  */
 #include "native.h"
@@ -228,9 +233,9 @@ static PyObject *dispatcher_unregister(DispatcherObject *d, PyObject *arg) {
 
 /* What take() did with a datagram. EVENT: taken, and the Python core must decide
  * something about it before the next datagram - a receive whose plan this DATA met
- * closes, a send that a STOP ends - with what the data path parsed already (d->event_*):
- * the same decisions as for the datagram handed back, without the core parsing and
- * routing it again. */
+ * closes (one the core closes), a send that a STOP ends - with what the data path parsed
+ * already (d->event_*): the same decisions as for the datagram handed back, without the
+ * core parsing and routing it again. */
 enum { TAKEN = 0, HANDED_BACK = 1, EVENT = 2, FAILED = -1 };
 /* (and CLOSED_HERE: taken, and the receive it met the plan of closed here - listed in
  * d->closed for the core, which makes its result before it handles anything else) */
@@ -484,8 +489,6 @@ static int verify(DispatcherObject *d, const unsigned char *p, size_t n, uint32_
     return VERIFIED;
 }
 
-/* A DATA for the open receive ``rx``, taken, that carries its send's first PROBE (a
- * FINAL one: the receive's state changes, so the Python core answers it): an EVENT. */
 /* The DATA just taken met the plan of ``rx``, which the core lets close here: closed as
  * MessageReceiver._close closes it - its reason, its STOP (its ACK's header with the
  * STOP's kind, reason and count) appended to ``out`` (sealed here when authenticating,
@@ -513,7 +516,6 @@ static int close_here(DispatcherObject *d, ReceiveObject *rx, PyObject *out) {
         }
         slen += TRAILER_BYTES;
     }
-    if (d->closed == NULL && (d->closed = PyList_New(0)) == NULL) return FAILED;
     Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
     int ok = 0;
     PyObject *said = NULL, *item = NULL, *entry = NULL;
@@ -524,9 +526,16 @@ static int close_here(DispatcherObject *d, ReceiveObject *rx, PyObject *out) {
     item = d->sealer.on ? Py_BuildValue("((O)OO)", said, rx->peer, Py_True)
                         : Py_BuildValue("((O)O)", said, rx->peer);
     entry = Py_BuildValue("(OIIiO)", rx->peer, rx->round_id, rx->message_id, reason, bare);
-    if (item == NULL || entry == NULL || PyList_Append(out, item) < 0
-        || PyList_Append(d->closed, entry) < 0)
+    if (item == NULL || entry == NULL) goto done;
+    /* (listed, then said: both or neither - the list fetched last, as a finalizer run by
+     * the allocations above may have taken it) */
+    if (d->closed == NULL && (d->closed = PyList_New(0)) == NULL) goto done;
+    if (PyList_Append(d->closed, entry) < 0) goto done;
+    if (PyList_Append(out, item) < 0) {
+        Py_ssize_t n = PyList_GET_SIZE(d->closed);
+        PyList_SetSlice(d->closed, n - 1, n, NULL);
         goto done;
+    }
     release_buffers_of(rx);
     Py_XSETREF(rx->stop, Py_NewRef(bare));
     rx->last_sent = d->now;
@@ -541,6 +550,8 @@ done:
     return ok ? CLOSED_HERE : FAILED;
 }
 
+/* A DATA for the open receive ``rx``, taken, that carries its send's first PROBE (a
+ * FINAL one: the receive's state changes, so the Python core answers it): an EVENT. */
 static inline int carried_probe(DispatcherObject *d, ReceiveObject *rx) {
     d->event_kind = KIND_PROBE;
     d->event_rx = rx;
@@ -614,8 +625,8 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
     unsigned char *delivered = (unsigned char *)rx->delivered.buf;
     int fresh = !delivered[h.index], met = 0;
     if (fresh) {
-        /* would this chunk meet the plan? then Python's core closes the receive: taken
-         * here as any other, and an EVENT after it */
+        /* would this chunk meet the plan? then the receive closes: taken here as any
+         * other, then closed here (close_here) or an EVENT for the core to close it */
         long long now_delivered = rx->delivered_count + 1;
         long long crit = rx->critical_missing
             - (rx->has_critical && ((const unsigned char *)rx->critical.buf)[h.index] ? 1 : 0);
@@ -1180,10 +1191,10 @@ static PyObject *dispatcher_send_datagrams(DispatcherObject *d, PyObject *args) 
 }
 #endif
 
-/* step(out, now) -> None | (datagram, ip, port) | event: takes the batch's datagrams until
- * one is Python's; returns that one (a copy, or the event it calls for) or None when the
- * batch is done. (The receives it closed here meanwhile wait in closed(): the core takes
- * them before whatever step returns.) */
+/* step(out, now) -> None | (datagram, ip, port) | event | True: takes the batch's
+ * datagrams until one is Python's; returns that one (a copy, or the event it calls for),
+ * True when the one it took closed a receive here (see closed()), or None when the batch
+ * is done. */
 static PyObject *dispatcher_step(DispatcherObject *d, PyObject *args) {
     PyObject *out;
     if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &out, &d->now)) return NULL;
@@ -1216,6 +1227,7 @@ static PyObject *dispatcher_step(DispatcherObject *d, PyObject *args) {
         int r = take(d, p, &len_in, d->ips[s], d->ports[s], out, verdict);
         if (r == FAILED) return NULL;
         if (r == EVENT) return event_tuple(d);
+        if (r == CLOSED_HERE) Py_RETURN_TRUE;  /* (the core records it before the next) */
         if (r == HANDED_BACK)  /* (verified and without its tag, when authenticating) */
             return Py_BuildValue("(y#II)", (const char *)p, (Py_ssize_t)len_in, d->ips[s],
                                  (unsigned int)d->ports[s]);
@@ -1331,16 +1343,6 @@ static PyObject *dispatcher_closed(DispatcherObject *d, PyObject *unused) {
     return closed != NULL ? closed : PyList_New(0);
 }
 
-static PyObject *dispatcher_closing(DispatcherObject *d, void *unused) {
-    return PyBool_FromLong(d->closed != NULL && PyList_GET_SIZE(d->closed) > 0);
-}
-
-static PyGetSetDef dispatcher_getset[] = {
-    {"closing", (getter)dispatcher_closing, NULL,
-     "Whether receives closed here wait for the core (closed()).", NULL},
-    {NULL},
-};
-
 static PyObject *dispatcher_counters(DispatcherObject *d, PyObject *unused) {
     PyObject *c = PyDict_New();
     if (c == NULL) return NULL;
@@ -1416,5 +1418,4 @@ PyTypeObject DispatcherType = {
     .tp_dealloc = (destructor)dispatcher_dealloc,
     .tp_methods = dispatcher_methods,
     .tp_members = dispatcher_members,
-    .tp_getset = dispatcher_getset,
 };

@@ -232,16 +232,14 @@ class NativeDataPath:
                      else mux.datagram_received)
         handed = dispatcher.step(outbox, now)
         while handed is not None:
-            if dispatcher.closing:  # (the receives it closed meanwhile, first)
+            if handed is True:  # (taken, and it closed a receive: the core records it)
                 mux.closed_by_data_path(dispatcher.closed(), now)
-            if type(handed[0]) is int:  # (taken, with a decision for the core)
+            elif type(handed[0]) is int:  # (taken, with a decision for the core)
                 self._event(handed, now)
             else:
                 data, ip, port = handed
                 hand_back(data, self._peer(ip, port), now)
             handed = dispatcher.step(outbox, now)
-        if dispatcher.closing:
-            mux.closed_by_data_path(dispatcher.closed(), now)
 
     def _peer(self, ip: int, port: int) -> tuple[str, int]:
         peer = self._peers.get((ip, port))

@@ -71,7 +71,8 @@ class DataPath(Protocol):
     sends, off the core's hands (``boundedloss.net.native``). The mux tells it which
     receives and sends are open; it tells the mux when a DATA it took met a receive's
     plan (``receive_met``) or carried its sender's first PROBE (``probe_carried``), and
-    what a STOP for an open send said (``stop_arrived``)."""
+    what a STOP for an open send said (``stop_arrived``) - or, for a receive whose close
+    is routine, that it closed the receive itself (``closed_by_data_path``)."""
 
     def new_counts(self, peer) -> object | None:
         """A fresh counters object for a receive from ``peer`` to keep its counts in
@@ -178,7 +179,7 @@ class TransferMux:
         self.drops: Counter[DropReason] = Counter()
         self.datagrams_in = 0
         #: datagrams a data path took and handed the core the decision of (receive_met,
-        #: stop_arrived)
+        #: stop_arrived) or the result to record of (closed_by_data_path)
         self.decisions_in = 0
         #: sends finished, and of them those whose first PROBE their last DATA carried
         self.sends_finished = 0
