@@ -27,7 +27,7 @@ cannot be told apart from its sendmsg here, so it counts as the kernel's),
 ``per_message_us`` (Python CPU per message posted, as a receive or a send) and
 ``per_control_datagram_us`` (the Python core's CPU per datagram the compiled path handed
 it, or took and handed the core a decision about: the DATA that meets a receive's plan, a
-STOP).
+STOP - or took and closed the receive of, the core recording its result).
 
 (root, or a user namespace of its own, as ``boundedloss testbed``.)
 """
@@ -55,6 +55,8 @@ IO_STEPS = {
     "    core: handed back (plain)": ("boundedloss.protocol.mux", "TransferMux",
                                       "datagram_received"),
     "    core: a taken one's decision": ("boundedloss.net.native", "NativeDataPath", "_event"),
+    "    core: closed in C, recorded": ("boundedloss.protocol.mux", "TransferMux",
+                                       "closed_by_data_path"),
     "send runs (tags, sendmsg)": ("boundedloss.net.udp", "UdpEndpoint", "_send_run"),
     "sendmsg (control datagrams)": None,
     "sendmmsg (control datagrams)": ("boundedloss.net.native", "NativeDataPath",
@@ -263,6 +265,8 @@ def main() -> None:
     n = sum(rk["calls"].get("    core: a taken one's decision", 0.0)
             for rk in per_rank) / n_ranks
     print(f"  {'taken, decision handed':26s} {n:7.1f}   (the DATA that meets a plan, a STOP)")
+    n = sum(rk["calls"].get("    core: closed in C, recorded", 0.0) for rk in per_rank) / n_ranks
+    print(f"  {'taken, closed in C':26s} {n:7.1f}   (a routine receive's closing DATA)")
     split = where_it_goes(per_rank)
     print("per rank and round: " + ", ".join(
         f"{k} {v:.2f}" for k, v in split.items()))
@@ -293,10 +297,12 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
     io_all = mean("ms", "I/O thread, all")
     recv, take = mean("ms", "  recvmmsg"), mean("ms", "  take (tags, copies)")
     # (a datagram the compiled path took but whose decision is the core's - the DATA that
-    # meets a plan, a STOP - counts as one the core handled: its CPU, and one datagram)
+    # meets a plan, a STOP - or whose receive it closed, the core recording the result,
+    # counts as one the core handled: its CPU, and one datagram)
     core_back = (mean("ms", "    core: handed back")
                  + mean("ms", "    core: handed back (plain)")
-                 + mean("ms", "    core: a taken one's decision"))
+                 + mean("ms", "    core: a taken one's decision")
+                 + mean("ms", "    core: closed in C, recorded"))
     sends = mean("ms", "send runs (tags, sendmsg)")
     syscalls = (recv + mean("ms", "sendmsg (control datagrams)")
                 + mean("ms", "sendmmsg (control datagrams)") + mean("ms", "select"))
@@ -306,7 +312,8 @@ def where_it_goes(per_rank: list[dict]) -> dict[str, float]:
     python = (io_all - compiled - kernel) + main_all
     messages = sum(mean("calls", step + ", messages") for step in POSTS)
     handed = (sum(mean("calls", "kind " + k) for k in KINDS.values())
-              + mean("calls", "    core: a taken one's decision"))
+              + mean("calls", "    core: a taken one's decision")
+              + mean("calls", "    core: closed in C, recorded"))
     return {
         "python_ms": python, "compiled_ms": compiled, "kernel_ms": kernel,
         "per_message_us": 1e3 * python / messages if messages else float("nan"),
