@@ -1640,7 +1640,7 @@ def test_the_active_sends_are_polled_in_turn_as_a_walk_of_every_open_send_would(
 
 def test_results_hold_every_field_as_their_classes_would_make_them() -> None:
     """The results every message ends in are built without their classes' __init__
-    (``types.make_frozen``): each holds every field, and equals, hashes and prints as the
+    (``types.make_frozen``): each holds every field, and equals and prints as the
     instance its class makes of the same values - and stays frozen."""
     import dataclasses
 
@@ -1650,13 +1650,10 @@ def test_results_hold_every_field_as_their_classes_would_make_them() -> None:
     tx = a.start_send("b", ROUND, MSG, src, net.now)
     net.run_until_done([rx, tx])
     for result in (rx.result, tx.result):
-        for obj in (result, result.stats):
-            cls = type(obj)
-            values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)}
-            again = cls(**values)
-            assert vars(obj).keys() == vars(again).keys() and repr(obj) == repr(again)
-            with pytest.raises(dataclasses.FrozenInstanceError):
-                obj.chunks = 0  # type: ignore[misc]
-        assert result.stats == type(result.stats)(**vars(result.stats))
-        assert hash(result.stats) == hash(type(result.stats)(**vars(result.stats)))
+        cls = type(result)
+        values = {f.name: getattr(result, f.name) for f in dataclasses.fields(cls)}
+        again = cls(**values)
+        assert vars(result).keys() == vars(again).keys() and repr(result) == repr(again)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            result.peer = None  # type: ignore[misc]
     assert tx.result == type(tx.result)(**vars(tx.result))

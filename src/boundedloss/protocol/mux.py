@@ -663,6 +663,11 @@ class TransferMux:
                 if self.data_path:
                     self.data_path.forget_closed(forgotten)
 
+    @property
+    def has_finished(self) -> bool:
+        """Whether results wait to be popped (``pop_finished``)."""
+        return bool(self._finished)
+
     def pop_finished(self) -> list[SendResult | ReceiveResult]:
         """The results of the sends and receives that finished since the last call (each
         carries the ``transfer_id`` of the MessageSender / MessageReceiver it ends)."""

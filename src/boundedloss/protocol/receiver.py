@@ -644,8 +644,7 @@ class MessageReceiver:
         count = self.count
         delivered = self.delivered_mask()
         n = self.counts
-        stats = make_frozen(
-            TransferStats,
+        stats = TransferStats(
             datagrams=n.datagrams,
             payload_bytes=n.payload_bytes,
             chunks=count,
@@ -654,7 +653,6 @@ class MessageReceiver:
             retransmitted=n.duplicates,
             probes=n.probes,
             elapsed=now - self.opened,
-            rtt=None,
             started=self.opened,
             first_pass_delivered=(n.delivered_count if self.first_pass_delivered is None
                                   else self.first_pass_delivered),

@@ -683,8 +683,7 @@ class MessageSender:
             message_id=self.message_id,
             status=status,
             close_reason=reason,
-            stats=make_frozen(
-                TransferStats,
+            stats=TransferStats(
                 datagrams=counts.datagrams,
                 payload_bytes=counts.payload_bytes,
                 chunks=self.count,
@@ -695,7 +694,6 @@ class MessageSender:
                 elapsed=now - self.started,
                 rtt=recovery.srtt,
                 started=self.started,
-                first_pass_delivered=None,
             ),
             transfer_id=self.transfer_id,
         )
