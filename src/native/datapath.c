@@ -489,6 +489,20 @@ static int verify(DispatcherObject *d, const unsigned char *p, size_t n, uint32_
     return VERIFIED;
 }
 
+/* A control datagram to ``rx``'s peer in ``c`` (its header and 4-byte payload; room for
+ * a trailer after them), sealed when authenticating: its length, or -1 (OpenSSL failed,
+ * the error set). */
+static Py_ssize_t seal_control(DispatcherObject *d, const ReceiveObject *rx, unsigned char *c) {
+    if (!d->sealer.on) return HEADER_BYTES + 4;
+    unsigned char dst[IDENT_BYTES];
+    put_ident(dst, rx->ip, rx->port);
+    if (sealer_seal(&d->sealer, dst, c, HEADER_BYTES + 4, NULL, 0, c + HEADER_BYTES + 4) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
+        return -1;
+    }
+    return HEADER_BYTES + 4 + TRAILER_BYTES;
+}
+
 /* The DATA just taken met the plan of ``rx``, which the core lets close here: closed as
  * MessageReceiver._close closes it - its reason, its STOP (its ACK's header with the
  * STOP's kind, reason and count) appended to ``out`` (sealed here when authenticating,
@@ -505,17 +519,8 @@ static int close_here(DispatcherObject *d, ReceiveObject *rx, PyObject *out) {
     st32(stop + OFF_INDEX, (uint32_t)reason);
     st32(stop + OFF_TSEQ, 0);
     st32(stop + HEADER_BYTES, (uint32_t)rx->delivered_count);
-    Py_ssize_t slen = HEADER_BYTES + 4;
-    if (d->sealer.on) {
-        unsigned char dst[IDENT_BYTES];
-        put_ident(dst, rx->ip, rx->port);
-        if (sealer_seal(&d->sealer, dst, stop, HEADER_BYTES + 4, NULL, 0,
-                        stop + HEADER_BYTES + 4) < 0) {
-            PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
-            return FAILED;
-        }
-        slen += TRAILER_BYTES;
-    }
+    Py_ssize_t slen = seal_control(d, rx, stop);
+    if (slen < 0) return FAILED;
     Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
     int ok = 0;
     PyObject *said = NULL, *item = NULL, *entry = NULL;
@@ -655,17 +660,9 @@ static int take(DispatcherObject *d, const unsigned char *p, size_t *np, uint32_
             st32(a + OFF_INDEX, (uint32_t)rx->granted);
         }
         st32(a + HEADER_BYTES, (uint32_t)rx->delivered_count);
-        Py_ssize_t alen = HEADER_BYTES + 4;
-        if (d->sealer.on) {  /* sealed here: the mux hands the data path's datagrams out as is */
-            unsigned char dst[IDENT_BYTES];
-            put_ident(dst, rx->ip, rx->port);
-            if (sealer_seal(&d->sealer, dst, a, HEADER_BYTES + 4, NULL, 0,
-                            a + HEADER_BYTES + 4) < 0) {
-                PyErr_SetString(PyExc_RuntimeError, "boundedloss._native: OpenSSL's AES-GCM failed");
-                return FAILED;
-            }
-            alen += TRAILER_BYTES;
-        }
+        /* (sealed here: the mux hands the data path's datagrams out as is) */
+        Py_ssize_t alen = seal_control(d, rx, a);
+        if (alen < 0) return FAILED;
         Py_INCREF(rx);  /* (allocating may run finalizers: keep rx alive meanwhile) */
         PyObject *ack = PyBytes_FromStringAndSize((const char *)a, alen);
         /* (sealed: marked so, as TransferMux.outbox says, for the mux not to seal it) */
