@@ -35,8 +35,9 @@
  * needs the core, a BITMAP for an open send, one for an unknown message - is handed back
  * to Python untouched, in order, and Python's core handles it as always; a DATA that
  * meets the plan of a receive the core closes, or a STOP for an open send, it takes and
- * hands the core the decision of (an event) before the next datagram. The counters a receive shares with Python live in
- * a Receive object that both read; what a send's ACKs move, in a Send.
+ * hands the core the decision of (an event) before the next datagram. The counters a
+ * receive shares with Python live in a Receive object that both read; what a send's ACKs
+ * move, in a Send.
  */
 #include "native.h"
 #include "seal.h"
