@@ -150,6 +150,11 @@ class CloseReason(enum.IntEnum):
     CANCELLED = 5  # the application cancelled it
 
 
+#: a STOP's reason by its value on the wire (a plain lookup: CloseReason(value) goes
+#: through enum's Python code)
+CLOSE_REASONS: dict[int, CloseReason] = {r.value: r for r in CloseReason}
+
+
 class DropReason(enum.Enum):
     """Why an incoming datagram was counted and dropped."""
 

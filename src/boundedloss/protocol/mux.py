@@ -23,13 +23,13 @@ from .. import wire
 from ..policy.base import Policy
 from ..wire import (
     CARRIED_PROBE_SEQ,
+    CLOSE_REASONS,
     FLAGS_SLICE,
     HEADER_BYTES,
     INDEX_WORD,
     PASS_INVARIANT_MASK,
     STOP_PAYLOAD,
     TSEQ_WORD,
-    CloseReason,
     DropReason,
     Flag,
     Kind,
@@ -62,8 +62,6 @@ RUN_MIN = 16
 FLAGS_AT = FLAGS_SLICE.start
 #: as a plain int: ``int & IntFlag`` goes through enum's Python code (0.5 us a DATA)
 _PROBE_CARRIED = int(Flag.PROBE_CARRIED)
-#: a STOP's reason by its value on the wire
-_CLOSE_REASONS = {r.value: r for r in CloseReason}
 
 
 class DataPath(Protocol):
@@ -396,7 +394,7 @@ class TransferMux:
         for peer, round_id, message_id, reason, stop in closed:
             rx = self._decision_for((peer, round_id, message_id))
             if rx is not None:
-                rx.closed_by_data_path(_CLOSE_REASONS[reason], stop, now)
+                rx.closed_by_data_path(CLOSE_REASONS[reason], stop, now)
                 self._decided(rx, now)
 
     def _decision_for(self, key: tuple) -> MessageReceiver | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import wire
-from ..wire import BITMAP_PREFIX, HEADER_BYTES, Flag, Kind
+from ..wire import BITMAP_PREFIX, CLOSE_REASONS, HEADER_BYTES, Flag, Kind
 from .acks import AckState
 from .congestion import AckSamples
 from .loss_prior import LossPrior
@@ -78,10 +78,6 @@ _TRANSITIONS: dict[tuple[SendState, SendEvent], SendState] = {
 
 _NOTHING_QUEUED = np.empty(0, dtype=np.int64)
 _NOTHING_QUEUED.flags.writeable = False
-
-
-#: a STOP's reason by its value on the wire
-_CLOSE_REASONS: dict[int, CloseReason] = {r.value: r for r in CloseReason}
 
 
 @functools.lru_cache(maxsize=16)
@@ -590,7 +586,7 @@ class MessageSender:
         if self._samples is not None:  # (ACKs the compiled path took since)
             self._samples.read(self.acks)
         self.acks.reported_delivered = delivered
-        close_reason = _CLOSE_REASONS.get(reason)  # (None: a reason we do not know)
+        close_reason = CLOSE_REASONS.get(reason)  # (None: a reason we do not know)
         if (self._state is SendState.AWAITING_REPLY and not self._queue.first_pass
                 and self.recovery.unanswered == 0
                 and close_reason in (CloseReason.BOUND_MET, CloseReason.COMPLETE)):
