@@ -364,10 +364,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         before = measure_costs(a, Path(tmp, "cpu1.json"))
-        gloo_rounds = measure_gloo_rounds(a, Path(tmp, "gloo1.json")) if a.fit_tcp else []
-        tcp_before = (None if a.fit_tcp  # (fitted below, once gloo's rounds are in twice)
-                      else measure_tcp_costs(a, Path(tmp, "tcp1.json")) if fitted_tcp is None
-                      else {"costs": fitted_tcp, "from": str(a.tcp_costs)})
+        if a.fit_tcp:  # (fitted once gloo's rounds are in before and after)
+            gloo_rounds = measure_gloo_rounds(a, Path(tmp, "gloo1.json"))
+        elif fitted_tcp is None:
+            tcp_before = measure_tcp_costs(a, Path(tmp, "tcp1.json"))
+        else:
+            tcp_before = tcp_after = {"costs": fitted_tcp, "from": str(a.tcp_costs)}
         subprocess.run([sys.executable, "-m", "boundedloss.cli", "bench", "kernel-loss",
                         "--ranks", "4", "--systems", a.systems, "--topology", "ps,allreduce",
                         "--losses", a.losses, "--rounds", str(a.rounds), "--mtu", str(a.mtu),
@@ -381,11 +383,10 @@ def main() -> None:
             from tcp_fit import fit_tcp  # (this script's folder: tools/)
 
             fit = fit_tcp(gloo_rounds)  # (as --tcp-costs reads tcp_fit's JSON)
-            tcp_before = {"costs": fit["tcp_costs"], "from": "fitted in the run",
-                          "fit": fit, "round_perf": gloo_rounds}
-        tcp_after = (measure_tcp_costs(a, Path(tmp, "tcp2.json"))
-                     if fitted_tcp is None and not a.fit_tcp else tcp_before)
-        assert tcp_before is not None
+            tcp_before = tcp_after = {"costs": fit["tcp_costs"], "from": "fitted in the run",
+                                      "fit": fit, "round_perf": gloo_rounds}
+        elif fitted_tcp is None:
+            tcp_after = measure_tcp_costs(a, Path(tmp, "tcp2.json"))
     measured = [costs_from_round_cpu(*f) for f in (before, after)]
     tcp_measured = [CpuCosts(**f["costs"]) for f in (tcp_before, tcp_after)]
     costs, tcp_costs = mean_costs(measured, "costs"), mean_costs(tcp_measured, "TCP's costs")
